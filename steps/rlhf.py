@@ -1,0 +1,412 @@
+"""PPO / reward-model / SFT math as small pure functions (tensors in, tensors out).
+
+Masking convention (shared by every function below):
+
+A rollout is ``sequences [B, P+N]``: a left-padded prompt (P columns) followed by the
+generated answer (N columns). Everything here works on ANSWER-ALIGNED tensors of shape
+``[B, N]``: column ``j`` is the j-th generated token. ``action_mask [B, N]`` (float, 1.0/0.0)
+is 1 for answer tokens up to and including the first EOS and 0 after it (right padding), so the
+ones of a row form a contiguous prefix. An answer may end early at EOS, may be cut at N without
+EOS (all N columns are actions), or be "empty" (EOS first: exactly one action, the EOS). A row
+whose mask is all zero contributes nothing and never produces NaN. Values at masked positions
+may be garbage (even inf/NaN in the inputs of the losses): they are selected away with
+``torch.where`` rather than multiplied by 0. Prompt left padding never reaches this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "AdvantagesOut",
+    "PolicyLossOut",
+    "RewardLossOut",
+    "RewardsOut",
+    "ValueLossOut",
+    "answer_mask",
+    "ema_update",
+    "gae",
+    "kl_penalized_rewards",
+    "logprobs_of_tokens",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "pairwise_reward_loss",
+    "policy_loss",
+    "sft_loss",
+    "value_loss",
+    "whiten",
+]
+
+
+class RewardsOut(NamedTuple):
+    rewards: Tensor  # [B, N] per-token reward (KL penalty + clipped score at the last action)
+    kl: Tensor  # [B, N] per-token KL estimate (logprobs - ref_logprobs), 0 outside the mask
+
+
+class AdvantagesOut(NamedTuple):
+    advantages: Tensor  # [B, N], 0 outside the mask
+    returns: Tensor  # [B, N] advantages + values, 0 outside the mask
+
+
+class PolicyLossOut(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    clip_fraction: Tensor  # scalar, detached: share of actions where the clipped term is used
+    approx_kl: Tensor  # scalar, detached: masked mean of (r - 1) - log r
+    ratio_mean: Tensor  # scalar, detached: masked mean of r = exp(new - old)
+
+
+class ValueLossOut(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    clip_fraction: Tensor  # scalar, detached: share of actions where the clipped term is used
+
+
+class RewardLossOut(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    accuracy: Tensor  # scalar, detached: share of pairs with chosen > rejected (ties count wrong)
+    chosen_mean: Tensor  # scalar, detached
+    rejected_mean: Tensor  # scalar, detached
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and log-probabilities
+# ---------------------------------------------------------------------------------------------
+
+
+def answer_mask(answer_ids: Tensor, eos_token_id: int | Sequence[int] | None) -> Tensor:
+    """Action mask of generated answers.
+
+    Args:
+        answer_ids: LongTensor [B, N], the generated tokens (prompt already removed).
+        eos_token_id: an id, or a list/tuple of ids (any of them ends the answer). ``None`` means
+            no EOS (every token is an action).
+
+    Returns:
+        FloatTensor [B, N] (float32): 1.0 up to and including the first EOS of each row, 0.0 after.
+    """
+    if eos_token_id is None:
+        return torch.ones(answer_ids.shape, dtype=torch.float32, device=answer_ids.device)
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos = torch.tensor(ids, dtype=answer_ids.dtype, device=answer_ids.device)
+    is_eos = torch.isin(answer_ids, eos).to(torch.int32)
+    eos_strictly_before = torch.cumsum(is_eos, dim=-1) - is_eos  # [B, N]
+    return (eos_strictly_before == 0).to(torch.float32)
+
+
+def logprobs_of_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
+    """Log-probability of ``tokens`` under ``logits`` (no shifting is done here).
+
+    Args:
+        logits: [B, T, V], any float dtype (bf16 is upcast inside the softmax kernel).
+        tokens: LongTensor [B, T]; ``logits[:, t]`` is the distribution of ``tokens[:, t]``.
+
+    Returns:
+        float32 [B, T]: ``log_softmax(logits)[b, t, tokens[b, t]]``.
+    """
+    # One extra [B, T, V] float32 tensor (the log-softmax); on CUDA a bf16 input is read
+    # directly by the kernel (half_to_float), without a separate float copy of the logits.
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    return torch.gather(logp, dim=-1, index=tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def _select(x: Tensor, mask: Tensor) -> Tensor:
+    """``x * mask`` where mask != 0, exactly 0 elsewhere (also when x is inf/NaN there)."""
+    return torch.where(mask != 0, x * mask, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of ``x`` over the masked entries.
+
+    Args:
+        x: [...] values. mask: same shape as ``x`` (or broadcastable), 1.0 = keep, 0.0 = drop.
+        dim: reduce over this dim; ``None`` reduces everything.
+
+    Returns:
+        scalar if ``dim is None`` else ``x`` reduced over ``dim``.
+    """
+    y = _select(x, mask)
+    return y.sum() if dim is None else y.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over the masked entries; 0 (not NaN) where the mask is empty.
+
+    Args:
+        x: [...] values. mask: same shape as ``x`` (or broadcastable), 1.0 = keep, 0.0 = drop.
+        dim: reduce over this dim; ``None`` reduces everything.
+
+    Returns:
+        scalar if ``dim is None`` else ``x`` reduced over ``dim``.
+    """
+    total = masked_sum(x, mask, dim)
+    mask = mask.to(total.dtype).expand_as(x)
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return total / torch.where(count > 0, count, torch.ones_like(count))
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of ``x`` over all masked entries.
+
+    Args:
+        x: [...] values. mask: same shape as ``x``.
+        unbiased: apply Bessel's correction n / (n - 1) (skipped when n <= 1).
+
+    Returns:
+        scalar; 0 when the mask is empty or holds a single entry.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.to(var.dtype).expand_as(x).sum()
+        var = var * torch.where(n > 1, n / (n - 1).clamp(min=1), torch.ones_like(n))
+    return var
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise ``x`` by its masked mean and (unbiased) masked variance.
+
+    Args:
+        x: [...] values (e.g. advantages [B, N]). mask: same shape as ``x``.
+        shift_mean: if False the masked mean is added back (only the scale is normalised).
+        eps: added to the variance before the square root.
+
+    Returns:
+        same shape as ``x``: ``(x - mean) / sqrt(var + eps)`` on masked entries, 0 elsewhere.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return _select(out, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards and advantages (constants for the optimiser: computed under no_grad)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def kl_penalized_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    score_clip: float,
+) -> RewardsOut:
+    """Per-token PPO reward (InstructGPT / DeepSpeed-Chat): KL penalty + clipped final score.
+
+    Args:
+        scores: [B] reward-model score of each full sequence.
+        logprobs: [B, N] log-probs of the actions under the policy that sampled them.
+        ref_logprobs: [B, N] log-probs of the same actions under the frozen reference model.
+        mask: [B, N] action mask.
+        kl_coef: weight of the KL penalty.
+        score_clip: scores are clamped to [-score_clip, score_clip].
+
+    Returns:
+        RewardsOut(rewards [B, N], kl [B, N]) with ``kl = (logprobs - ref_logprobs)`` on actions
+        and ``rewards = -kl_coef * kl``, plus the clipped score at the last action of each row.
+        Both are 0 outside the mask; a row without actions gets no score. Detached.
+    """
+    kl = _select(logprobs.float() - ref_logprobs.float(), mask)
+    rewards = -kl_coef * kl
+    n = mask.shape[-1]
+    has_action = (mask != 0).any(dim=-1)  # [B]
+    positions = torch.arange(n, device=mask.device).expand_as(mask)
+    last = torch.where(mask != 0, positions, torch.zeros_like(positions)).amax(dim=-1)  # [B]
+    score = scores.float().clamp(-score_clip, score_clip)
+    score = torch.where(has_action, score, torch.zeros_like(score))
+    rewards = rewards.scatter_add(-1, last.unsqueeze(-1), score.unsqueeze(-1))
+    return RewardsOut(rewards=rewards, kl=kl)
+
+
+@torch.no_grad()
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> AdvantagesOut:
+    """Generalized advantage estimation over the action positions of each row.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` after the last action equal to 0 (the
+    episode ends; values beyond the end are never read), and ``A_t = sum_{k>=t} (gamma*lam)^(k-t)
+    delta_k``. The discounted sum is computed without a loop as one matmul of the deltas with
+    the [N, N] upper-triangular matrix ``(gamma*lam)^(k-t)``, in float64 (exact to float32
+    rounding, and unaffected by TF32 matmul settings). Works for gamma=1, lam=1 and lam=0.
+    The ones of each mask row must be contiguous (as ``answer_mask`` produces).
+
+    Args:
+        rewards: [B, N] per-token rewards (e.g. ``kl_penalized_rewards(...).rewards``).
+        values: [B, N] value estimates V_t of the state before action t.
+        mask: [B, N] action mask.
+        gamma: discount factor. lam: GAE lambda.
+
+    Returns:
+        AdvantagesOut(advantages [B, N], returns [B, N]) in the dtype of ``values``,
+        ``returns = advantages + values``; both 0 outside the mask. Detached.
+    """
+    out_dtype = values.dtype if values.is_floating_point() else torch.float32
+    keep = mask != 0
+    zero = torch.zeros((), dtype=torch.float64, device=values.device)
+    r = torch.where(keep, rewards.double(), zero)
+    v = torch.where(keep, values.double(), zero)
+    next_v = F.pad(v[:, 1:], (0, 1))  # V_{t+1}; 0 past the last action since v is masked
+    delta = torch.where(keep, r + gamma * next_v - v, zero)  # [B, N]
+
+    n = delta.shape[-1]
+    idx = torch.arange(n, device=delta.device)
+    power = idx.unsqueeze(1) - idx.unsqueeze(0)  # [k, t] -> k - t
+    discount = torch.where(
+        power >= 0,
+        torch.pow(float(gamma * lam), power.clamp(min=0).to(torch.float64)),
+        zero,
+    )  # [N, N]: (gamma*lam)^(k-t) for k >= t (0**0 == 1 covers lam = 0)
+    adv = delta @ discount  # A[b, t] = sum_k delta[b, k] * discount[k, t]
+    adv = torch.where(keep, adv, zero)
+    ret = torch.where(keep, adv + v, zero)
+    return AdvantagesOut(advantages=adv.to(out_dtype), returns=ret.to(out_dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_range: float,
+) -> PolicyLossOut:
+    """PPO clipped surrogate objective.
+
+    ``r = exp(logprobs - old_logprobs)``;
+    ``loss = masked_mean(max(-A * r, -A * clip(r, 1 - clip_range, 1 + clip_range)))``.
+
+    Args:
+        logprobs: [B, N] log-probs of the actions under the current policy (with grad).
+        old_logprobs: [B, N] log-probs at rollout time. advantages: [B, N]. mask: [B, N].
+        clip_range: PPO epsilon.
+
+    Returns:
+        PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean), all scalars; the statistics
+        are detached. ``clip_fraction`` = share of actions where the clipped term is the larger
+        one; ``approx_kl`` = masked mean of the "k3" estimator ``(r - 1) - log r`` (>= 0, unbiased
+        for KL(old || new)).
+    """
+    keep = mask != 0
+    old_logprobs = old_logprobs.detach()
+    advantages = advantages.detach()
+    # Zero the log-ratio off the mask before exp, so garbage there can't overflow to inf/NaN.
+    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
+        ratio_mean = masked_mean(ratio, mask)
+    return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_range: float,
+) -> ValueLossOut:
+    """Clipped value loss (OpenAI baselines / DeepSpeed-Chat).
+
+    ``v_clip = clip(values, old_values - clip_range, old_values + clip_range)``;
+    ``loss = 0.5 * masked_mean(max((values - R)^2, (v_clip - R)^2))``.
+
+    Args:
+        values: [B, N] current value predictions (with grad). old_values: [B, N] at rollout time.
+        returns: [B, N] GAE returns. mask: [B, N]. clip_range: value clip epsilon.
+
+    Returns:
+        ValueLossOut(loss, clip_fraction): scalars; ``clip_fraction`` (detached) = share of actions
+        where the clipped term is the larger one.
+    """
+    old_values = old_values.detach()
+    returns = returns.detach()
+    v_clip = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    unclipped = (values - returns) ** 2
+    clipped = (v_clip - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped > unclipped).to(unclipped.dtype), mask)
+    return ValueLossOut(loss, clip_fraction)
+
+
+def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor) -> RewardLossOut:
+    """Bradley-Terry loss of a reward model on (chosen, rejected) pairs.
+
+    Args:
+        chosen_scores: [B] scores of the preferred answers. rejected_scores: [B].
+
+    Returns:
+        RewardLossOut(loss, accuracy, chosen_mean, rejected_mean), scalars:
+        ``loss = mean(-logsigmoid(chosen - rejected))``; ``accuracy = mean(chosen > rejected)``;
+        the statistics are detached.
+    """
+    chosen = chosen_scores.float()
+    rejected = rejected_scores.float()
+    loss = -F.logsigmoid(chosen - rejected).mean()
+    with torch.no_grad():
+        accuracy = (chosen > rejected).float().mean()
+        chosen_mean = chosen.mean()
+        rejected_mean = rejected.mean()
+    return RewardLossOut(loss, accuracy, chosen_mean, rejected_mean)
+
+
+def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Causal-LM cross entropy; ``logits[:, t]`` predicts ``labels[:, t + 1]``.
+
+    Args:
+        logits: [B, T, V] model outputs for ``input_ids`` [B, T] (any float dtype; float32 math).
+        labels: LongTensor [B, T] aligned with ``input_ids``; ``ignore_index`` marks positions
+            that are not trained on (prompt, padding).
+
+    Returns:
+        scalar: mean cross entropy over the non-ignored target tokens of the whole batch
+        (0, not NaN, when every label is ignored).
+    """
+    vocab = logits.shape[-1]
+    targets = labels[:, 1:].reshape(-1)
+    total = F.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(),
+        targets,
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
+    count = (targets != ignore_index).sum().clamp(min=1)
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter EMA (the one in-place helper)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def ema_update(ema_params: Iterable[Tensor], params: Iterable[Tensor], beta: float) -> None:
+    """In place ``ema = beta * ema + (1 - beta) * param`` for each pair of tensors.
+
+    Args:
+        ema_params: tensors updated in place (any shape; each matches its partner in ``params``).
+        params: source tensors, same order and shapes. beta: EMA decay in [0, 1].
+    """
+    for ema, param in zip(ema_params, params, strict=True):
+        ema.lerp_(param.detach().to(device=ema.device, dtype=ema.dtype), 1.0 - beta)

@@ -1,0 +1,414 @@
+"""Hand-computed checks of the PPO / reward-model / SFT math in steps/rlhf.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from steps.rlhf import (
+    answer_mask,
+    ema_update,
+    gae,
+    kl_penalized_rewards,
+    logprobs_of_tokens,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    pairwise_reward_loss,
+    policy_loss,
+    sft_loss,
+    value_loss,
+    whiten,
+)
+
+
+def close(actual, expected, atol=1e-5):
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# answer_mask
+# --------------------------------------------------------------------------------------------
+
+
+def test_answer_mask_early_eos_no_eos_empty_answer():
+    eos = 2
+    ids = torch.tensor(
+        [
+            [5, 2, 7, 2],  # ends at column 1; the second EOS is already padding
+            [5, 6, 7, 8],  # no EOS: cut at N, all 4 are actions
+            [2, 9, 9, 9],  # empty answer: EOS first -> exactly one action
+        ]
+    )
+    mask = answer_mask(ids, eos)
+    assert mask.dtype == torch.float32
+    close(mask, [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+
+
+def test_answer_mask_multiple_eos_ids():
+    ids = torch.tensor([[5, 3, 2, 1], [2, 3, 4, 4], [4, 4, 4, 4]])
+    close(answer_mask(ids, (2, 3)), [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    close(answer_mask(ids, [3]), [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+
+
+# --------------------------------------------------------------------------------------------
+# masked statistics
+# --------------------------------------------------------------------------------------------
+
+
+def test_masked_mean_var_and_whiten():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0])
+    m = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    close(masked_sum(x, m), 10.0)
+    close(masked_mean(x, m), 2.5)  # (1+2+3+4)/4
+    # squared deviations from 2.5: 2.25, 0.25, 0.25, 2.25 -> sum 5
+    close(masked_var(x, m), 5.0 / 3.0)  # unbiased: 5 / (4-1)
+    close(masked_var(x, m, unbiased=False), 1.25)  # 5 / 4
+
+    w = whiten(x, m)
+    # (1 - 2.5) / sqrt(5/3) = -1.5 / 1.2909944 = -1.1618950
+    close(w[0], -1.1618950)
+    close(w[4], 0.0)  # outside the mask stays 0
+    close(masked_mean(w, m), 0.0)
+    close(masked_var(w, m), 1.0, atol=1e-4)
+    # shift_mean=False adds the mean back: -1.1618950 + 2.5
+    close(whiten(x, m, shift_mean=False)[0], 1.3381050)
+
+
+def test_masked_mean_dim_and_empty_masks_give_no_nan():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    m = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    close(masked_mean(x, m, dim=1), [1.0, 0.0])  # second row empty -> 0, not NaN
+
+    empty = torch.zeros(2, 2)
+    garbage = torch.tensor([[float("inf"), float("nan")], [1.0, 2.0]])
+    for value in (
+        masked_mean(x, empty),
+        masked_mean(garbage, empty),
+        masked_var(x, empty),
+        masked_var(x, torch.tensor([[1.0, 0.0], [0.0, 0.0]])),  # n=1: 0, not inf
+        whiten(x, empty),
+    ):
+        assert torch.isfinite(value).all()
+        close(value, torch.zeros_like(value))
+
+
+# --------------------------------------------------------------------------------------------
+# logprobs_of_tokens
+# --------------------------------------------------------------------------------------------
+
+
+def test_logprobs_of_tokens_hand_computed():
+    # logsumexp([0, 1, 2]) = log(1 + e + e^2) = log(11.1073379) = 2.4076060
+    # logsumexp([5, 5, 5]) = 5 + log 3, so every token has log-prob -log 3 = -1.0986123
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [5.0, 5.0, 5.0]]])
+    tokens = torch.tensor([[2, 0, 1]])
+    expected = [[2.0 - 2.4076060, 0.0 - 2.4076060, -1.0986123]]
+    out = logprobs_of_tokens(logits, tokens)
+    assert out.shape == (1, 3) and out.dtype == torch.float32
+    close(out, expected)
+
+    out_bf16 = logprobs_of_tokens(logits.to(torch.bfloat16), tokens)  # 0,1,2,5 exact in bf16
+    assert out_bf16.dtype == torch.float32
+    close(out_bf16, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# kl_penalized_rewards
+# --------------------------------------------------------------------------------------------
+
+
+def test_kl_penalized_rewards_hand_computed():
+    logprobs = torch.tensor(
+        [
+            [-1.0, -2.0, -0.5, -9.0],
+            [-1.0, -1.0, -1.0, -1.0],
+            [-1.0, -1.0, -1.0, -1.0],
+        ]
+    )
+    ref = torch.tensor(
+        [
+            [-1.5, -1.0, -0.5, -3.0],
+            [-2.0, -1.0, -1.0, -0.5],
+            [-5.0, -5.0, -5.0, -5.0],
+        ]
+    )
+    mask = torch.tensor(
+        [
+            [1.0, 1.0, 1.0, 0.0],  # row 0: EOS at column 2
+            [1.0, 1.0, 1.0, 1.0],  # row 1: cut at N
+            [0.0, 0.0, 0.0, 0.0],  # row 2: no actions
+        ]
+    )
+    scores = torch.tensor([3.0, -10.0, 7.0])
+    out = kl_penalized_rewards(scores, logprobs, ref, mask, kl_coef=0.1, score_clip=5.0)
+    # row 0: kl = [-1+1.5, -2+1, 0, (masked)] = [0.5, -1.0, 0, 0]
+    #        reward = -0.1*kl = [-0.05, 0.1, 0, 0]; score 3 (inside the clip) at column 2
+    # row 1: kl = [-1+2, 0, 0, -1+0.5] = [1, 0, 0, -0.5]
+    #        reward = [-0.1, 0, 0, 0.05]; score -10 clipped to -5 at column 3: 0.05 - 5 = -4.95
+    # row 2: nothing
+    close(out.kl, [[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]])
+    close(
+        out.rewards,
+        [[-0.05, 0.1, 3.0, 0.0], [-0.1, 0.0, 0.0, -4.95], [0.0, 0.0, 0.0, 0.0]],
+    )
+
+
+def test_kl_penalized_rewards_empty_answer_gets_score_on_eos():
+    # "empty" answer: only the EOS is an action, the score lands on column 0
+    out = kl_penalized_rewards(
+        torch.tensor([2.0]),
+        torch.tensor([[-1.0, 0.0, 0.0]]),
+        torch.tensor([[-1.0, 0.0, 0.0]]),
+        torch.tensor([[1.0, 0.0, 0.0]]),
+        kl_coef=0.1,
+        score_clip=5.0,
+    )
+    close(out.rewards, [[2.0, 0.0, 0.0]])
+
+
+# --------------------------------------------------------------------------------------------
+# gae
+# --------------------------------------------------------------------------------------------
+
+
+def test_gae_gamma1_lam095_hand_computed():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    mask = torch.ones(1, 3)
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    # delta2 = 1 + 0 - 0.7 = 0.3 (value after the end is 0)
+    # delta1 = 0 + 0.7 - 0.6 = 0.1
+    # delta0 = 0 + 0.6 - 0.5 = 0.1
+    # A2 = 0.3; A1 = 0.1 + 0.95*0.3 = 0.385; A0 = 0.1 + 0.95*0.385 = 0.46575
+    close(adv, [[0.46575, 0.385, 0.3]])
+    close(ret, [[0.96575, 0.985, 1.0]])  # A + V
+
+
+def test_gae_gamma09_lam1_hand_computed():
+    rewards = torch.tensor([[1.0, 0.0, 2.0]])
+    values = torch.tensor([[0.5, 1.0, 1.5]])
+    mask = torch.ones(1, 3)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    # delta2 = 2 - 1.5 = 0.5
+    # delta1 = 0 + 0.9*1.5 - 1.0 = 0.35
+    # delta0 = 1 + 0.9*1.0 - 0.5 = 1.4
+    # A2 = 0.5; A1 = 0.35 + 0.9*0.5 = 0.8; A0 = 1.4 + 0.9*0.8 = 2.12
+    close(adv, [[2.12, 0.8, 0.5]])
+    # lam = 1: returns are the discounted Monte-Carlo returns 2, 0+0.9*2, 1+0.9*1.8
+    close(ret, [[2.62, 1.8, 2.0]])
+
+
+def test_gae_lam0_and_gamma1_lam1():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    mask = torch.ones(1, 3)
+    # lam = 0: A = delta = [0.1, 0.1, 0.3] (see the gamma=1, lam=0.95 test)
+    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    close(adv, [[0.1, 0.1, 0.3]])
+    # gamma = lam = 1: A_t = (sum of rewards from t) - V_t = [1-0.5, 1-0.6, 1-0.7]
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    close(adv, [[0.5, 0.4, 0.3]])
+    close(ret, [[1.0, 1.0, 1.0]])
+
+
+def test_gae_early_end_does_not_bootstrap_and_masked_stay_zero():
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 100.0], [3.0, 4.0, 5.0]])  # 100: garbage after the end
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    # row 0 ends at column 1, so V after it is 0, not 100:
+    # delta1 = 1 + 0 - 0.6 = 0.4; delta0 = 0 + 0.6 - 0.5 = 0.1
+    # A1 = 0.4; A0 = 0.1 + 0.95*0.4 = 0.48; returns = [0.98, 1.0]
+    close(adv, [[0.48, 0.4, 0.0], [0.0, 0.0, 0.0]])
+    close(ret, [[0.98, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert not adv.requires_grad
+
+
+def _reference_gae(rewards, values, mask, gamma, lam):
+    """Plain per-row reverse loop over the actions [0, length)."""
+    adv = torch.zeros_like(rewards, dtype=torch.float64)
+    for b in range(rewards.shape[0]):
+        length = int(mask[b].sum())
+        running = 0.0
+        for t in reversed(range(length)):
+            next_value = float(values[b, t + 1]) if t + 1 < length else 0.0
+            delta = float(rewards[b, t]) + gamma * next_value - float(values[b, t])
+            running = delta + gamma * lam * running
+            adv[b, t] = running
+    return adv
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 1.0), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_reverse_loop_on_random_data(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    batch, n = 6, 17
+    rewards = torch.randn(batch, n, generator=g)
+    values = torch.randn(batch, n, generator=g)
+    lengths = torch.randint(0, n + 1, (batch,), generator=g)
+    lengths[0], lengths[1] = 0, n  # an all-zero row and a row cut at N
+    mask = (torch.arange(n).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    expected = _reference_gae(rewards, values, mask, gamma, lam).float()
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, (expected + values) * mask, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# policy_loss
+# --------------------------------------------------------------------------------------------
+
+
+def test_policy_loss_hand_computed():
+    # clip_range 0.2 -> ratios clipped to [0.8, 1.2]; old log-probs 0, new log-probs log r
+    ratios = torch.tensor([[1.1, 1.5, 0.5, 1.5, 0.5]])
+    adv = torch.tensor([[1.0, 1.0, -2.0, -2.0, 1.0]])
+    # per token max(-A*r, -A*clip(r)):
+    #   A=+1, r=1.1 (inside):   max(-1.1, -1.1) = -1.1
+    #   A=+1, r=1.5 (above):    max(-1.5, -1.2) = -1.2   clipped
+    #   A=-2, r=0.5 (below):    max( 1.0,  1.6) =  1.6   clipped
+    #   A=-2, r=1.5 (above):    max( 3.0,  2.4) =  3.0   (pessimistic, unclipped)
+    #   A=+1, r=0.5 (below):    max(-0.5, -0.8) = -0.5   (unclipped)
+    # loss = (-1.1 - 1.2 + 1.6 + 3.0 - 0.5) / 5 = 1.8 / 5 = 0.36; clip_fraction = 2/5
+    new = ratios.log().requires_grad_(True)
+    old = torch.zeros_like(new)
+    mask = torch.ones_like(new)
+    out = policy_loss(new, old, adv, mask, clip_range=0.2)
+    close(out.loss, 0.36)
+    close(out.clip_fraction, 0.4)
+    close(out.ratio_mean, 1.02)  # (1.1 + 1.5 + 0.5 + 1.5 + 0.5) / 5
+    # k3: (r-1) - log r:  1.1 -> 0.1 - 0.0953102 = 0.0046898
+    #                     1.5 -> 0.5 - 0.4054651 = 0.0945349 (twice)
+    #                     0.5 -> -0.5 + 0.6931472 = 0.1931472 (twice)
+    # mean = (0.0046898 + 2*0.0945349 + 2*0.1931472) / 5 = 0.5800540 / 5 = 0.1160108
+    close(out.approx_kl, 0.1160108)
+    for stat in (out.clip_fraction, out.approx_kl, out.ratio_mean):
+        assert not stat.requires_grad
+    # gradient: unclipped tokens d(-A*r)/dlogp = -A*r, divided by 5; clipped tokens 0
+    out.loss.backward()
+    close(new.grad, [[-1.1 / 5, 0.0, 0.0, 2.0 * 1.5 / 5, -0.5 / 5]])
+
+
+def test_policy_loss_masked_positions_have_no_effect():
+    new = torch.tensor([[0.1, -0.2, 0.3, 0.0], [0.05, 0.0, 0.0, 0.0]])
+    old = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.1, 0.0, 0.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0, 0.5, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+
+    def run(new, old, adv):
+        new = new.clone().requires_grad_(True)
+        out = policy_loss(new, old, adv, mask, clip_range=0.2)
+        out.loss.backward()
+        return out, new.grad
+
+    base, base_grad = run(new, old, adv)
+    # garbage off the mask: exp(1e4) would be inf, huge advantages
+    off = mask == 0
+    new2 = torch.where(off, torch.full_like(new, 1e4), new)
+    old2 = torch.where(off, torch.full_like(old, -1e4), old)
+    adv2 = torch.where(off, torch.full_like(adv, 1e6), adv)
+    other, other_grad = run(new2, old2, adv2)
+    for a, b in zip(base, other, strict=True):
+        assert torch.isfinite(b)
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(base_grad, other_grad)
+    assert (other_grad[off] == 0).all()
+
+
+def test_policy_loss_all_masked_is_zero_not_nan():
+    new = torch.zeros(2, 3, requires_grad=True)
+    out = policy_loss(new, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3), 0.2)
+    assert all(torch.isfinite(x) for x in out)
+    close(out.loss, 0.0)
+    out.loss.backward()
+    close(new.grad, torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------------------------
+# value_loss
+# --------------------------------------------------------------------------------------------
+
+
+def test_value_loss_hand_computed():
+    # clip_range 0.2 -> v_clip = clip(v, old - 0.2, old + 0.2)
+    values = torch.tensor([[1.0, 1.5, 1.5, 0.5, 9.0]], requires_grad=True)
+    old = torch.tensor([[0.9, 1.0, 1.0, 1.0, 0.0]])
+    returns = torch.tensor([[2.0, 2.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # last token masked: ignored
+    # 1: v=1.0 (within clip)  -> (1-2)^2 = 1.0 both                      -> 1.0
+    # 2: v=1.5 -> v_clip 1.2: (1.5-2)^2 = 0.25, (1.2-2)^2 = 0.64          -> 0.64 clipped
+    # 3: v=1.5 -> v_clip 1.2: (1.5-1)^2 = 0.25, (1.2-1)^2 = 0.04          -> 0.25
+    # 4: v=0.5 -> v_clip 0.8: (0.5-0)^2 = 0.25, (0.8-0)^2 = 0.64          -> 0.64 clipped
+    # loss = 0.5 * (1.0 + 0.64 + 0.25 + 0.64) / 4 = 0.5 * 0.6325 = 0.31625
+    out = value_loss(values, old, returns, mask, clip_range=0.2)
+    close(out.loss, 0.31625)
+    close(out.clip_fraction, 0.5)
+    out.loss.backward()
+    # d/dv of 0.5*(v-R)^2/4 = (v-R)/4 on unclipped tokens; clipped tokens have no gradient
+    close(values.grad, [[-1.0 / 4, 0.0, 0.5 / 4, 0.0, 0.0]])
+
+
+# --------------------------------------------------------------------------------------------
+# reward model and SFT losses
+# --------------------------------------------------------------------------------------------
+
+
+def test_pairwise_reward_loss_hand_computed():
+    chosen = torch.tensor([2.0, 0.0, 1.0], requires_grad=True)
+    rejected = torch.tensor([1.0, 0.5, 1.0])
+    out = pairwise_reward_loss(chosen, rejected)
+    # -log sigmoid(1)    = log(1 + e^-1)  = 0.3132617
+    # -log sigmoid(-0.5) = log(1 + e^0.5) = 0.9740770
+    # -log sigmoid(0)    = log 2          = 0.6931472
+    # mean = 1.9804859 / 3 = 0.6601620
+    close(out.loss, 0.6601620)
+    close(out.accuracy, 1.0 / 3.0)  # only the first pair; a tie counts as wrong
+    close(out.chosen_mean, 1.0)
+    close(out.rejected_mean, 2.5 / 3.0)
+    assert out.loss.requires_grad and not out.accuracy.requires_grad
+    single = pairwise_reward_loss(torch.tensor([1.0]), torch.tensor([0.0]))
+    close(single.loss, 0.3133, atol=1e-4)
+
+
+def test_sft_loss_ignores_minus100_and_shifts():
+    garbage = [100.0, -100.0, 50.0]  # logits of the last position predict nothing
+    logits = torch.tensor(
+        [
+            [[0.0, 1.0, 2.0], [5.0, 5.0, 5.0], garbage],
+            [[2.0, 1.0, 0.0], [9.0, 0.0, 0.0], garbage],
+        ]
+    )
+    labels = torch.tensor(
+        [
+            [-100, 2, 0],  # logits[0,0] -> token 2; logits[0,1] -> token 0
+            [-100, 1, -100],  # logits[1,0] -> token 1; position 2 ignored
+        ]
+    )
+    # CE(logits [0,1,2], 2) = 2.4076060 - 2 = 0.4076060
+    # CE(logits [5,5,5], 0) = log 3        = 1.0986123
+    # CE(logits [2,1,0], 1) = 2.4076060 - 1 = 1.4076060
+    # mean over the 3 counted tokens = 2.9138243 / 3 = 0.9712748
+    close(sft_loss(logits, labels), 0.9712748)
+    close(sft_loss(logits.to(torch.bfloat16), labels), 0.9712748, atol=1e-3)
+    all_ignored = sft_loss(logits, torch.full_like(labels, -100))
+    assert torch.isfinite(all_ignored)
+    close(all_ignored, 0.0)
+
+
+def test_ema_update_in_place():
+    ema = [torch.tensor([0.0, 2.0]), torch.tensor([[4.0]])]
+    params = [torch.tensor([1.0, 0.0], requires_grad=True), torch.tensor([[0.0]])]
+    ema_update(ema, params, beta=0.9)
+    # 0.9*0 + 0.1*1 = 0.1; 0.9*2 + 0.1*0 = 1.8; 0.9*4 = 3.6
+    close(ema[0], [0.1, 1.8])
+    close(ema[1], [[3.6]])
+    assert not ema[0].requires_grad
+
+
+def test_constants_used_in_comments():
+    # guards the hand arithmetic above against typos
+    assert math.isclose(math.log(1 + math.e + math.e**2), 2.4076060, abs_tol=1e-6)
+    assert math.isclose(-math.log(1 / (1 + math.exp(-1))), 0.3132617, abs_tol=1e-6)
