@@ -1,0 +1,556 @@
+"""Preference data in, tokenized examples out.
+
+Reading: `load_pairs` turns one source (a local .json/.jsonl/.jsonl.gz/.json.gz/.parquet file,
+a directory of such files, or a Hugging Face hub dataset name) into `PreferencePair`s.
+Two record shapes are accepted, detected by the columns of the record set:
+
+* DeepSpeed-Chat style: `prompt`, `chosen`, `rejected` (extra columns such as `response`
+  are ignored); `chosen`/`rejected` are the answers that continue `prompt`.
+* Anthropic hh-rlhf: only `chosen` and `rejected`, each a whole "\\n\\nHuman: ...\\n\\nAssistant: ..."
+  transcript; the prompt is the text of `chosen` through its last "\\n\\nAssistant:".
+
+Splitting: `load_blend` splits every source between the three steps (SFT, reward model, PPO)
+and `train_eval_split` holds out an eval set. Both are deterministic in `seed` only.
+
+Tokenizing and batching: `tokenize_sft` / `tokenize_pairs` / `tokenize_prompts` make
+token-id lists (prompt with special tokens, answer + EOS), and the `collate_*` functions pad
+them into tensors (right padding for training, left padding for generation prompts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import logging
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ASSISTANT_TAG = "\n\nAssistant:"
+IGNORE_INDEX = -100
+DEMO_SOURCE = "demo"
+
+# suffix -> `datasets` builder name
+_DATA_SUFFIXES = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".parquet": "parquet",
+}
+_FORMAT_HINT = "preference data needs prompt/chosen/rejected or hh-rlhf chosen/rejected transcripts"
+
+
+class PreferencePair(NamedTuple):
+    """One comparison: `prompt + chosen` is the preferred dialogue, `prompt + rejected` the other."""
+
+    prompt: str  # dialogue through the final "\n\nAssistant:" (or the record's prompt field)
+    chosen: str  # preferred answer text (continuation of prompt)
+    rejected: str  # dispreferred answer text
+
+
+class DataError(ValueError):
+    """A user-facing, one-line problem with the training data (names the source and the fix)."""
+
+
+class SFTExample(NamedTuple):
+    """input_ids: prompt + answer token ids; labels: same length, -100 over the prompt."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+class PairExample(NamedTuple):
+    """Token ids of prompt + chosen answer and of prompt + rejected answer."""
+
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+class TokenizeStats(NamedTuple):
+    """kept: examples returned; dropped_long_prompt: examples dropped because the prompt is
+    longer than max_prompt_len; truncated_answer: kept examples with at least one answer cut
+    to max_answer_len tokens."""
+
+    kept: int
+    dropped_long_prompt: int
+    truncated_answer: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
+    """Read one source; returns (pairs, n_skipped).
+
+    `source` is a local data file, a directory of data files, or a hub dataset name (used only
+    when no such local path exists and the name has no data-file extension). Records whose
+    chosen/rejected answer is empty, or hh-rlhf transcripts whose `rejected` does not share
+    the prompt of `chosen`, are skipped and counted. Raises DataError for everything else
+    (missing file, unreadable file, missing columns, non-text fields, no usable pairs).
+    """
+    path = Path(source).expanduser()
+    if source == DEMO_SOURCE and not path.exists():
+        raise DataError("data source 'demo' is the built-in demo task, not a file; use load_blend")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and _data_suffix(p))
+        if not files:
+            raise DataError(
+                f"data directory {source} has no .json/.jsonl/.jsonl.gz/.parquet files; "
+                "put the preference data there or pass a file path in data.path"
+            )
+        pairs: list[PreferencePair] = []
+        skipped = 0
+        for file in files:
+            file_pairs, file_skipped = _pairs_from_columns(_read_file(file), f"data file {file}")
+            pairs += file_pairs
+            skipped += file_skipped
+        label = f"data directory {source}"
+    elif path.exists():
+        if not _data_suffix(path):
+            raise DataError(
+                f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
+                ".json.gz or .parquet"
+            )
+        label = f"data file {source}"
+        pairs, skipped = _pairs_from_columns(_read_file(path), label)
+    elif _data_suffix(path):
+        raise DataError(f"data file not found: {source}; check data.path")
+    else:
+        label = f"dataset '{source}'"
+        pairs, skipped = _pairs_from_columns(_read_hub(source), label)
+
+    if not pairs and not skipped:
+        raise DataError(f"{label}: no records; check the data")
+    if not pairs:
+        raise DataError(
+            f"{label}: no usable preference pairs (all {skipped} records skipped for an empty "
+            "answer or a rejected transcript that does not share the chosen prompt); "
+            "check the data"
+        )
+    return pairs, skipped
+
+
+def _data_suffix(path: Path) -> str | None:
+    """The known data suffix of `path` ('.jsonl.gz', '.parquet', ...) or None."""
+    name = path.name.lower()
+    for suffix in sorted(_DATA_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence `datasets` progress bars and log lines while reading a small local file."""
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    bars_were_on = not datasets.are_progress_bars_disabled()
+    verbosity = ds_logging.get_verbosity()
+    datasets.disable_progress_bars()
+    ds_logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def _short(exc: BaseException) -> str:
+    """First line of an exception message (with its cause when the message is generic)."""
+    text = str(exc).strip() or type(exc).__name__
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip() and "error occurred" in text:
+        text = str(cause).strip()
+    line = text.splitlines()[0]
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _read_file(path: Path) -> dict[str, list[Any]]:
+    """Read a local data file into columns {name: [value per record]} with `datasets`.
+
+    The Arrow cache lives in a temporary directory that is removed afterwards, so nothing is
+    written under the user's home.
+    """
+    import datasets
+
+    builder = _DATA_SUFFIXES[_data_suffix(path) or ""]
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlhf-data-") as cache_dir, _quiet_datasets():
+            ds = datasets.load_dataset(
+                builder,
+                data_files=str(path),
+                split="train",
+                cache_dir=cache_dir,
+                keep_in_memory=True,
+            )
+            columns = ds.to_dict()
+            mixed = [
+                name for name, feature in ds.features.items() if type(feature).__name__ == "Json"
+            ]
+    except Exception as exc:
+        if isinstance(exc, ValueError) and "corresponds to no data" in str(exc):
+            return {}
+        if isinstance(exc, StopIteration):  # empty JSON-lines file
+            return {}
+        kind = "Parquet" if builder == "parquet" else "JSON (an array of records or JSON lines)"
+        raise DataError(
+            f"cannot read data file {path}: {_short(exc)}; check that it is valid {kind}"
+        ) from exc
+    if mixed and builder == "json":
+        # `datasets` stores a JSON column of mixed types as text and decodes it lossily
+        # (" 4" and 4 both come back as 4); re-read those columns exactly from the file.
+        raw = _raw_json_columns(path, mixed)
+        n_records = len(next(iter(columns.values())))
+        columns.update({k: v for k, v in raw.items() if len(v) == n_records})
+    return columns
+
+
+def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
+    """Exact Python values of columns `names` of a JSON array / JSON-lines file (maybe .gz).
+
+    Only used for columns whose values have mixed types, i.e. for malformed records, so that
+    errors name the right record and type.
+    """
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+        if text.lstrip().startswith("["):
+            records = json.loads(text)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return {}  # keep the values `datasets` decoded
+    if not isinstance(records, list):
+        return {}
+    return {name: [r.get(name) if isinstance(r, dict) else None for r in records] for name in names}
+
+
+def _read_hub(name: str) -> dict[str, list[Any]]:
+    """Load the train split of hub dataset `name` into columns (default `datasets` cache)."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        ds = datasets.load_dataset(name, split="train")
+    except ConnectionError as exc:
+        raise DataError(
+            f"cannot load dataset '{name}': not a local file and the Hugging Face hub is "
+            "unreachable (offline?); download it and pass the local file path in data.path"
+        ) from exc
+    except DatasetNotFoundError as exc:
+        raise DataError(
+            f"cannot load dataset '{name}': not a local file and not found on the Hugging Face "
+            f"hub ({_short(exc)}); check the name or pass a local file path in data.path"
+        ) from exc
+    except FileNotFoundError as exc:
+        raise DataError(
+            f"cannot load dataset '{name}': no such local file and not a Hugging Face hub "
+            "dataset name; check data.path"
+        ) from exc
+    except Exception as exc:
+        raise DataError(
+            f"cannot load dataset '{name}': {_short(exc)}; pass a local file path in data.path"
+        ) from exc
+    return ds.to_dict()
+
+
+def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[str]:
+    """columns[field], checked to be all strings (record numbers in errors are 1-based)."""
+    values = columns[field]
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            got = "null" if value is None else type(value).__name__
+            raise DataError(
+                f"{label} record {i + 1}: field '{field}' is not text (got {got}); "
+                "fix or remove that record"
+            )
+    return values
+
+
+def _pairs_from_columns(
+    columns: dict[str, list[Any]], label: str
+) -> tuple[list[PreferencePair], int]:
+    """Detect the record format from the column names and build pairs; returns (pairs, skipped)."""
+    if not columns or not next(iter(columns.values())):
+        return [], 0
+    for field in ("chosen", "rejected"):
+        if field not in columns:
+            raise DataError(
+                f"{label}: records have no '{field}' field (columns: {', '.join(columns)}); "
+                f"{_FORMAT_HINT}"
+            )
+    chosen = _text_column(columns, "chosen", label)
+    rejected = _text_column(columns, "rejected", label)
+    if "prompt" in columns:
+        prompts = _text_column(columns, "prompt", label)
+        records = zip(prompts, chosen, rejected, strict=True)
+    else:
+        records = (_split_transcripts(c, r) for c, r in zip(chosen, rejected, strict=True))
+
+    pairs = []
+    skipped = 0
+    for record in records:
+        if record is None or not record[1].strip() or not record[2].strip():
+            skipped += 1
+        else:
+            pairs.append(PreferencePair(*record))
+    return pairs, skipped
+
+
+def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | None:
+    """hh-rlhf transcripts -> (prompt, chosen answer, rejected answer), or None when malformed.
+
+    The prompt is `chosen` through its last "\\n\\nAssistant:", kept verbatim so that
+    prompt + chosen answer == chosen transcript; `rejected` must start with the same prompt.
+    """
+    cut = chosen.rfind(ASSISTANT_TAG)
+    if cut < 0:
+        return None
+    prompt = chosen[: cut + len(ASSISTANT_TAG)]
+    if not rejected.startswith(prompt):
+        return None
+    return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting and blending
+
+
+def _permutation(n: int, seed: int) -> list[int]:
+    """A permutation of range(n) that depends only on `seed` (same on every run and process)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=generator).tolist()
+
+
+def split_indices(n: int, split: Sequence[float], seed: int) -> list[list[int]]:
+    """Split range(n) into len(split) disjoint parts proportional to `split` (e.g. (2, 4, 4) ->
+    20%/40%/40%), in a seeded random order. Part sizes are rounded cumulatively so they sum to n;
+    a weight of 0 gives an empty part."""
+    if not split or any(w < 0 for w in split) or sum(split) <= 0:
+        raise ValueError(f"data split must be non-negative weights with a positive sum: {split}")
+    total = float(sum(split))
+    order = _permutation(n, seed)
+    parts = []
+    start = 0
+    cumulative = 0.0
+    for i, weight in enumerate(split):
+        cumulative += weight
+        end = n if i == len(split) - 1 else min(n, round(cumulative / total * n))
+        parts.append(order[start:end])
+        start = end
+    return parts
+
+
+def load_blend(
+    sources: Sequence[str],
+    split: Sequence[float],
+    seed: int,
+    *,
+    demo_pairs: Callable[[], list[PreferencePair]] | None = None,
+) -> tuple[list[PreferencePair], list[PreferencePair], list[PreferencePair]]:
+    """Load every source, split EACH source by `split` (e.g. (2,4,4) -> 20%/40%/40% for steps
+    1,2,3) with a seeded permutation, concatenate per step, shuffle each step's list with the
+    seed. The source string "demo" is not read from disk: it calls demo_pairs().
+
+    Returns (sft_pairs, reward_pairs, ppo_pairs). Deterministic in (sources, split, seed).
+    """
+    if isinstance(sources, str):
+        sources = [sources]
+    if not sources:
+        raise DataError("no data sources given; set data.path to a data file or 'demo'")
+    if len(split) != 3:
+        raise ValueError(f"data split needs 3 weights (SFT, reward model, PPO), got {split}")
+
+    steps: tuple[list[PreferencePair], ...] = ([], [], [])
+    for source in sources:
+        if source == DEMO_SOURCE:
+            if demo_pairs is None:
+                raise DataError("data source 'demo' needs the built-in demo task generator")
+            pairs = list(demo_pairs())
+        else:
+            pairs, skipped = load_pairs(source)
+            if skipped:
+                log.warning("%s: skipped %d malformed or empty records", source, skipped)
+        for step, indices in zip(steps, split_indices(len(pairs), split, seed), strict=True):
+            step.extend(pairs[i] for i in indices)
+
+    sft, reward, ppo = ([step[i] for i in _permutation(len(step), seed)] for step in steps)
+    return sft, reward, ppo
+
+
+def train_eval_split(items: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """Hold out round(len * eval_fraction) items (at least 1 when eval_fraction > 0 and there
+    are >= 2 items; never all of them) chosen by a seeded permutation. Returns (train, eval),
+    each in the original order."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    n = len(items)
+    n_eval = round(n * eval_fraction)
+    if eval_fraction > 0 and n >= 2:
+        n_eval = min(max(n_eval, 1), n - 1)
+    else:
+        n_eval = 0
+    held_out = set(_permutation(n, seed)[:n_eval])
+    train = [x for i, x in enumerate(items) if i not in held_out]
+    evals = [x for i, x in enumerate(items) if i in held_out]
+    return train, evals
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+def _eos_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise DataError(
+            f"tokenizer {name} has no eos_token_id; answers need an end-of-sequence token "
+            "(set tokenizer.eos_token)"
+        )
+    return int(eos)
+
+
+def _prompt_ids(pairs: Sequence[PreferencePair], tokenizer: Any) -> list[list[int]]:
+    """Token ids of every prompt, with the tokenizer's special tokens (e.g. BOS)."""
+    if not pairs:
+        return []
+    return tokenizer([p.prompt for p in pairs])["input_ids"]
+
+
+def _answer_ids(
+    answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int
+) -> tuple[list[list[int]], list[bool]]:
+    """answer ids + [eos], cut to max_answer_len tokens; returns (ids, was_truncated)."""
+    if not answers:
+        return [], []
+    ids = [a + [eos_id] for a in tokenizer(answers, add_special_tokens=False)["input_ids"]]
+    return [a[:max_answer_len] for a in ids], [len(a) > max_answer_len for a in ids]
+
+
+def _check_lengths(max_prompt_len: int, max_answer_len: int = 1) -> None:
+    if max_prompt_len < 1 or max_answer_len < 1:
+        raise ValueError(
+            f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
+            f"{max_answer_len}"
+        )
+
+
+def tokenize_sft(
+    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int, max_answer_len: int
+) -> tuple[list[SFTExample], TokenizeStats]:
+    """SFT examples from the chosen answers: input_ids = prompt ids + answer ids (+ EOS),
+    labels = -100 over the prompt and the answer ids over the answer. Prompts longer than
+    max_prompt_len are dropped; answers are cut to max_answer_len tokens."""
+    _check_lengths(max_prompt_len, max_answer_len)
+    eos = _eos_id(tokenizer)
+    prompts = _prompt_ids(pairs, tokenizer)
+    answers, cut = _answer_ids([p.chosen for p in pairs], tokenizer, eos, max_answer_len)
+    examples = []
+    dropped = truncated = 0
+    for prompt, answer, was_cut in zip(prompts, answers, cut, strict=True):
+        if len(prompt) > max_prompt_len:
+            dropped += 1
+            continue
+        truncated += was_cut
+        examples.append(SFTExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+    return examples, TokenizeStats(len(examples), dropped, truncated)
+
+
+def tokenize_pairs(
+    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int, max_answer_len: int
+) -> tuple[list[PairExample], TokenizeStats]:
+    """Reward-model examples: chosen_ids = prompt ids + chosen answer ids (+ EOS), rejected_ids
+    likewise. Prompts longer than max_prompt_len are dropped; answers are cut to max_answer_len
+    tokens (truncated_answer counts pairs with either answer cut)."""
+    _check_lengths(max_prompt_len, max_answer_len)
+    eos = _eos_id(tokenizer)
+    prompts = _prompt_ids(pairs, tokenizer)
+    chosen, chosen_cut = _answer_ids([p.chosen for p in pairs], tokenizer, eos, max_answer_len)
+    rejected, rejected_cut = _answer_ids(
+        [p.rejected for p in pairs], tokenizer, eos, max_answer_len
+    )
+    examples = []
+    dropped = truncated = 0
+    for prompt, c, r, c_cut, r_cut in zip(
+        prompts, chosen, rejected, chosen_cut, rejected_cut, strict=True
+    ):
+        if len(prompt) > max_prompt_len:
+            dropped += 1
+            continue
+        truncated += c_cut or r_cut
+        examples.append(PairExample(prompt + c, prompt + r))
+    return examples, TokenizeStats(len(examples), dropped, truncated)
+
+
+def tokenize_prompts(
+    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
+) -> tuple[list[list[int]], TokenizeStats]:
+    """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
+    max_prompt_len tokens; longer prompts are dropped and counted."""
+    _check_lengths(max_prompt_len)
+    _eos_id(tokenizer)  # generation needs an EOS to stop on
+    kept = [p for p in _prompt_ids(pairs, tokenizer) if len(p) <= max_prompt_len]
+    return kept, TokenizeStats(len(kept), len(pairs) - len(kept), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collating
+
+
+def _pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> Tensor:
+    """Stack int lists into a LongTensor [len(rows), max_len], padding with `value`."""
+    if not rows:
+        raise ValueError("cannot collate an empty batch")
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            if left:
+                out[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            else:
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def _mask(rows: Sequence[Sequence[int]], left: bool = False) -> Tensor:
+    """attention_mask [len(rows), max_len]: 1 on real tokens, 0 on padding."""
+    return _pad([[1] * len(r) for r in rows], 0, left=left)
+
+
+def collate_sft(batch: list[SFTExample], pad_token_id: int) -> dict[str, Tensor]:
+    """Right-padded input_ids [B,T], attention_mask [B,T], labels [B,T] (-100 on padding)."""
+    ids = [ex.input_ids for ex in batch]
+    return {
+        "input_ids": _pad(ids, pad_token_id),
+        "attention_mask": _mask(ids),
+        "labels": _pad([ex.labels for ex in batch], IGNORE_INDEX),
+    }
+
+
+def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tensor]:
+    """input_ids [2B,T] = all chosen rows then all rejected rows, right padded to the longest of
+    either; attention_mask [2B,T]."""
+    ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
+    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids)}
+
+
+def collate_prompts(batch: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
+    """LEFT-padded input_ids [B,P] and attention_mask [B,P] (prompts end at the last column,
+    ready for generation)."""
+    return {
+        "input_ids": _pad(batch, pad_token_id, left=True),
+        "attention_mask": _mask(batch, left=True),
+    }

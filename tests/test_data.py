@@ -1,0 +1,364 @@
+"""Tests for steps/data.py: reading preference data, splitting, tokenizing, collating."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from steps.data import (
+    DataError,
+    PairExample,
+    PreferencePair,
+    SFTExample,
+    TokenizeStats,
+    collate_pairs,
+    collate_prompts,
+    collate_sft,
+    load_blend,
+    load_pairs,
+    split_indices,
+    tokenize_pairs,
+    tokenize_prompts,
+    tokenize_sft,
+    train_eval_split,
+)
+
+PROMPT_RECORDS = [
+    {"prompt": "Human: hi\n\nAssistant:", "chosen": " Hello!", "rejected": " Go away."},
+    {"prompt": "Human: 2+2?\n\nAssistant:", "chosen": " 4", "rejected": " 5", "response": " 4"},
+]
+PROMPT_PAIRS = [
+    PreferencePair("Human: hi\n\nAssistant:", " Hello!", " Go away."),
+    PreferencePair("Human: 2+2?\n\nAssistant:", " 4", " 5"),
+]
+HH_RECORDS = [
+    {
+        "chosen": "\n\nHuman: hi\n\nAssistant: Hello!\n\nHuman: how are you?\n\nAssistant: Fine.",
+        "rejected": "\n\nHuman: hi\n\nAssistant: Hello!\n\nHuman: how are you?\n\nAssistant: Bad.",
+    },
+    {  # rejected does not share the chosen prompt: skipped
+        "chosen": "\n\nHuman: a\n\nAssistant: b",
+        "rejected": "\n\nHuman: x\n\nAssistant: y",
+    },
+    {  # empty chosen answer: skipped
+        "chosen": "\n\nHuman: a\n\nAssistant: ",
+        "rejected": "\n\nHuman: a\n\nAssistant: no",
+    },
+]
+HH_PAIRS = [
+    PreferencePair(
+        "\n\nHuman: hi\n\nAssistant: Hello!\n\nHuman: how are you?\n\nAssistant:", " Fine.", " Bad."
+    )
+]
+
+
+def write_json(path: Path, records: list[dict]) -> Path:
+    path.write_text(json.dumps(records))
+    return path
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def write_parquet(path: Path, records: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+WRITERS = {
+    "a.json": write_json,
+    "a.jsonl": write_jsonl,
+    "a.jsonl.gz": write_jsonl,
+    "a.json.gz": write_jsonl,
+    "a.parquet": write_parquet,
+}
+
+
+def one_line(exc: pytest.ExceptionInfo) -> str:
+    message = str(exc.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_load_prompt_chosen_rejected(tmp_path, name):
+    path = WRITERS[name](tmp_path / name, PROMPT_RECORDS)
+    assert load_pairs(str(path)) == (PROMPT_PAIRS, 0)
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_load_hh_rlhf_shape(tmp_path, name):
+    path = WRITERS[name](tmp_path / name, HH_RECORDS)
+    pairs, skipped = load_pairs(str(path))
+    assert pairs == HH_PAIRS
+    assert skipped == 2
+    assert pairs[0].prompt + pairs[0].chosen == HH_RECORDS[0]["chosen"]
+
+
+def test_json_lines_in_dot_json(tmp_path):
+    path = write_jsonl(tmp_path / "lines.json", PROMPT_RECORDS)
+    assert load_pairs(str(path)) == (PROMPT_PAIRS, 0)
+
+
+def test_empty_answers_skipped(tmp_path):
+    records = PROMPT_RECORDS + [
+        {"prompt": "p", "chosen": "", "rejected": " r"},
+        {"prompt": "p", "chosen": " c", "rejected": "  "},
+    ]
+    assert load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records))) == (PROMPT_PAIRS, 2)
+
+
+def test_load_directory(tmp_path):
+    write_json(tmp_path / "a.json", PROMPT_RECORDS[:1])
+    write_parquet(tmp_path / "b.parquet", PROMPT_RECORDS[1:])
+    (tmp_path / "notes.txt").write_text("not data")
+    assert load_pairs(str(tmp_path)) == (PROMPT_PAIRS, 0)
+
+
+def test_real_hh_rlhf(hh_rlhf_path):
+    pairs, skipped = load_pairs(str(hh_rlhf_path))
+    assert len(pairs) + skipped == 2312
+    assert (len(pairs), skipped) == (2304, 8)
+    assert all(p.prompt.endswith("\n\nAssistant:") for p in pairs)
+    assert all(p.chosen.strip() and p.rejected.strip() for p in pairs)
+    with gzip.open(hh_rlhf_path, "rt") as f:
+        first = json.loads(f.readline())
+    assert pairs[0].prompt + pairs[0].chosen == first["chosen"]
+    assert pairs[0].prompt + pairs[0].rejected == first["rejected"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    assert f"data file not found: {path}" in one_line(exc)
+
+
+def test_malformed_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"prompt": "a", "chosen": ')
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    assert f"cannot read data file {path}: " in one_line(exc)
+
+
+def test_missing_rejected(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "chosen": "c"}])
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    message = one_line(exc)
+    assert str(path) in message
+    assert "no 'rejected' field (columns: prompt, chosen)" in message
+
+
+@pytest.mark.parametrize("name", ["a.json", "a.jsonl.gz"])
+@pytest.mark.parametrize(
+    "bad, got", [(None, "null"), (3, "int"), (["x"], "list"), ({"k": 1}, "dict")]
+)
+def test_non_string_field(tmp_path, name, bad, got):
+    records = PROMPT_RECORDS + [{"prompt": "p", "chosen": bad, "rejected": "r"}]
+    path = WRITERS[name](tmp_path / name, records)
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    message = one_line(exc)
+    assert f"data file {path} record 3: field 'chosen' is not text (got {got})" in message
+
+
+@pytest.mark.parametrize("bad, got", [(None, "null"), (3, "int")])
+def test_non_string_field_parquet(tmp_path, bad, got):
+    records = [
+        {"prompt": "p", "chosen": "c", "rejected": "r"},
+        {"prompt": "p", "chosen": "c", "rejected": bad},
+    ]
+    if got == "int":  # a parquet column has one type: every record is an int
+        records = [{**r, "rejected": 7} for r in records]
+    path = write_parquet(tmp_path / "a.parquet", records)
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    record = 2 if got == "null" else 1
+    expected = f"data file {path} record {record}: field 'rejected' is not text (got {got})"
+    assert expected in one_line(exc)
+
+
+def test_offline_hub_name():
+    with pytest.raises(DataError) as exc:
+        load_pairs("Dahoas/rm-static")
+    message = one_line(exc)
+    assert "cannot load dataset 'Dahoas/rm-static'" in message
+    assert "unreachable (offline?)" in message
+    assert "data.path" in message
+
+
+def test_unsupported_and_empty_files(tmp_path):
+    csv = tmp_path / "a.csv"
+    csv.write_text("prompt,chosen,rejected\n")
+    with pytest.raises(DataError, match="unsupported data file type"):
+        load_pairs(str(csv))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no records"):
+        load_pairs(str(empty))
+    all_skipped = write_jsonl(
+        tmp_path / "skip.jsonl", [{"prompt": "p", "chosen": "", "rejected": "r"}]
+    )
+    with pytest.raises(DataError, match="no usable preference pairs"):
+        load_pairs(str(all_skipped))
+    with pytest.raises(DataError, match="built-in demo task"):
+        load_pairs("demo")
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting and blending
+
+
+def test_split_indices():
+    parts = split_indices(100, (2, 4, 4), seed=1)
+    assert [len(p) for p in parts] == [20, 40, 40]
+    assert sorted(i for p in parts for i in p) == list(range(100))
+    assert split_indices(100, (2, 4, 4), seed=1) == parts
+    assert split_indices(100, (2, 4, 4), seed=2) != parts
+    assert [len(p) for p in split_indices(10, (1, 0, 0), seed=0)] == [10, 0, 0]
+    assert [len(p) for p in split_indices(7, (1, 1, 1), seed=0)] == [2, 3, 2]
+    with pytest.raises(ValueError):
+        split_indices(10, (0, 0, 0), seed=0)
+
+
+def test_train_eval_split():
+    items = list(range(50))
+    train, evals = train_eval_split(items, 0.1, seed=3)
+    assert len(evals) == 5 and len(train) == 45
+    assert sorted(train + evals) == items
+    assert train_eval_split(items, 0.1, seed=3) == (train, evals)
+    assert train_eval_split(items, 0.1, seed=4) != (train, evals)
+    assert [len(x) for x in train_eval_split([1, 2], 0.01, seed=0)] == [1, 1]
+    assert train_eval_split([1, 2, 3], 0.0, seed=0) == ([1, 2, 3], [])
+    assert train_eval_split([1], 0.5, seed=0) == ([1], [])
+
+
+def _pairs(tag: str, n: int) -> list[PreferencePair]:
+    return [PreferencePair(f"{tag}{i}", " c", " r") for i in range(n)]
+
+
+def test_load_blend(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [p._asdict() for p in _pairs("a", 30)])
+    demo = _pairs("demo", 20)
+    steps = load_blend([str(a), "demo"], (2, 4, 4), seed=7, demo_pairs=lambda: demo)
+    assert [len(s) for s in steps] == [6 + 4, 12 + 8, 12 + 8]
+    for step in steps:
+        assert any(p.prompt.startswith("a") for p in step)
+        assert any(p.prompt.startswith("demo") for p in step)
+    everything = [p for step in steps for p in step]
+    assert sorted(everything) == sorted(_pairs("a", 30) + demo)
+    assert load_blend([str(a), "demo"], (2, 4, 4), seed=7, demo_pairs=lambda: demo) == steps
+    assert load_blend([str(a), "demo"], (2, 4, 4), seed=8, demo_pairs=lambda: demo) != steps
+    with pytest.raises(DataError, match="demo"):
+        load_blend(["demo"], (2, 4, 4), seed=7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+@pytest.fixture
+def opt_tokenizer(opt_tokenizer_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(opt_tokenizer_path))
+
+
+HELLO = [PreferencePair("Hello", " world", " there")]
+
+
+def test_tokenize_sft_exact(opt_tokenizer):
+    # "Hello" -> [2 (BOS), 31414]; " world" -> [232]; " there" -> [89]; EOS 2
+    examples, stats = tokenize_sft(HELLO, opt_tokenizer, max_prompt_len=8, max_answer_len=8)
+    assert examples == [SFTExample([2, 31414, 232, 2], [-100, -100, 232, 2])]
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=0, truncated_answer=0)
+
+
+def test_tokenize_pairs_and_prompts_exact(opt_tokenizer):
+    examples, stats = tokenize_pairs(HELLO, opt_tokenizer, max_prompt_len=8, max_answer_len=8)
+    assert examples == [PairExample([2, 31414, 232, 2], [2, 31414, 89, 2])]
+    assert stats == TokenizeStats(1, 0, 0)
+    prompts, stats = tokenize_prompts(HELLO, opt_tokenizer, max_prompt_len=2)
+    assert prompts == [[2, 31414]]
+    assert stats == TokenizeStats(1, 0, 0)
+
+
+def test_tokenize_long_prompt_and_answer(opt_tokenizer):
+    pairs = [
+        PreferencePair("Hello " * 10, " world", " there"),  # 11 prompt tokens: dropped
+        PreferencePair("Hello", " world" * 5, " there"),  # 6 answer tokens -> cut to 3
+    ]
+    examples, stats = tokenize_sft(pairs, opt_tokenizer, max_prompt_len=4, max_answer_len=3)
+    assert examples == [SFTExample([2, 31414, 232, 232, 232], [-100, -100, 232, 232, 232])]
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=1, truncated_answer=1)
+    examples, stats = tokenize_pairs(pairs, opt_tokenizer, max_prompt_len=4, max_answer_len=3)
+    assert examples == [PairExample([2, 31414, 232, 232, 232], [2, 31414, 89, 2])]
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=1, truncated_answer=1)
+    prompts, stats = tokenize_prompts(pairs, opt_tokenizer, max_prompt_len=4)
+    assert prompts == [[2, 31414]]
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=1, truncated_answer=0)
+
+
+def test_tokenizer_without_eos(opt_tokenizer):
+    opt_tokenizer.eos_token = None
+    with pytest.raises(DataError, match="eos_token_id"):
+        tokenize_sft(HELLO, opt_tokenizer, 8, 8)
+
+
+def test_tokenize_real_hh_rlhf(hh_rlhf_path, opt_tokenizer):
+    pairs, _ = load_pairs(str(hh_rlhf_path))
+    examples, stats = tokenize_pairs(pairs, opt_tokenizer, max_prompt_len=256, max_answer_len=256)
+    assert stats.kept == len(examples) > 0
+    assert stats.kept + stats.dropped_long_prompt == len(pairs)
+    assert all(len(ex.chosen_ids) <= 512 and ex.chosen_ids[0] == 2 for ex in examples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collating
+
+
+def test_collate_sft_right_pads():
+    batch = [SFTExample([5, 6, 7], [-100, 6, 7]), SFTExample([8], [8])]
+    out = collate_sft(batch, pad_token_id=1)
+    assert torch.equal(out["input_ids"], torch.tensor([[5, 6, 7], [8, 1, 1]]))
+    assert torch.equal(out["attention_mask"], torch.tensor([[1, 1, 1], [1, 0, 0]]))
+    assert torch.equal(out["labels"], torch.tensor([[-100, 6, 7], [8, -100, -100]]))
+    assert out["input_ids"].dtype == torch.long
+
+
+def test_collate_pairs_chosen_then_rejected():
+    batch = [PairExample([5, 6], [5, 7, 8]), PairExample([9], [9, 4])]
+    out = collate_pairs(batch, pad_token_id=0)
+    assert torch.equal(out["input_ids"], torch.tensor([[5, 6, 0], [9, 0, 0], [5, 7, 8], [9, 4, 0]]))
+    assert torch.equal(
+        out["attention_mask"], torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    )
+
+
+def test_collate_prompts_left_pads():
+    out = collate_prompts([[2, 5, 6], [2]], pad_token_id=1)
+    assert torch.equal(out["input_ids"], torch.tensor([[2, 5, 6], [1, 1, 2]]))
+    assert torch.equal(out["attention_mask"], torch.tensor([[1, 1, 1], [0, 0, 1]]))
+    with pytest.raises(ValueError):
+        collate_prompts([], pad_token_id=1)
