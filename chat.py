@@ -1,0 +1,360 @@
+"""
+Chat with a trained model: python chat.py --path output/step3/actor
+
+Works on any Hugging Face causal-LM directory (config.json, weights, tokenizer files), so it only
+needs torch and transformers, not the rest of this project. The conversation uses the same
+Anthropic hh-rlhf format the model was trained on:
+
+    \\n\\nHuman: {text}\\n\\nAssistant: {reply}\\n\\nHuman: {text}\\n\\nAssistant:
+
+Type `clear` to start a new conversation, `quit`/`exit` or EOF (Ctrl-D) to leave. With stdin
+piped, one user turn is read per line and each reply is printed as "Assistant: <reply>".
+"""
+
+import argparse
+import os
+import re
+import socket
+import sys
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, set_seed
+from transformers.utils import logging as hf_logging
+
+HUMAN = "\n\nHuman:"
+ASSISTANT = "\n\nAssistant:"
+STOP = HUMAN  # the model starting the next human turn means its reply is over
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NO_DIR_HINT = "pass the output dir of a trained model, e.g. output/step3/actor"
+
+
+class ChatError(Exception):
+    """A mistake the user can fix: main() prints it as one line and exits 2."""
+
+
+# -----------------------------------------------------------------------------
+# conversation helpers (pure string / token-list functions)
+
+
+def add_user_turn(history: str, text: str) -> str:
+    """Append a human turn and the assistant cue; the model's reply continues from here."""
+    return f"{history}{HUMAN} {text}{ASSISTANT}"
+
+
+def cut_reply(text: str) -> str:
+    """The reply ends where the model starts writing the next human turn."""
+    return text.split(STOP, 1)[0]
+
+
+def display_reply(reply: str) -> str:
+    # replies are trained as " text" after "Assistant:"; the space is format, not content
+    return reply.strip()
+
+
+def split_turns(history: str) -> list[str]:
+    """Split a history into whole exchanges, each starting with "\\n\\nHuman:"."""
+    parts = history.split(HUMAN)
+    turns = [HUMAN + p for p in parts[1:]]
+    if parts[0]:  # text before the first human turn (not produced by this script) stays first
+        turns.insert(0, parts[0])
+    return turns
+
+
+def fit_history(history: str, encode, budget: int) -> tuple[str, list[int]]:
+    """
+    Make the tokenized history fit in `budget` tokens: drop the oldest exchanges first, and if the
+    newest one alone is still too long, keep its last tokens (after the BOS-like prefix).
+    `encode` maps text to token ids with the tokenizer's special tokens. Returns the (possibly
+    shortened) history and its token ids.
+    """
+    turns = split_turns(history)
+    ids = encode(history)
+    while len(ids) > budget and len(turns) > 1:
+        turns = turns[1:]
+        history = "".join(turns)
+        ids = encode(history)
+    if len(ids) > budget:
+        prefix = encode("")  # e.g. [BOS]: the model expects it at position 0, keep it there
+        if ids[: len(prefix)] != prefix or len(prefix) >= budget:
+            prefix = []
+        ids = prefix + ids[len(prefix) :][-(budget - len(prefix)) :]
+    return history, ids
+
+
+def stream_safe(text: str) -> str:
+    """
+    The part of a partial reply that is safe to print now: hold back an incomplete UTF-8
+    character (decoded as U+FFFD), anything that may still become the stop string, and trailing
+    whitespace (display_reply strips it at the end).
+    """
+    text = cut_reply(text).rstrip("\ufffd")
+    for k in range(len(STOP) - 1, 0, -1):
+        if text.endswith(STOP[:k]):
+            text = text[:-k]
+            break
+    return display_reply(text)
+
+
+# -----------------------------------------------------------------------------
+# generation
+
+
+def decode_new(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    # Decode with a few prompt tokens in front: sentencepiece tokenizers (Llama) drop the leading
+    # space of the first token when it is decoded on its own, and that space is part of the reply.
+    ctx = prompt_ids[-4:]
+    kw = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    head = tokenizer.decode(ctx, **kw)
+    full = tokenizer.decode(ctx + new_ids, **kw)
+    return full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids, **kw)
+
+
+class StopOnText(StoppingCriteria):
+    """Stop once the last few generated tokens decode to text containing the stop string."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.tokenizer, self.prompt_len = tokenizer, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        tail = input_ids[:, self.prompt_len :][:, -16:]  # "\n\nHuman:" is a handful of tokens
+        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
+        return torch.tensor([STOP in t for t in texts], device=input_ids.device)
+
+
+class ReplyStreamer:
+    """generate() streamer that prints the reply as it grows, exactly as it will finally read."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None):
+        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
+        self.out = out or sys.stdout  # looked up now, so redirected stdout is honoured
+        self.new_ids: list[int] = []
+        self.shown = ""
+        self.got_prompt = False
+
+    def put(self, value):
+        if not self.got_prompt:  # generate() hands over the prompt first
+            self.got_prompt = True
+            return
+        self.new_ids.extend(value.flatten().tolist())
+        self._show(stream_safe(decode_new(self.tokenizer, self.prompt_ids, self.new_ids)))
+
+    def end(self):
+        self._show(
+            display_reply(cut_reply(decode_new(self.tokenizer, self.prompt_ids, self.new_ids)))
+        )
+
+    def _show(self, text: str):
+        # only ever append; if decoding rewrote earlier text, wait for the final version
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.out.write(text[len(self.shown) :])
+            self.out.flush()
+            self.shown = text
+
+
+@torch.inference_mode()
+def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
+    """Generate (and stream to `out`) the assistant's reply; returns its raw text."""
+    device = model.device
+    input_ids = torch.tensor([prompt_ids], device=device)
+    pad_id = tokenizer.pad_token_id
+    gen = dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=not args.greedy,
+        pad_token_id=pad_id if pad_id is not None else tokenizer.eos_token_id,
+        eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id,
+    )
+    if not args.greedy:  # passing sampling knobs with do_sample=False only earns warnings
+        gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    out_ids = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        stopping_criteria=[StopOnText(tokenizer, len(prompt_ids))],
+        streamer=ReplyStreamer(tokenizer, prompt_ids, out),
+        **gen,
+    )
+    new_ids = out_ids[0, len(prompt_ids) :].tolist()
+    return cut_reply(decode_new(tokenizer, prompt_ids, new_ids))
+
+
+# -----------------------------------------------------------------------------
+# loading
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Quick TCP probe, so an unreachable hub fails in seconds instead of after minutes of retries."""
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return True  # a direct probe says nothing behind a proxy; let the download try
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def looks_like_hub_name(path: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ChatError("--device cuda: no CUDA device available; use --device cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # half precision on CPU is slow and, for some ops, unsupported
+
+
+def load(args, device: torch.device, dtype: torch.dtype):
+    path = args.path
+    # trust_remote_code runs Python shipped with the model, so only when asked for
+    remote = {"trust_remote_code": True} if args.trust_remote_code else {}
+
+    def from_pretrained(**extra):
+        tokenizer = AutoTokenizer.from_pretrained(path, **remote, **extra)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **remote, **extra)
+        return model, tokenizer
+
+    if os.path.isdir(path) or not looks_like_hub_name(path):
+        if not os.path.isdir(path):
+            raise ChatError(f"--path {path}: no such directory; {NO_DIR_HINT}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ChatError(f"--path {path}: no config.json in this directory; {NO_DIR_HINT}")
+        model, tokenizer = from_pretrained()
+    else:  # "org/name": a hub model, which needs no network if it is already cached
+        try:
+            model, tokenizer = from_pretrained(local_files_only=True)
+        except OSError:
+            if hub_offline() or not hub_reachable():
+                raise ChatError(
+                    f"--path {path}: not a local directory and the Hugging Face hub is "
+                    "unreachable (offline); pass a local directory with config.json"
+                ) from None
+            try:
+                model, tokenizer = from_pretrained()
+            except OSError as e:
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ChatError(
+                    f"--path {path}: could not load it from the hub ({reason}); "
+                    "pass a local directory with config.json"
+                ) from None
+    model.to(device).eval()
+    return model, tokenizer
+
+
+# -----------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Chat with a trained causal LM (hh-rlhf format).")
+    p.add_argument("--path", required=True, help="model directory, e.g. output/step3/actor")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow custom model code from the model directory",
+    )
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise ChatError("--max-new-tokens must be at least 1")
+    if not args.greedy and args.temperature <= 0:
+        raise ChatError("--temperature must be > 0; use --greedy for deterministic replies")
+    if not 0 < args.top_p <= 1:
+        raise ChatError("--top-p must be in (0, 1]")
+    if args.top_k < 0:
+        raise ChatError("--top-k must be >= 0 (0 = off)")
+    return args
+
+
+def main(argv=None) -> int:
+    interactive = sys.stdin.isatty()
+    if not interactive:  # scripted use: keep stderr for real problems
+        hf_logging.disable_progress_bar()
+    try:
+        args = parse_args(argv)
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+        model, tokenizer = load(args, device, dtype)
+        # leave room for the reply inside the model's context window
+        max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        budget = max_pos - args.max_new_tokens if max_pos else None
+        if budget is not None and budget < 2:
+            raise ChatError(
+                f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation "
+                f"in the model's context of {max_pos} tokens"
+            )
+    except ChatError as e:
+        print(f"chat.py: {e}", file=sys.stderr)
+        return 2
+
+    if args.seed is not None:
+        set_seed(args.seed)
+    if interactive:
+        try:  # line editing and arrow-key recall for input(); absent on some platforms
+            import readline  # noqa: F401
+        except ImportError:
+            pass
+        print(
+            f"chat.py: {args.path} on {device} ({dtype}); type 'clear' to reset, 'quit' to exit",
+            file=sys.stderr,
+        )
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text)["input_ids"]  # default special tokens, as in training (BOS)
+
+    history = ""
+    while True:
+        try:
+            line = input("Human: " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print()
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("quit", "exit"):
+            break
+        if text == "clear":
+            history = ""
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history = add_user_turn(history, text)
+        if budget is None:
+            prompt_ids = encode(history)
+        else:
+            history, prompt_ids = fit_history(history, encode, budget)
+        print("Assistant: ", end="", flush=True)
+        try:
+            answer = reply(model, tokenizer, prompt_ids, args)
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
+            print()
+            history = history[: -len(ASSISTANT)].rsplit(HUMAN, 1)[0]
+            continue
+        history += answer  # raw text (leading space included), as in the training data
+        print("\n" if interactive else "", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

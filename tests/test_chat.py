@@ -1,0 +1,401 @@
+"""chat.py: pure helpers, generation plumbing, and the CLI end to end on tiny random models."""
+
+import ast
+import io
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
+
+import chat
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = ROOT / "chat.py"
+
+
+def tiny_model_dir(tokenizer_path, out: Path, arch: str = "opt") -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)  # same weights every run, so greedy replies are reproducible
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=1,
+        bos_token_id=2,
+        eos_token_id=2,
+    )
+    if arch == "opt":
+        config = OPTConfig(**common, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0)
+        model = OPTForCausalLM(config)
+    else:
+        config = LlamaConfig(**common, intermediate_size=64, num_key_value_heads=2)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def opt_dir(opt_tokenizer_path, tmp_path) -> Path:
+    return tiny_model_dir(opt_tokenizer_path, tmp_path / "opt")
+
+
+@pytest.fixture
+def tokenizer(opt_tokenizer_path):
+    return AutoTokenizer.from_pretrained(opt_tokenizer_path)
+
+
+def run_chat(args, stdin: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, str(CHAT), *args],
+        input=stdin,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def replies(stdout: str) -> list[str]:
+    return [
+        line[len("Assistant:") :].strip()
+        for line in stdout.splitlines()
+        if line.startswith("Assistant:")
+    ]
+
+
+# -----------------------------------------------------------------------------
+# pure helpers
+
+
+def test_add_user_turn_matches_hh_rlhf_format():
+    h = chat.add_user_turn("", "hello")
+    assert h == "\n\nHuman: hello\n\nAssistant:"
+    h = chat.add_user_turn(h + " Hi there.", "how are you")
+    assert h == "\n\nHuman: hello\n\nAssistant: Hi there.\n\nHuman: how are you\n\nAssistant:"
+
+
+def test_cut_reply_and_display():
+    assert chat.cut_reply(" Sure.\n\nHuman: and then?\n\nAssistant: x") == " Sure."
+    assert chat.cut_reply(" no stop here") == " no stop here"
+    assert chat.display_reply(" Sure.\n") == "Sure."
+
+
+def test_stream_safe_holds_back_what_may_change():
+    assert chat.stream_safe(" Hi there") == "Hi there"
+    assert chat.stream_safe(" Hi there\n\nHum") == "Hi there"  # may become the stop string
+    assert chat.stream_safe(" Hi there\n\nHuman: x") == "Hi there"
+    assert chat.stream_safe(" caf\ufffd") == "caf"  # incomplete UTF-8 character
+    assert chat.stream_safe(" a Hu") == "a Hu"  # only a "\n\nHuman:" prefix is held back
+
+
+def test_split_turns():
+    h = "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:"
+    assert chat.split_turns(h) == ["\n\nHuman: a\n\nAssistant: b", "\n\nHuman: c\n\nAssistant:"]
+    assert "".join(chat.split_turns(h)) == h
+    assert chat.split_turns("") == []
+
+
+def char_encode(text: str) -> list[int]:
+    """A stand-in tokenizer: BOS (0) plus one id per character."""
+    return [0] + [ord(c) for c in text]
+
+
+def test_fit_history_keeps_short_history():
+    h = "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:"
+    assert chat.fit_history(h, char_encode, 1000) == (h, char_encode(h))
+
+
+def test_fit_history_drops_oldest_whole_turns():
+    turns = [f"\n\nHuman: q{i}\n\nAssistant: r{i}" for i in range(3)]
+    last = "\n\nHuman: now\n\nAssistant:"
+    h = "".join(turns) + last
+    # room for exactly the last two exchanges
+    budget = len(char_encode(turns[2] + last))
+    fitted, ids = chat.fit_history(h, char_encode, budget)
+    assert fitted == turns[2] + last
+    assert ids == char_encode(fitted)
+    fitted, _ = chat.fit_history(h, char_encode, budget - 1)
+    assert fitted == last
+
+
+def test_fit_history_keeps_tail_of_one_long_turn():
+    h = "\n\nHuman: " + "x" * 50 + "\n\nAssistant:"
+    fitted, ids = chat.fit_history(h, char_encode, 20)
+    assert fitted == h  # the text is kept; only the tokens fed to the model are cut
+    assert len(ids) == 20
+    assert ids[0] == 0  # BOS stays first
+    assert ids[1:] == char_encode(h)[-19:]  # ... followed by the newest tokens
+
+
+def test_fit_history_with_real_tokenizer(tokenizer):
+    def encode(text):
+        return tokenizer(text)["input_ids"]
+
+    h = ""
+    for i in range(10):
+        h = chat.add_user_turn(h, f"question number {i} about things") + f" answer {i}."
+    h = chat.add_user_turn(h, "last one")
+    fitted, ids = chat.fit_history(h, encode, 40)
+    assert len(ids) <= 40 and ids[0] == tokenizer.bos_token_id
+    assert fitted.startswith("\n\nHuman:") and fitted.endswith("\n\nHuman: last one\n\nAssistant:")
+    assert h.endswith(fitted) and len(fitted) < len(h)
+
+
+# -----------------------------------------------------------------------------
+# generation plumbing
+
+
+def test_stop_criterion_fires_on_stop_string(tokenizer):
+    prompt = [2, 100, 200]
+    new = tokenizer(" Hi there\n\nHuman: more", add_special_tokens=False)["input_ids"]
+    stop = chat.StopOnText(tokenizer, len(prompt))
+    fired = [bool(stop(torch.tensor([prompt + new[:i]]), None)[0]) for i in range(1, len(new) + 1)]
+    colon = next(i for i in range(len(new)) if tokenizer.decode(new[: i + 1]).endswith("Human:"))
+    assert fired == [i >= colon for i in range(len(new))]
+    # the prompt's own "\n\nHuman:" does not count
+    prompt = tokenizer("\n\nHuman: hi\n\nAssistant:")["input_ids"]
+    assert not stop.__class__(tokenizer, len(prompt))(torch.tensor([prompt]), None)[0]
+
+
+def test_streamer_prints_only_final_text(tokenizer):
+    prompt = tokenizer("\n\nHuman: hi\n\nAssistant:")["input_ids"]
+    out = io.StringIO()
+    streamer = chat.ReplyStreamer(tokenizer, prompt, out)
+    streamer.put(torch.tensor([prompt]))  # generate() hands over the prompt first
+    seen = []
+    for tok in tokenizer(" café ☃ ok\n\nHuman: x", add_special_tokens=False)["input_ids"]:
+        streamer.put(torch.tensor([tok]))
+        seen.append(out.getvalue())
+    streamer.end()
+    assert out.getvalue() == "café ☃ ok"
+    assert all("\ufffd" not in s and "\n" not in s for s in seen)
+    assert all(s.startswith(p) for p, s in zip(seen, seen[1:], strict=False))  # only appends
+
+
+class ScriptedModel:
+    """Stands in for a causal LM: 'generates' a fixed text token by token, like generate()."""
+
+    def __init__(self, tokenizer, text):
+        self.script = tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.device = torch.device("cpu")
+        self.generation_config = SimpleNamespace(eos_token_id=2)
+        self.calls = []
+
+    def generate(self, input_ids, stopping_criteria, streamer, max_new_tokens, **kw):
+        self.calls.append(dict(input_ids=input_ids, max_new_tokens=max_new_tokens, **kw))
+        streamer.put(input_ids)
+        ids = input_ids
+        for tok in self.script[:max_new_tokens]:
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+            streamer.put(torch.tensor([tok]))
+            if all(bool(c(ids, None)[0]) for c in stopping_criteria):
+                break
+        streamer.end()
+        return ids
+
+
+def test_reply_cuts_at_next_human_turn(tokenizer, capsys):
+    model = ScriptedModel(tokenizer, " Fine, thanks.\n\nHuman: and you?\n\nAssistant: ok")
+    args = SimpleNamespace(max_new_tokens=50, greedy=True, temperature=0.7, top_p=0.9, top_k=0)
+    prompt = tokenizer("\n\nHuman: how are you\n\nAssistant:")["input_ids"]
+    raw = chat.reply(model, tokenizer, prompt, args)
+    assert raw == " Fine, thanks."  # raw text keeps its leading space for the history
+    assert capsys.readouterr().out == "Fine, thanks."
+    # greedy: no sampling knobs; no pad token would fall back to eos
+    call = model.calls[0]
+    assert call["do_sample"] is False and "temperature" not in call
+    assert call["pad_token_id"] == tokenizer.pad_token_id
+
+
+def test_reply_sampling_args(tokenizer):
+    model = ScriptedModel(tokenizer, " ok")
+    args = SimpleNamespace(max_new_tokens=5, greedy=False, temperature=0.5, top_p=0.8, top_k=0)
+    tokenizer.pad_token = None
+    chat.reply(model, tokenizer, [2], args, out=io.StringIO())
+    call = model.calls[0]
+    assert (call["do_sample"], call["temperature"], call["top_p"], call["top_k"]) == (
+        True,
+        0.5,
+        0.8,
+        0,
+    )
+    assert call["pad_token_id"] == tokenizer.eos_token_id
+
+
+# -----------------------------------------------------------------------------
+# the whole program
+
+
+def test_main_in_process_history_and_clear(opt_dir, monkeypatch, capsys):
+    prompts, real_reply = [], chat.reply
+
+    def spy(model, tokenizer, prompt_ids, args, out=None):
+        prompts.append(list(prompt_ids))
+        return real_reply(model, tokenizer, prompt_ids, args, out)
+
+    monkeypatch.setattr(chat, "reply", spy)
+    monkeypatch.setattr(
+        sys, "stdin", io.StringIO("hello\n\nhow are you\nclear\nhello\nexit\nnever\n")
+    )
+    rc = chat.main(["--path", str(opt_dir), "--greedy", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert len(replies(out)) == 3 and len(prompts) == 3  # empty line ignored, stops at exit
+    first, second, after_clear = prompts
+    # the second turn sees the whole history (as text: BPE may merge across the turn boundary)
+    tok = AutoTokenizer.from_pretrained(opt_dir)
+    assert tok.decode(second).startswith(tok.decode(first)) and len(second) > len(first)
+    assert tok.decode(second).endswith("\n\nHuman: how are you\n\nAssistant:")
+    assert after_clear == first  # clear started over
+    assert replies(out)[0] == replies(out)[2]
+
+
+def test_main_truncates_history_to_context(opt_dir, monkeypatch, capsys):
+    prompts = []
+
+    def canned_reply(model, tokenizer, prompt_ids, args, out=None):
+        prompts.append(list(prompt_ids))  # only the prompts matter here: skip generation
+        return " It is sunny."
+
+    monkeypatch.setattr(chat, "reply", canned_reply)
+    turns = ["hi"] * 5 + ["word " * 60]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(turns) + "\n"))
+    # max_position_embeddings is 128: 100 new tokens leave 28 for the history
+    rc = chat.main(["--path", str(opt_dir), "--greedy", "--max-new-tokens", "100"])
+    assert rc == 0
+    assert len(replies(capsys.readouterr().out)) == 6
+    assert all(len(p) <= 28 and p[0] == 2 for p in prompts)  # fits, BOS first
+    human = AutoTokenizer.from_pretrained(opt_dir)("\n\nHuman:", add_special_tokens=False)
+    n_turns = [_count(p, human["input_ids"]) for p in prompts]
+    assert n_turns[:2] == [1, 2]  # the history is kept while it fits ...
+    assert 1 < n_turns[4] < 5  # ... then the oldest exchanges are dropped
+    assert len(prompts[5]) == 28 and n_turns[5] <= 1  # a turn too long alone: its tail is kept
+
+
+def _count(ids: list[int], sub: list[int]) -> int:
+    return sum(ids[i : i + len(sub)] == sub for i in range(len(ids)))
+
+
+def test_cli_piped_conversation(opt_dir):
+    stdin = "hello\nhow are you\nclear\nhello\nhi\nquit\nignored\n"
+    proc = run_chat(["--path", str(opt_dir), "--greedy", "--max-new-tokens", "8"], stdin)
+    assert proc.returncode == 0, proc.stderr
+    got = replies(proc.stdout)
+    assert len(got) == 4, proc.stdout
+    assert got[0] == got[2]  # "hello" on a fresh history, before and after clear
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_llama_sampling_until_eof(opt_tokenizer_path, tmp_path):
+    path = tiny_model_dir(opt_tokenizer_path, tmp_path / "llama", arch="llama")
+    args = ["--path", str(path), "--seed", "0", "--max-new-tokens", "6", "--top-k", "20"]
+    proc = run_chat(args, "hello\nhow are you\n")  # EOF ends the chat
+    assert proc.returncode == 0, proc.stderr
+    assert len(replies(proc.stdout)) == 2
+
+
+def test_cli_interactive_prompts(opt_dir):
+    """On a terminal the user gets a "Human: " prompt and an "Assistant: " prefix."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [sys.executable, str(CHAT), "--path", str(opt_dir), "--greedy", "--max-new-tokens", "4"]
+    proc = subprocess.Popen(
+        args, stdin=follower, stdout=follower, stderr=follower, env=env, cwd=ROOT
+    )
+    os.close(follower)
+    seen, sent = b"", 0
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:
+                    break
+            if seen.count(b"Human: ") > sent:  # a fresh prompt: answer it
+                os.write(leader, [b"hello\n", b"quit\n"][min(sent, 1)])
+                sent += 1
+        assert proc.wait(timeout=max(1, deadline - time.time())) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
+    text = seen.decode(errors="replace")
+    assert "Human: " in text and "Assistant: " in text
+
+
+def test_error_missing_path_in_process(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    assert chat.main(["--path", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--path" in err and str(missing) in err
+    assert "no such directory" in err and "output/step3/actor" in err
+
+
+def test_error_missing_path_cli(tmp_path):
+    proc = run_chat(["--path", str(tmp_path / "nope")], "")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "--path" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_error_dir_without_config(tmp_path, capsys):
+    assert chat.main(["--path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json" in err
+
+
+def test_error_hub_name_offline(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # so the name cannot match a local folder
+    assert chat.main(["--path", "no-such-org/no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unreachable" in err and "local directory" in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--temperature", "0"], ["--top-p", "0"], ["--max-new-tokens", "0"], ["--device", "cuda"]],
+)
+def test_error_bad_flags(flags, tmp_path, capsys):
+    if flags == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert chat.main(["--path", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_error_context_too_small(opt_dir, capsys):
+    assert chat.main(["--path", str(opt_dir), "--max-new-tokens", "128"]) == 2
+    assert "context" in capsys.readouterr().err
+
+
+def test_chat_imports_only_torch_and_transformers():
+    """chat.py must run on an exported model without this project's packages installed."""
+    tree = ast.parse(CHAT.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots.add(node.module.split(".")[0])
+    third_party = roots - set(sys.stdlib_module_names)
+    assert third_party <= {"torch", "transformers"}, third_party
