@@ -1,0 +1,48 @@
+"""LoRA through peft: attach adapters for training, merge them for export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    dim: int = 0                    # rank; 0 = LoRA off
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    only_optimize_lora: bool = False
+    learning_rate: float | None = None   # None = the model's learning rate
+
+
+def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
+    """Wrap `model` with LoRA adapters (no-op when lora.dim == 0). Without
+    `only_optimize_lora` the base weights keep training too (DeepSpeed-Chat's default); a
+    sequence-classification `score` head always trains, since it starts random."""
+    if lora.dim <= 0:
+        return model
+    targets = lora.target_modules
+    if not isinstance(targets, str):
+        targets = list(targets)
+    config = LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=targets, exclude_modules=["score", "lm_head"])
+    peft_model = get_peft_model(model, config)
+    for name, param in peft_model.named_parameters():
+        is_lora = "lora_" in name
+        is_head = name.split(".")[-2:-1] == ["score"]
+        param.requires_grad_(is_lora or is_head or not lora.only_optimize_lora)
+    return peft_model
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The plain transformers model with LoRA folded into its weights (in place)."""
+    if isinstance(model, PeftModel):
+        return model.merge_and_unload()
+    return model
+
+
+def is_lora_param(name: str) -> bool:
+    return "lora_" in name

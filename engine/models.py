@@ -1,0 +1,259 @@
+"""Where models and tokenizers come from: built-in presets, local directories, the hub.
+
+A model argument (`--actor-model`, `--reward-model`) is one of
+  * a built-in tiny preset (`tiny-llama`, `tiny-opt`, `tiny-gpt2`, `tiny-gpt-neox`), built
+    from a config with random weights, for demos and tests;
+  * a local Hugging Face directory (config.json + weights);
+  * a hub name, which works when online or cached and otherwise fails in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import models as tokenizer_models
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    OPTConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from engine.errors import UserError
+
+# Small enough to train on two CPU cores in seconds, big enough to learn the demo task.
+_TINY = dict(hidden=128, layers=2, heads=4, ffn=512, positions=1024)
+
+
+def _llama(vocab_size: int, **ids: int) -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=_TINY["hidden"], intermediate_size=_TINY["ffn"],
+        num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
+        num_key_value_heads=_TINY["heads"] // 2, max_position_embeddings=_TINY["positions"],
+        tie_word_embeddings=False, **ids,
+    )
+
+
+def _opt(vocab_size: int, **ids: int) -> PretrainedConfig:
+    return OPTConfig(
+        vocab_size=vocab_size, hidden_size=_TINY["hidden"], ffn_dim=_TINY["ffn"],
+        num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
+        word_embed_proj_dim=_TINY["hidden"], max_position_embeddings=_TINY["positions"],
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, **ids,
+    )
+
+
+def _gpt2(vocab_size: int, **ids: int) -> PretrainedConfig:
+    return GPT2Config(
+        vocab_size=vocab_size, n_embd=_TINY["hidden"], n_layer=_TINY["layers"],
+        n_head=_TINY["heads"], n_inner=_TINY["ffn"], n_positions=_TINY["positions"],
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
+    )
+
+
+def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
+    return GPTNeoXConfig(
+        vocab_size=vocab_size, hidden_size=_TINY["hidden"], intermediate_size=_TINY["ffn"],
+        num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
+        max_position_embeddings=_TINY["positions"], hidden_dropout=0.0, attention_dropout=0.0,
+        tie_word_embeddings=False, **ids,
+    )
+
+
+PRESETS = {"tiny-llama": _llama, "tiny-opt": _opt, "tiny-gpt2": _gpt2, "tiny-gpt-neox": _gpt_neox}
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in tokenizer of the presets: one token per byte, so it needs no training
+    data and round-trips any text. Ids: <pad>=0, <s>=1 (prepended), </s>=2, <unk>=3."""
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate(specials + alphabet)}
+    tok = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", model_max_length=_TINY["positions"],
+    )
+
+
+def _source(spec: str, flag: str) -> str:
+    """Classify a model argument as 'preset', 'local' or 'hub'; fail early on a bad path."""
+    if spec in PRESETS:
+        return "preset"
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UserError(f"{flag} {spec}: directory has no config.json; pass a Hugging Face "
+                            "model directory (e.g. output/actor)")
+        return "local"
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise UserError(f"{flag} {spec}: no such model directory; pass a local Hugging Face "
+                        f"directory, a hub name or a preset ({', '.join(PRESETS)})")
+    return "hub"
+
+
+def _hub_offline() -> bool:
+    """True when the hub cannot be reached: offline mode, or no connection within 3 s.
+    Checked up front because the hub client retries for most of a minute otherwise."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
+        return True
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+        return False
+    except OSError:
+        return True
+
+
+def _hub_error(spec: str, flag: str, why: str) -> UserError:
+    return UserError(f"{flag} {spec}: not a local directory or preset, and the Hugging Face hub "
+                     f"could not provide it ({why}); download it and pass the local directory")
+
+
+def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str):
+    """Call `load(local_files_only=...)`, turning hub/IO failures into one-line errors."""
+    local_only = False
+    if kind == "hub" and _hub_offline():
+        if try_to_load_from_cache(spec, "config.json") is None and \
+                try_to_load_from_cache(spec, "tokenizer_config.json") is None:
+            raise _hub_error(spec, flag, "offline, and not in the local cache")
+        local_only = True
+    try:
+        return load(local_files_only=local_only)
+    except OSError as err:
+        if kind == "hub":
+            raise _hub_error(spec, flag, str(err).splitlines()[0]) from None
+        raise UserError(f"{flag} {spec}: cannot load the {what} ({str(err).splitlines()[0]})") \
+            from None
+
+
+def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--actor-model",
+                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer for a model argument: `tokenizer` when given, the built-in byte
+    tokenizer for a preset, otherwise the model directory's own. Ensures a pad token."""
+    source = tokenizer or spec
+    if source in PRESETS:
+        tok = byte_tokenizer()
+    else:
+        flag = "tokenizer=" if tokenizer else flag
+        tok = _from_hub_or_dir(
+            lambda **kw: AutoTokenizer.from_pretrained(
+                source, trust_remote_code=trust_remote_code, **kw),
+            source, _source(source, flag), flag, "tokenizer")
+    if tok.eos_token_id is None:
+        raise UserError(f"{flag} {source}: the tokenizer has no EOS token; answers need one")
+    if tok.pad_token_id is None:
+        # Prefer a token that never ends a real sequence, so HF's sequence-classification
+        # pooling (rightmost non-pad token) still sees the final EOS.
+        tok.pad_token = tok.unk_token if tok.unk_token_id not in (None, tok.eos_token_id) \
+            else tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def _special_ids(tok: PreTrainedTokenizerBase) -> dict[str, int]:
+    return dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id or tok.eos_token_id,
+                eos_token_id=tok.eos_token_id)
+
+
+def _preset_config(spec: str, tok: PreTrainedTokenizerBase) -> PretrainedConfig:
+    return PRESETS[spec](len(tok), **_special_ids(tok))
+
+
+def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype: torch.dtype,
+          trust_remote_code: bool, seed: int, **kwargs) -> PreTrainedModel:
+    kind = _source(spec, flag)
+    if kind == "preset":
+        config = _preset_config(spec, tok)
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = auto_cls.from_config(config, dtype=dtype)
+        return model
+    model = _from_hub_or_dir(
+        lambda **kw: auto_cls.from_pretrained(
+            spec, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs, **kw),
+        spec, kind, flag, "model")
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def load_causal_lm(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--actor-model",
+                   dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                   seed: int = 0) -> PreTrainedModel:
+    """A causal LM from a preset, directory or hub name (random init for presets)."""
+    return _load(AutoModelForCausalLM, spec, tok, flag=flag, dtype=dtype,
+                 trust_remote_code=trust_remote_code, seed=seed)
+
+
+def load_reward_model(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--reward-model",
+                      dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                      seed: int = 0) -> PreTrainedModel:
+    """A one-label `AutoModelForSequenceClassification`. From a causal-LM checkpoint the
+    transformer is reused and the score head is freshly initialised (as in InstructGPT)."""
+    model = _load(AutoModelForSequenceClassification, spec, tok, flag=flag, dtype=dtype,
+                  trust_remote_code=trust_remote_code, seed=seed, num_labels=1)
+    model.config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions counting real tokens only, so a left-padded prompt gets the same
+    positions as unpadded (and as `generate` gives it)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _score_head(model: torch.nn.Module) -> torch.nn.Module:
+    heads = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "score"]
+    if len(heads) != 1:
+        raise UserError(f"{type(model).__name__}: expected one `score` head for per-token "
+                        "values; use an AutoModelForSequenceClassification checkpoint")
+    return heads[0]
+
+
+def token_values(model: torch.nn.Module, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token outputs [B, T] of a one-label sequence-classification model (the reward
+    at every position, or the critic's values). The model is called as a whole, so wrappers
+    (peft, FSDP) run their hooks; the head's output is captured on the way out."""
+    captured = []
+    handle = _score_head(model).register_forward_hook(lambda m, i, out: captured.append(out))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask,
+              position_ids=position_ids(attention_mask))
+    finally:
+        handle.remove()
+    return captured[0].squeeze(-1).float()
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of the rightmost real token of each row (left or right padding)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(-1)
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] reward-model score at the last real token of each sequence."""
+    values = token_values(model, input_ids, attention_mask)
+    return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)

@@ -1,0 +1,58 @@
+"""Metrics: one JSON object per logged step in <step dir>/metrics.jsonl, mirrored to
+wandb when enabled (offline when there is no API key)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _wandb_mode(mode: str) -> str:
+    if mode != "auto":
+        return mode
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists()
+    return "online" if has_key else "offline"
+
+
+class Tracker:
+    def __init__(self, step_dir: Path, *, wandb_settings: dict | None = None,
+                 config: dict | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(step_dir) / "metrics.jsonl"
+        self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ws = wandb_settings or {}
+        if ws.get("enabled"):
+            import wandb
+
+            self._wandb = wandb.init(
+                project=ws.get("project"), name=ws.get("run_name"), group=ws.get("group"),
+                dir=str(self.path.parent), config=config, mode=_wandb_mode(ws.get("mode", "auto")),
+                reinit="finish_previous",
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, float):
+        return round(value, 6)
+    return value

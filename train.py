@@ -1,0 +1,162 @@
+"""Train a chat model with the InstructGPT recipe: SFT, reward model, PPO.
+
+    python train.py                                     # the built-in demo, CPU, minutes
+    python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m \\
+        data.path=[Dahoas/rm-static] ppo.kl_coef=0.05
+
+Flags follow DeepSpeed-Chat; every further `key=value` argument is a Hydra override of
+configs/config.yaml (see --help for all keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEPLOYMENTS = ("single_gpu",)
+MODEL_DIRS = {1: ("actor",), 2: ("reward",), 3: ("step3/actor", "step3/critic")}
+
+
+def _default_config_text() -> str:
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        return OmegaConf.to_yaml(compose("config"))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="RLHF in three steps: 1 SFT, 2 reward model, 3 PPO. With no model flags "
+                    "it runs the built-in demo (tiny models, generated data, CPU-friendly).",
+        epilog="Hydra overrides: any `key=value` after the flags sets a config key, e.g.\n"
+               "  ppo.kl_coef=0.05 sft.epochs=2 'data.path=[a.jsonl,b.parquet]' recipe=demo\n"
+               "Unknown keys are refused. The keys and their defaults (configs/config.yaml):\n\n"
+               + (_default_config_text() if "-h" in (argv or sys.argv) or "--help" in (
+                   argv or sys.argv) else ""),
+    )
+    parser.add_argument("--actor-model", help="actor/SFT model: local HF dir, hub name, or a "
+                        "preset (tiny-llama, tiny-opt, tiny-gpt2, tiny-gpt-neox)")
+    parser.add_argument("--reward-model", help="reward-model base: same kinds as --actor-model")
+    parser.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=None,
+                        help="steps to run (default: 1 2 3)")
+    parser.add_argument("--output-dir", help="where models, configs and metrics go "
+                        "(default ./output)")
+    parser.add_argument("--deployment-type", choices=DEPLOYMENTS, default=None,
+                        help="single_gpu: one process (the only kind so far)")
+    parser.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
+    parser.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="Hydra overrides of configs/config.yaml")
+    return parser.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> DictConfig:
+    """Flags and overrides -> the resolved run config. With no model flags and no explicit
+    recipe the demo recipe is selected."""
+    overrides = list(args.overrides)
+    no_models = args.actor_model is None and args.reward_model is None
+    if no_models and not any(o.lstrip("+~").startswith("recipe=") for o in overrides):
+        overrides.insert(0, "recipe=demo")
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    flags = {"actor_model": args.actor_model, "reward_model": args.reward_model,
+             "steps": args.step, "output_dir": args.output_dir,
+             "deployment_type": args.deployment_type, "actor_zero_stage": args.actor_zero_stage,
+             "reward_zero_stage": args.reward_zero_stage}
+    for key, value in flags.items():
+        if value is not None:
+            cfg[key] = sorted(set(value)) if key == "steps" else value
+    return cfg
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Refuse a run that cannot work, before anything is loaded or written."""
+    from engine.errors import UserError
+
+    steps = list(cfg.steps)
+    if not steps or not set(steps) <= {1, 2, 3}:
+        raise UserError(f"steps={steps}: choose from 1 2 3 (--step 1 2 3)")
+    if cfg.deployment_type not in DEPLOYMENTS:
+        raise UserError(f"--deployment-type {cfg.deployment_type}: only single_gpu is "
+                        "available in this version")
+    if 1 in steps and not cfg.actor_model:
+        raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
+    if 2 in steps and not cfg.reward_model:
+        raise UserError("step 2 needs --reward-model (a local HF dir, hub name or preset)")
+    if len(cfg.data.split) != 3:
+        raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
+                        "1, 2, 3 (e.g. data.split=[2,4,4])")
+    if cfg.ppo.micro_batch_size > cfg.ppo.rollout_batch_size:
+        raise UserError("ppo.micro_batch_size must not exceed ppo.rollout_batch_size")
+    out = Path(cfg.output_dir)
+    for step in steps:
+        for name in MODEL_DIRS[step]:
+            if (out / name).exists() and not cfg.overwrite:
+                raise UserError(f"{out / name} already holds a finished step-{step} model; "
+                                "pass overwrite=true to replace it or choose another "
+                                "--output-dir")
+
+
+def run(cfg: DictConfig) -> dict[int, float]:
+    """Run the selected steps in order; returns each step's wall time in seconds."""
+    from engine.runtime import seed_everything, setup_runtime
+    from steps import demo, ppo, reward, sft
+    from steps.common import log
+    from steps.data import load_blend
+
+    rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed)
+    sft_pairs, rm_pairs, ppo_pairs = load_blend(
+        list(cfg.data.path), list(cfg.data.split), cfg.seed,
+        demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed))
+    log(f"data {list(cfg.data.path)}: {len(sft_pairs)} / {len(rm_pairs)} / {len(ppo_pairs)} "
+        f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)}); device {rt.device}, "
+        f"{str(rt.dtype).removeprefix('torch.')}")
+    seconds = {}
+    for step in cfg.steps:
+        seed_everything(cfg.seed + step)
+        start = time.perf_counter()
+        if step == 1:
+            sft.run(cfg, sft_pairs, rt)
+        elif step == 2:
+            reward.run(cfg, rm_pairs, rt)
+        else:
+            ppo.run(cfg, ppo_pairs, sft_pairs, rt)
+        seconds[step] = time.perf_counter() - start
+    log("done: " + ", ".join(f"step {s} {t:.1f}s" for s, t in seconds.items())
+        + f"; outputs in {cfg.output_dir}")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.errors import UserError
+    from steps.data import DataError
+
+    try:
+        cfg = build_config(args)
+        check_config(cfg)
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        run(cfg)
+    except (HydraException, OmegaConfBaseException) as err:
+        reason = " ".join(str(err).split("\n")[:2]).strip()
+        cause = str(err.__cause__).split("\n")[0] if err.__cause__ else ""
+        print(f"train.py: {reason}" + (f" ({cause})" if cause else ""), file=sys.stderr)
+        return 2
+    except (UserError, DataError) as err:
+        print(f"train.py: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
