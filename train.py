@@ -11,13 +11,14 @@ configs/config.yaml (see --help for all keys).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from hydra.errors import HydraException, OverrideParseException
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -44,8 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--actor-model", help="actor/SFT model: local HF dir, hub name, or a "
                         "preset (tiny-llama, tiny-opt, tiny-gpt2, tiny-gpt-neox)")
     parser.add_argument("--reward-model", help="reward-model base: same kinds as --actor-model")
-    parser.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=None,
-                        help="steps to run (default: 1 2 3)")
+    parser.add_argument("--step", type=int, nargs="+", action="extend", choices=(1, 2, 3),
+                        default=None, help="steps to run (default: 1 2 3)")
     parser.add_argument("--output-dir", help="where models, configs and metrics go "
                         "(default ./output)")
     parser.add_argument("--deployment-type", choices=DEPLOYMENTS, default=None,
@@ -54,7 +55,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="Hydra overrides of configs/config.yaml")
-    return parser.parse_args(argv)
+    # intermixed: `key=value` overrides may come before, between and after the flags
+    return parser.parse_intermixed_args(_inline_steps(sys.argv[1:] if argv is None else argv))
+
+
+def _inline_steps(argv: list[str]) -> list[str]:
+    """`--step 1 3 sft.epochs=2` -> `--step=1 --step=3 sft.epochs=2`: nargs="+" would also
+    swallow the overrides that follow the step numbers."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--step" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            while i + 1 < len(argv) and argv[i + 1].isdigit():
+                out.append(f"--step={argv[i + 1]}")
+                i += 1
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
 
 
 def build_config(args: argparse.Namespace) -> DictConfig:
@@ -65,7 +82,15 @@ def build_config(args: argparse.Namespace) -> DictConfig:
     if no_models and not any(o.lstrip("+~").startswith("recipe=") for o in overrides):
         overrides.insert(0, "recipe=demo")
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = compose("config", overrides=overrides)
+        try:
+            cfg = compose("config", overrides=overrides)
+        except ValueError as err:  # hydra lets some malformed overrides (`=3`) through raw
+            from engine.errors import UserError
+
+            raise UserError(f"bad override in {' '.join(args.overrides)}: "
+                            f"{str(err).splitlines()[0]}") from None
+        defaults = compose("config")
+    _check_types(cfg, OmegaConf.to_container(defaults, resolve=True))
     flags = {"actor_model": args.actor_model, "reward_model": args.reward_model,
              "steps": args.step, "output_dir": args.output_dir,
              "deployment_type": args.deployment_type, "actor_zero_stage": args.actor_zero_stage,
@@ -74,6 +99,46 @@ def build_config(args: argparse.Namespace) -> DictConfig:
         if value is not None:
             cfg[key] = sorted(set(value)) if key == "steps" else value
     return cfg
+
+
+def _check_types(cfg: DictConfig, defaults: dict, prefix: str = "") -> None:
+    """Refuse an override whose value cannot be what its key's default is (`ppo.kl_coef=abc`
+    would otherwise fail deep inside a step, minutes later). A list key given one value
+    (`data.path=a.jsonl`, `steps=1`) becomes a one-element list."""
+    from engine.errors import UserError
+
+    def kind(value) -> str | None:
+        if value is None or isinstance(value, dict):
+            return None
+        if isinstance(value, bool):
+            return "a boolean (true/false)"
+        if isinstance(value, int | float):
+            return "a number"
+        return "a list" if isinstance(value, list) else "text"
+
+    def fits(value, default, name: str) -> bool:
+        want, got = kind(default), kind(value)
+        return want is None or got is None or got == want or (
+            want == "text" and got == "a list" and name == "target_modules")
+
+    for name, default in defaults.items():
+        key, value = f"{prefix}{name}", cfg.get(name)
+        if isinstance(default, dict):
+            if isinstance(value, DictConfig):
+                _check_types(value, default, f"{key}.")
+            continue
+        value = OmegaConf.to_container(value, resolve=True) \
+            if isinstance(value, DictConfig | ListConfig) else value
+        if isinstance(default, list) and not isinstance(value, list | type(None)):
+            value = [value]
+            cfg[name] = value
+        items = zip(value, [default[0]] * len(value), strict=True) \
+            if isinstance(default, list) and default and isinstance(value, list) else []
+        for item, item_default in [(value, default), *items]:
+            if not fits(item, item_default, name):
+                raise UserError(f"{key}={value!r}: expected {kind(item_default)}"
+                                + (" in every item" if item is not value else "")
+                                + f" (default {default!r})")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -90,6 +155,14 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
     if 2 in steps and not cfg.reward_model:
         raise UserError("step 2 needs --reward-model (a local HF dir, hub name or preset)")
+    from engine.models import check_model_arg
+
+    if 1 in steps:
+        check_model_arg(cfg.actor_model, "--actor-model")
+    if 2 in steps:
+        check_model_arg(cfg.reward_model, "--reward-model")
+    if cfg.tokenizer and not Path(cfg.tokenizer).expanduser().is_dir():
+        check_model_arg(cfg.tokenizer, "tokenizer=")
     if len(cfg.data.split) != 3:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")
@@ -106,10 +179,11 @@ def check_config(cfg: DictConfig) -> None:
 
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
+    from engine.errors import UserError
     from engine.runtime import seed_everything, setup_runtime
     from steps import demo, ppo, reward, sft
-    from steps.common import log
-    from steps.data import load_blend
+    from steps.common import log, step_dir
+    from steps.data import DataError, load_blend
 
     rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed)
     sft_pairs, rm_pairs, ppo_pairs = load_blend(
@@ -119,15 +193,26 @@ def run(cfg: DictConfig) -> dict[int, float]:
         f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)}); device {rt.device}, "
         f"{str(rt.dtype).removeprefix('torch.')}")
     seconds = {}
+    out = Path(cfg.output_dir)
+    out_existed = out.exists()
     for step in cfg.steps:
         seed_everything(cfg.seed + step)
         start = time.perf_counter()
-        if step == 1:
-            sft.run(cfg, sft_pairs, rt)
-        elif step == 2:
-            reward.run(cfg, rm_pairs, rt)
-        else:
-            ppo.run(cfg, ppo_pairs, sft_pairs, rt)
+        fresh = not step_dir(cfg, step).exists()
+        try:
+            if step == 1:
+                sft.run(cfg, sft_pairs, rt)
+            elif step == 2:
+                reward.run(cfg, rm_pairs, rt)
+            else:
+                ppo.run(cfg, ppo_pairs, sft_pairs, rt)
+        except (UserError, DataError):
+            # a refused step (bad model, no data left after filtering) leaves nothing behind
+            if fresh:
+                shutil.rmtree(step_dir(cfg, step), ignore_errors=True)
+            if not out_existed and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            raise
         seconds[step] = time.perf_counter() - start
     log("done: " + ", ".join(f"step {s} {t:.1f}s" for s, t in seconds.items())
         + f"; outputs in {cfg.output_dir}")
@@ -150,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except (HydraException, OmegaConfBaseException) as err:
         reason = " ".join(str(err).split("\n")[:2]).strip()
         cause = str(err.__cause__).split("\n")[0] if err.__cause__ else ""
-        print(f"train.py: {reason}" + (f" ({cause})" if cause else ""), file=sys.stderr)
+        where = f"bad override '{err.override}': " if isinstance(err, OverrideParseException) \
+            and err.override and err.override not in reason else ""
+        print(f"train.py: {where}{reason}" + (f" ({cause})" if cause else ""), file=sys.stderr)
         return 2
     except (UserError, DataError) as err:
         print(f"train.py: {err}", file=sys.stderr)

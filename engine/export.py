@@ -20,11 +20,20 @@ def atomic_directory(final: Path, write) -> Path:
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # a failed write leaves nothing behind
+        raise
     if final.exists():
         old = final.parent / f".{final.name}.old-{os.getpid()}"
         final.rename(old)
-        tmp.rename(final)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            old.rename(final)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(old)
     else:
         tmp.rename(final)

@@ -128,12 +128,25 @@ def _hub_error(spec: str, flag: str, why: str) -> UserError:
                      f"could not provide it ({why}); download it and pass the local directory")
 
 
+def _in_hub_cache(spec: str) -> bool:
+    return any(try_to_load_from_cache(spec, name) is not None
+               for name in ("config.json", "tokenizer_config.json"))
+
+
+def check_model_arg(spec: str, flag: str) -> None:
+    """Fail fast, in one line, on a model argument that cannot load: a bad path, or a hub
+    name while the hub is unreachable and the name is not cached. train.py calls this
+    before any data is read or anything is written."""
+    if spec not in PRESETS and _source(spec, flag) == "hub" and _hub_offline() \
+            and not _in_hub_cache(spec):
+        raise _hub_error(spec, flag, "offline, and not in the local cache")
+
+
 def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str):
     """Call `load(local_files_only=...)`, turning hub/IO failures into one-line errors."""
     local_only = False
     if kind == "hub" and _hub_offline():
-        if try_to_load_from_cache(spec, "config.json") is None and \
-                try_to_load_from_cache(spec, "tokenizer_config.json") is None:
+        if not _in_hub_cache(spec):
             raise _hub_error(spec, flag, "offline, and not in the local cache")
         local_only = True
     try:
@@ -154,10 +167,13 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
         tok = byte_tokenizer()
     else:
         flag = "tokenizer=" if tokenizer else flag
+        # a tokenizer directory (tokenizer=DIR) holds no config.json, only tokenizer files
+        kind = "local" if tokenizer and Path(source).expanduser().is_dir() \
+            else _source(source, flag)
         tok = _from_hub_or_dir(
             lambda **kw: AutoTokenizer.from_pretrained(
                 source, trust_remote_code=trust_remote_code, **kw),
-            source, _source(source, flag), flag, "tokenizer")
+            source, kind, flag, "tokenizer")
     if tok.eos_token_id is None:
         raise UserError(f"{flag} {source}: the tokenizer has no EOS token; answers need one")
     if tok.pad_token_id is None:

@@ -175,7 +175,7 @@ def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, pp
                        position_ids=position_ids(ptx_batch["attention_mask"])).logits
         ptx = sft_loss(logits, ptx_batch["labels"])
         loss = loss + ppo.ptx.coef * ptx
-        stats["train/ptx_loss"] = float(ptx)
+        stats["train/ptx_loss"] = ptx.item()
     actor.backward(loss)
     actor.step()
 
@@ -184,10 +184,10 @@ def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, pp
                             ppo.value_clip_range)
     critic.backward(critic_out.loss)
     critic.step()
-    return {**stats, "train/policy_loss": float(actor_out.loss),
+    return {**stats, "train/policy_loss": actor_out.loss.item(),
             "train/clip_fraction": float(actor_out.clip_fraction),
             "train/approx_kl": float(actor_out.approx_kl),
-            "train/value_loss": float(critic_out.loss),
+            "train/value_loss": critic_out.loss.item(),
             "train/value_clip_fraction": float(critic_out.clip_fraction)}
 
 
@@ -232,9 +232,9 @@ def _paths(cfg: DictConfig) -> tuple[str, str]:
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
         rt: Runtime) -> dict:
+    actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
     out = start_step(cfg, 3)
     ppo, data = cfg.ppo, cfg.data
-    actor_path, reward_path = _paths(cfg)
     trc = cfg.trust_remote_code
     tokenizer = load_tokenizer(actor_path, trust_remote_code=trc)
     reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path", trust_remote_code=trc)
@@ -272,6 +272,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         critic_model = load_reward_model(actor_path, tokenizer, flag="ppo.actor_path",
                                          dtype=dtype, trust_remote_code=trc, seed=seed)
         critic_tokenizer = tokenizer
+    if cfg.engine.gradient_checkpointing:
+        actor_model.gradient_checkpointing_enable()
+        critic_model.gradient_checkpointing_enable()
     critic_model = apply_lora(critic_model, lora_settings(ppo.critic_lora))
 
     rounds = num_batches(len(prompts), ppo.rollout_batch_size)
@@ -348,7 +351,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     if ema is not None:
         save_hf(ema, tokenizer, step3 / "actor_ema")
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
-    log(f"step 3 (PPO) done: {iteration} iterations, {line}, {elapsed:.1f}s -> {step3}")
+    log(f"step 3 (PPO) done: {iteration} iterations, " + (f"{line}, " if line else "")
+        + f"{elapsed:.1f}s -> {step3}")
     return summary
 
 

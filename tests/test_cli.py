@@ -1,0 +1,211 @@
+"""train.py: flags and Hydra overrides -> config, --help, and one-line refusals of bad input
+(nothing is written for a refused run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+# keep anything that does run tiny and quiet
+SMALL = ["data.demo_pairs=40", "logging.progress=false"]
+
+
+def config(*argv: str):
+    return train.build_config(train.parse_args(list(argv)))
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    code = train.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {lines}"
+    assert lines[0].startswith("train.py: ")
+    return lines[0]
+
+
+def tree(path: Path) -> set[str]:
+    """Every path under `path` (relative), hidden temp dirs included."""
+    return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()
+
+
+# ---------------------------------------------------------------------------------------------
+# flags and overrides
+
+
+def test_each_flag_maps_to_its_key():
+    cfg = config("--actor-model", "X", "--reward-model", "R", "--step", "3", "1",
+                 "--output-dir", "out/run", "--deployment-type", "single_gpu",
+                 "--actor-zero-stage", "3", "--reward-zero-stage", "2")
+    assert cfg.actor_model == "X"
+    assert cfg.reward_model == "R"
+    assert list(cfg.steps) == [1, 3]
+    assert cfg.output_dir == "out/run"
+    assert cfg.deployment_type == "single_gpu"
+    assert cfg.actor_zero_stage == 3
+    assert cfg.reward_zero_stage == 2
+
+
+def test_overrides_apply_and_may_mix_with_flags():
+    cfg = config("ppo.kl_coef=0.05", "--actor-model", "X", "--step", "1", "sft.epochs=2",
+                 "data.path=[a.jsonl,b.parquet]")
+    assert cfg.ppo.kl_coef == 0.05
+    assert cfg.sft.epochs == 2
+    assert list(cfg.data.path) == ["a.jsonl", "b.parquet"]
+    assert cfg.actor_model == "X" and list(cfg.steps) == [1]
+
+
+def test_a_single_value_for_a_list_key_becomes_a_list():
+    cfg = config("--actor-model", "X", "data.path=a.jsonl", "steps=2")
+    assert list(cfg.data.path) == ["a.jsonl"]
+    assert list(cfg.steps) == [2]
+
+
+def test_no_model_flags_selects_the_demo_recipe():
+    cfg = config()
+    assert cfg.actor_model == "tiny-llama" and cfg.reward_model == "tiny-llama"
+    assert list(cfg.data.path) == ["demo"]
+    assert cfg.data.max_prompt_len == 64
+    assert list(cfg.steps) == [1, 2, 3]
+
+
+def test_a_model_flag_keeps_the_standard_recipe():
+    cfg = config("--actor-model", "X")
+    assert cfg.reward_model is None
+    assert cfg.data.max_prompt_len == 256
+    assert list(cfg.data.split) == [2, 4, 4]
+    ppo = cfg.ppo
+    assert ppo.kl_coef == 0.1
+    assert ppo.clip_range == 0.2 and ppo.value_clip_range == 0.2
+    assert ppo.gamma == 1.0 and ppo.lam == 0.95
+    assert ppo.ema.beta == 0.992 and ppo.ema.enabled is False
+    assert ppo.score_clip == 5
+    assert ppo.max_new_tokens == cfg.data.max_answer_len == 256
+
+
+def test_a_flag_beats_the_same_key_as_override():
+    cfg = config("actor_model=Y", "--actor-model", "X", "steps=[2,3]", "--step", "1",
+                 "output_dir=b", "--output-dir", "a", "actor_zero_stage=1",
+                 "--actor-zero-stage", "2")
+    assert cfg.actor_model == "X"
+    assert list(cfg.steps) == [1]
+    assert cfg.output_dir == "a"
+    assert cfg.actor_zero_stage == 2
+
+
+def test_help_lists_flags_and_config_keys():
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--actor-model", "--reward-model", "--step", "--output-dir",
+                 "--deployment-type", "--actor-zero-stage", "--reward-zero-stage"):
+        assert flag in proc.stdout
+    for key in ("kl_coef", "max_prompt_len", "clip_range", "demo_pairs", "overwrite"):
+        assert key in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# refused overrides
+
+
+def test_unknown_key_is_one_line(capsys):
+    code, err = run_main(capsys, "sft.nope=1")
+    assert code == 2
+    assert "sft.nope" in one_line(err)
+
+
+@pytest.mark.parametrize("override", ["sft.epochs=[1", "foo", "=3"])
+def test_malformed_override_is_one_line(capsys, override):
+    code, err = run_main(capsys, override)
+    assert code == 2
+    assert override in one_line(err)
+
+
+@pytest.mark.parametrize("override, key", [("ppo.kl_coef=abc", "ppo.kl_coef"),
+                                           ("sft.epochs=true", "sft.epochs"),
+                                           ("data.split=[a,b,c]", "data.split")])
+def test_wrongly_typed_value_is_refused_up_front(capsys, tmp_path, override, key):
+    code, err = run_main(capsys, "--output-dir", str(tmp_path / "out"), override)
+    assert code == 2
+    assert key in one_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: exit 2, one line that names the problem, nothing written
+
+
+def refused(capsys, out: Path, *argv: str) -> str:
+    before = tree(out)
+    code, err = run_main(capsys, "--output-dir", str(out), *argv, *SMALL)
+    assert code == 2, err
+    assert tree(out) == before, "a refused run wrote into the output dir"
+    if not before:
+        assert not out.exists()
+    return one_line(err)
+
+
+def test_missing_model_path(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", "./no/such/dir")
+    assert "./no/such/dir" in line and "--actor-model" in line
+
+
+def test_unknown_preset_name_offline(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", "tiny-nonexistent",
+                   "data.path=[demo]")
+    assert "tiny-nonexistent" in line and "offline" in line
+
+
+def test_missing_data_file(capsys, tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    line = refused(capsys, tmp_path / "out", f"data.path=[{missing}]")
+    assert str(missing) in line and "not found" in line
+
+
+def test_malformed_json_data_file(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": "b", "rejected": \n')
+    line = refused(capsys, tmp_path / "out", f"data.path=[{bad}]")
+    assert str(bad) in line
+
+
+def test_data_file_without_rejected(capsys, tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": f"a{i}"}) + "\n"
+                            for i in range(5)))
+    line = refused(capsys, tmp_path / "out", f"data.path=[{data}]")
+    assert "rejected" in line and str(data) in line
+
+
+def test_no_examples_left_after_filtering(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "data.max_prompt_len=1")
+    assert "after filtering" in line and "max_prompt_len" in line
+
+
+def test_step_2_needs_reward_model(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "--actor-model", "tiny-llama", "--step", "2")
+    assert "--reward-model" in line
+
+
+def test_finished_model_is_not_overwritten_unless_asked(capsys, tmp_path):
+    out = tmp_path / "out"
+    (out / "actor").mkdir(parents=True)
+    (out / "actor" / "config.json").write_text("{}")
+    line = refused(capsys, out, "--step", "1")
+    assert str(out / "actor") in line and "overwrite=true" in line
+    assert (out / "actor" / "config.json").read_text() == "{}"
+
+    code = train.main(["--output-dir", str(out), "--step", "1", "overwrite=true", *SMALL])
+    assert code == 0, capsys.readouterr().err
+    written = json.loads((out / "actor" / "config.json").read_text())
+    assert written["model_type"] == "llama"
+    assert (out / "actor" / "model.safetensors").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp dirs left behind"
+    assert not (out / "reward").exists() and not (out / "step2").exists()

@@ -1,0 +1,366 @@
+"""engine/: presets, the byte tokenizer, padding-proof positions and values, atomic export,
+gradient accumulation, and the masks of steps/ppo.make_experience on scripted rollouts."""
+
+import copy
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+
+import steps.ppo as ppo
+from engine.engine import OptimSettings, TrainEngine, frozen
+from engine.errors import UserError
+from engine.export import atomic_directory
+from engine.generation import SamplingSettings
+from engine.lora import LoraSettings, apply_lora
+from engine.models import (
+    PRESETS,
+    byte_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    position_ids,
+    sequence_scores,
+    token_values,
+)
+from engine.runtime import Runtime
+from steps.data import collate_prompts
+from steps.rlhf import sft_loss
+
+pytestmark = [  # library noise: peft on transformers 5, peft's GPT-2 Conv1D notice
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning"),
+]
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+PAD, BOS, EOS = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return byte_tokenizer()
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = collate_prompts(rows, PAD)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def right_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# presets and the byte tokenizer
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_builds_as_lm_and_classifier_seeded(tok, preset):
+    lm = load_causal_lm(preset, tok, seed=0)
+    assert isinstance(lm, PreTrainedModel)
+    ids = torch.tensor([tok("hi there")["input_ids"]])
+    assert lm(input_ids=ids).logits.shape == (1, ids.shape[1], len(tok))
+    assert same_weights(weights(lm), weights(load_causal_lm(preset, tok, seed=0)))
+    assert not same_weights(weights(lm), weights(load_causal_lm(preset, tok, seed=1)))
+
+    rm = load_reward_model(preset, tok, seed=0)
+    assert rm.config.num_labels == 1 and rm.config.pad_token_id == PAD
+    assert rm(input_ids=ids).logits.shape == (1, 1)
+    assert same_weights(weights(rm), weights(load_reward_model(preset, tok, seed=0)))
+    assert not same_weights(weights(rm), weights(load_reward_model(preset, tok, seed=1)))
+
+
+def test_byte_tokenizer_round_trips_and_saves(tok, tmp_path):
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (PAD, BOS, EOS)
+    assert tok.convert_tokens_to_ids(["<pad>", "<s>", "</s>", "<unk>"]) == [0, 1, 2, 3]
+    text = "Héllo, wörld! 你好 🤖\n\ttabs  and  spaces ~`\\ \u200b end"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == BOS and BOS not in ids[1:]
+    assert len(ids) == 1 + len(text.encode("utf-8"))  # one token per byte
+    assert tok.decode(ids, skip_special_tokens=True) == text
+
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again(text)["input_ids"] == ids
+    assert (again.pad_token_id, again.bos_token_id, again.eos_token_id) == (PAD, BOS, EOS)
+    assert again.decode(ids, skip_special_tokens=True) == text
+
+
+def _saved_without_pad(tmp_path, unk: bool) -> str:
+    base = byte_tokenizer()
+    no_pad = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>",
+                                     eos_token="</s>", unk_token="<unk>" if unk else None)
+    assert no_pad.pad_token_id is None
+    no_pad.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a model directory
+    return str(tmp_path)
+
+
+def test_load_tokenizer_sets_a_pad_token_preferring_unk(tmp_path):
+    with_unk = load_tokenizer(_saved_without_pad(tmp_path / "a", unk=True))
+    assert with_unk.pad_token == "<unk>" and with_unk.pad_token_id not in (None, EOS)
+    without_unk = load_tokenizer(_saved_without_pad(tmp_path / "b", unk=False))
+    assert without_unk.pad_token_id == without_unk.eos_token_id == EOS
+    assert with_unk.padding_side == without_unk.padding_side == "right"
+
+
+def test_hub_name_offline_fails_fast_in_one_line():
+    start = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        load_tokenizer("no-such-org/no-such-model")
+    assert time.perf_counter() - start < 10
+    message = str(err.value)
+    assert "\n" not in message
+    assert "no-such-org/no-such-model" in message and "offline" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# positions and per-token values under padding
+
+
+def test_position_ids_count_real_tokens_only():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 2, 2]]
+
+
+# Rotary models (llama, gpt-neox) are blind to a constant position shift and OPT derives
+# positions from the mask; GPT-2's absolute positions are what catch a missing position_ids.
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt", "tiny-gpt2"])
+def test_left_padding_does_not_change_logits(tok, preset):
+    model = load_causal_lm(preset, tok, seed=0).eval()
+    rows = [tok("short")["input_ids"], tok("a much longer prompt")["input_ids"]]
+    ids, mask = left_pad(rows)
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask,
+                       position_ids=position_ids(mask)).logits
+        for i, row in enumerate(rows):
+            alone = model(input_ids=torch.tensor([row])).logits[0]
+            torch.testing.assert_close(padded[i, -len(row):], alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt", "tiny-gpt2"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_token_values_match_hf_pooled_logits(tok, preset, lora):
+    model = load_reward_model(preset, tok, seed=0)
+    if lora:
+        model = apply_lora(model, LoraSettings(dim=4))
+        with torch.no_grad():  # make the adapters matter (lora_B starts at zero)
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=0.5)
+    model.eval()
+    rows = [tok("one")["input_ids"], tok("two words here")["input_ids"],
+            tok("x")["input_ids"]]
+    with torch.no_grad():
+        alone = torch.stack([model(input_ids=torch.tensor([r])).logits[0, 0] for r in rows])
+        for ids, mask in (right_pad(rows), left_pad(rows)):
+            hf = model(input_ids=ids, attention_mask=mask,
+                       position_ids=position_ids(mask)).logits[:, 0]
+            scores = sequence_scores(model, ids, mask)
+            torch.testing.assert_close(scores, hf, atol=1e-5, rtol=0)
+            torch.testing.assert_close(scores, alone, atol=1e-5, rtol=0)
+            values = token_values(model, ids, mask)
+            assert values.shape == ids.shape
+            for i, row in enumerate(rows):
+                real = values[i][mask[i].bool()]
+                single = token_values(model, torch.tensor([row]), torch.ones(1, len(row)))[0]
+                torch.testing.assert_close(real, single, atol=1e-5, rtol=0)
+        if lora:  # the adapters are in the computation, not bypassed by the hook
+            plain = model.get_base_model()
+            with model.disable_adapter():
+                base = sequence_scores(plain, *right_pad(rows))
+            assert not torch.allclose(base, alone, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic export
+
+
+def test_atomic_directory_appears_only_when_written(tmp_path):
+    final = tmp_path / "model"
+
+    def write(tmp):
+        assert not final.exists() and tmp != final and tmp.parent == final.parent
+        (tmp / "weights.bin").write_text("new")
+        assert not final.exists()
+
+    assert atomic_directory(final, write) == final
+    assert (final / "weights.bin").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_directory_failed_write_leaves_nothing(tmp_path):
+    final = tmp_path / "model"
+
+    def write(tmp):
+        (tmp / "half.bin").write_text("partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_directory(final, write)
+    assert not final.exists()
+    assert list(tmp_path.iterdir()) == []  # the temp dir is cleaned up too
+
+    final.mkdir()
+    (final / "weights.bin").write_text("old")
+    with pytest.raises(RuntimeError):
+        atomic_directory(final, write)
+    assert (final / "weights.bin").read_text() == "old"  # the finished model survives
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_directory_replaces_an_existing_dir(tmp_path):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "stale.bin").write_text("old")
+    atomic_directory(final, lambda tmp: (tmp / "weights.bin").write_text("new"))
+    assert sorted(p.name for p in final.iterdir()) == ["weights.bin"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+# ---------------------------------------------------------------------------------------------
+# TrainEngine
+
+
+def _engine(model, grad_accum: int) -> TrainEngine:
+    settings = OptimSettings(lr=1e-3, lr_scheduler="constant", grad_accum=grad_accum)
+    return TrainEngine(model, settings, total_steps=4, runtime=CPU)
+
+
+def _loss(engine: TrainEngine, ids: torch.Tensor) -> torch.Tensor:
+    return sft_loss(engine(input_ids=ids).logits, ids)
+
+
+def test_grad_accumulation_matches_one_full_batch(tok):
+    model = load_causal_lm("tiny-llama", tok, seed=0)
+    start = weights(model)
+    ids = torch.randint(4, len(tok), (4, 12), generator=torch.Generator().manual_seed(0))
+
+    full = _engine(copy.deepcopy(model), grad_accum=1)
+    full.backward(_loss(full, ids))
+    full_norm = full.step()
+    assert full_norm is not None and full.steps == 1
+
+    accum = _engine(copy.deepcopy(model), grad_accum=2)
+    accum.backward(_loss(accum, ids[:2]))
+    assert accum.step() is None and accum.steps == 0
+    assert same_weights(weights(accum.module), start)  # no update after the first half
+    accum.backward(_loss(accum, ids[2:]))
+    accum_norm = accum.step()
+    assert accum_norm is not None and accum.steps == 1
+    # the same gradient, not twice it (Adam's step alone would hide a missing 1/grad_accum)
+    assert accum_norm == pytest.approx(full_norm, rel=1e-5)
+
+    after_full, after_accum = weights(full.module), weights(accum.module)
+    assert not same_weights(after_full, start)
+    for name, value in after_full.items():
+        torch.testing.assert_close(after_accum[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_lora_params_get_their_own_learning_rate(tok):
+    model = apply_lora(load_causal_lm("tiny-llama", tok, seed=0), LoraSettings(dim=4))
+    settings = OptimSettings(lr=1e-3, weight_decay=0.1, lora_lr=5e-4)
+    engine = TrainEngine(model, settings, total_steps=4, runtime=CPU)
+    lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    assert lora
+    seen = set()
+    for group in engine.optimizer.param_groups:
+        kinds = {id(p) in lora for p in group["params"]}
+        assert len(kinds) == 1, "a group mixes LoRA and base parameters"
+        assert group["lr"] == (5e-4 if kinds == {True} else 1e-3)
+        assert all((p.ndim >= 2) == (group["weight_decay"] == 0.1) for p in group["params"])
+        seen |= {id(p) for p in group["params"]}
+    assert seen == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+# ---------------------------------------------------------------------------------------------
+# make_experience: masks and alignment on scripted, left-padded rollouts
+
+
+N = 5
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])  # rotary / absolute positions
+def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
+    actor = TrainEngine(load_causal_lm(preset, tok, seed=1), OptimSettings(lr=1e-3), 1, CPU)
+    ref = frozen(load_causal_lm(preset, tok, seed=2), CPU)
+    critic = TrainEngine(load_reward_model(preset, tok, seed=3), OptimSettings(lr=1e-3), 1,
+                         CPU)
+    reward = frozen(load_reward_model(preset, tok, seed=4), CPU)
+    scorer = ppo.RewardScorer(reward, tok, tok, CPU.device)
+
+    prompt_rows = [tok(t)["input_ids"] for t in ("Hi", "Hello there, how are you?", "Q: 2+2")]
+    prompt_ids, prompt_mask = left_pad(prompt_rows)
+    a, b, c, d, e = tok("abcde", add_special_tokens=False)["input_ids"]
+    answers = torch.tensor([[a, b, EOS, PAD, PAD],   # ends early, then padding
+                            [a, b, c, d, e],         # runs to the limit, no EOS
+                            [EOS, PAD, PAD, PAD, PAD]])  # empty answer
+    calls = []
+
+    def scripted_generate(model, input_ids, attention_mask, sampling, *, eos_token_id,
+                          pad_token_id):
+        calls.append(model)
+        assert torch.equal(input_ids, prompt_ids) and torch.equal(attention_mask, prompt_mask)
+        assert (eos_token_id, pad_token_id, sampling.max_new_tokens) == (EOS, PAD, N)
+        return torch.cat([input_ids, answers], dim=1)
+
+    monkeypatch.setattr(ppo, "generate", scripted_generate)
+    settings = OmegaConf.create(dict(kl_coef=0.1, score_clip=5.0, gamma=1.0, lam=0.95,
+                                     whiten_advantages=True))
+    exp, timing = ppo.make_experience(
+        actor, ref, critic, scorer, {"input_ids": prompt_ids, "attention_mask": prompt_mask},
+        SamplingSettings(max_new_tokens=N), EOS, PAD, settings)
+
+    assert calls == [actor.module]
+    assert actor.module.training and critic.module.training  # modes restored
+    P = prompt_ids.shape[1]
+    assert exp.prompt_len == P
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]).float()
+    assert torch.equal(exp.action_mask, expected)
+    assert torch.equal(exp.attention_mask, torch.cat([prompt_mask, expected.long()], dim=1))
+    for name, value in exp._asdict().items():
+        assert not value.float().isnan().any(), name
+        assert value.float().isfinite().all(), name
+    assert all(v >= 0 for v in timing.values())
+
+    outside = expected == 0
+    for name in ("rewards", "advantages", "returns", "values", "kl"):
+        assert (getattr(exp, name)[outside] == 0).all(), name
+
+    # the clipped score sits on the last action only; the rest of the reward is the KL part
+    kl_part = -settings.kl_coef * exp.kl
+    score_part = exp.rewards - kl_part
+    last = torch.tensor([2, N - 1, 0])
+    onehot = torch.zeros(3, N)
+    onehot[torch.arange(3), last] = 1
+    torch.testing.assert_close(score_part, onehot * exp.scores.clamp(-5, 5)[:, None],
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(exp.kl, (exp.logprobs - exp.ref_logprobs) * expected)
+
+    # every row against a direct forward of its real tokens alone: padding shifts nothing
+    with torch.no_grad():
+        for i, prompt in enumerate(prompt_rows):
+            n = int(expected[i].sum())
+            real = torch.tensor([prompt + answers[i, :n].tolist()])
+            start = len(prompt) - 1
+            for model, got in ((actor.module, exp.logprobs), (ref, exp.ref_logprobs)):
+                logits = model(input_ids=real).logits[0, start:start + n]
+                want = torch.log_softmax(logits, -1).gather(-1, real[0, len(prompt):, None])
+                torch.testing.assert_close(got[i, :n], want[:, 0], atol=1e-5, rtol=0)
+            values = token_values(critic.module, real, torch.ones_like(real))[0]
+            torch.testing.assert_close(exp.values[i, :n], values[start:start + n], atol=1e-5,
+                                       rtol=0)
+            score = sequence_scores(reward, real, torch.ones_like(real))[0]
+            torch.testing.assert_close(exp.scores[i], score, atol=1e-5, rtol=0)

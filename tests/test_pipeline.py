@@ -1,0 +1,514 @@
+"""End to end: train.py runs steps 1 (SFT), 2 (reward model) and 3 (PPO) on tiny presets and
+on real hh-rlhf data, and what it writes is usable without this project (transformers alone,
+chat.py). Each full run is a module-scoped fixture shared by several tests."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import train
+from engine.models import (
+    byte_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    sequence_scores,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+HH_RLHF = SHARED / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+OPT_TOKENIZER = SHARED / "tokenizers" / "opt"
+OPT_HELLO_WORLD = [2, 31414, 232]  # "Hello world" with the OPT tokenizer (BOS </s> first)
+
+# Small enough that a whole three-step run takes seconds on two CPU cores.
+BASE = {
+    "recipe": "demo",
+    "data.path": "[demo]",
+    "data.demo_pairs": 160,
+    "data.max_prompt_len": 64,
+    "data.max_answer_len": 12,
+    "sft.epochs": 1,
+    "sft.batch_size": 8,
+    "rm.epochs": 1,
+    "rm.batch_size": 8,
+    "ppo.rollout_batch_size": 8,
+    "ppo.micro_batch_size": 4,
+    "ppo.eval_prompts": 8,
+    "logging.progress": "false",
+    # pinned, so that changes to the demo recipe do not change what these tests run
+    "sft.lr": 2e-3, "sft.warmup_steps": 0,
+    "rm.lr": 1e-3, "rm.warmup_steps": 0,
+    "ppo.epochs": 1, "ppo.ppo_epochs": 1, "ppo.actor_lr": 2e-4, "ppo.critic_lr": 5e-4,
+    "ppo.warmup_steps": 0,
+}
+# Smaller still, for the runs that only need to show that something works.
+SMALL = {**BASE, "data.demo_pairs": 80, "ppo.rollout_batch_size": 16,
+         "ppo.micro_batch_size": 8, "ppo.eval_prompts": 4}
+
+MODEL_DIRS = ("actor", "reward", "step3/actor", "step3/critic")
+STEP3_KEYS = ("reward/score", "reward/kl", "answer/length", "train/clip_fraction",
+              "train/value_loss", "time/generate", "time/train", "time/generate_tokens_per_s")
+
+
+@dataclass
+class Run:
+    rc: int
+    stdout: str
+    stderr: str
+
+    def check(self) -> Run:
+        assert self.rc == 0, f"train.py exited {self.rc}\n{self.stdout}\n{self.stderr}"
+        return self
+
+
+def overrides(settings: dict, **extra) -> list[str]:
+    return [f"{key}={value}" for key, value in {**settings, **extra}.items()]
+
+
+def run_train(*args, settings: dict = BASE, **extra) -> Run:
+    """train.main in this process, with its log lines (tqdm.write -> stdout) captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = train.main([str(a) for a in args] + overrides(settings, **extra))
+    return Run(rc, out.getvalue(), err.getvalue())
+
+
+def metrics(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines()
+    assert lines, f"{path} is empty"
+    rows = [json.loads(line) for line in lines]
+    assert all(isinstance(row, dict) for row in rows)
+    return rows
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def relative_change(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
+    """||new - old|| / ||old|| over all matrices (>= 2-D) of two state dicts with equal keys."""
+    assert new.keys() == old.keys()
+    diff = sum(float((new[k] - old[k]).float().norm() ** 2) for k in old if old[k].ndim >= 2)
+    base = sum(float(old[k].float().norm() ** 2) for k in old if old[k].ndim >= 2)
+    return math.sqrt(diff / base)
+
+
+def assert_model_dir(model_dir: Path) -> None:
+    assert model_dir.is_dir(), model_dir
+    assert (model_dir / "config.json").is_file()
+    assert (model_dir / "model.safetensors").is_file()
+    assert (model_dir / "tokenizer_config.json").is_file()
+    assert (model_dir / "tokenizer.json").is_file() or (model_dir / "vocab.json").is_file()
+    assert not any("lora_" in key for key in weights(model_dir)), "LoRA was not merged"
+
+
+def assert_no_leftovers(out: Path) -> None:
+    left = [p for pattern in (".*.tmp-*", ".*.old-*") for p in out.rglob(pattern)]
+    assert not left, f"unfinished exports left behind: {left}"
+
+
+def model_type(model_dir: Path) -> str:
+    return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+
+def shared(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"shared fixture not found at {path} (../shared is absent)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs shared by the tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a shared machine a busy
+    neighbour makes two spinning threads 10-50x slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment of a child interpreter: offline, one thread, nothing of ours on its path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def full_run(tmp_path_factory, arch: str) -> tuple[Path, Run]:
+    out = tmp_path_factory.mktemp(arch)
+    run = run_train("--actor-model", arch, "--reward-model", arch, "--output-dir", out).check()
+    return out, run
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory) -> tuple[Path, Run]:
+    return full_run(tmp_path_factory, "tiny-llama")
+
+
+PRESET_TYPES = {"tiny-llama": "llama", "tiny-opt": "opt", "tiny-gpt2": "gpt2",
+                "tiny-gpt-neox": "gpt_neox"}
+
+
+@pytest.fixture(scope="module", params=list(PRESET_TYPES))
+def pipeline(request, tmp_path_factory) -> tuple[str, Path, Run]:
+    if request.param == "tiny-llama":
+        return (request.param, *request.getfixturevalue("llama_run"))
+    return (request.param, *full_run(tmp_path_factory, request.param))
+
+
+@pytest.fixture(scope="module")
+def opt_tokenizer() -> Path:
+    return shared(OPT_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def hh_run(tmp_path_factory, opt_tokenizer) -> tuple[Path, Run, Run]:
+    """Steps 1 and 2 on real hh-rlhf data with the OPT tokenizer, then a short step 3.
+
+    The file holds ~2300 pairs and the OPT vocabulary makes every token's logits 50k wide
+    (~1.3 s per SFT batch of 8 on one core), so the split is skewed to keep each run short:
+    steps 1 and 2 get 1/30 and 4/30 of the pairs (~77 and ~307), and the step-3 run (same
+    output dir, its own split) ~1/120 of them as prompts."""
+    data = shared(HH_RLHF)
+    out = tmp_path_factory.mktemp("hh")
+    models = ["--actor-model", "tiny-opt", "--reward-model", "tiny-opt", "--output-dir", out]
+    real = {**BASE, "tokenizer": opt_tokenizer, "data.path": f"[{data}]",
+            "data.max_prompt_len": 128, "data.max_answer_len": 32, "ppo.eval_prompts": 0}
+    first = run_train("--step", "1", "2", *models, settings=real,
+                      **{"data.split": "[1,4,25]"}).check()
+    third = run_train("--step", "3", *models, settings=real,
+                      **{"data.split": "[60,59,1]", "ppo.max_new_tokens": 8,
+                         "ppo.rollout_batch_size": 16, "ppo.micro_batch_size": 8}).check()
+    return out, first, third
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. All three steps on each preset: what lands in the output dir
+
+
+def test_three_steps_write_models_configs_and_metrics(pipeline):
+    arch, out, run = pipeline
+    for name in MODEL_DIRS:
+        assert_model_dir(out / name)
+    assert not (out / "step3" / "actor_ema").exists()
+    assert_no_leftovers(out)
+    for name in MODEL_DIRS:
+        assert model_type(out / name) == PRESET_TYPES[arch], name
+
+    for step in (1, 2, 3):
+        cfg = OmegaConf.load(out / f"step{step}" / "config.yaml")
+        assert cfg.actor_model == arch and cfg.reward_model == arch
+        assert cfg.output_dir == str(out)
+        assert cfg.data.max_answer_len == 12
+        assert cfg.ppo.max_new_tokens == 12  # the snapshot is resolved
+        assert (out / f"step{step}" / "metrics.jsonl").is_file()
+
+    sft_rows = metrics(out / "step1" / "metrics.jsonl")
+    assert math.isfinite(sft_rows[-1]["eval/perplexity"])
+    rm_rows = metrics(out / "step2" / "metrics.jsonl")
+    assert 0.0 <= rm_rows[-1]["eval/accuracy"] <= 1.0
+
+    ppo_rows = metrics(out / "step3" / "metrics.jsonl")
+    iterations = [row for row in ppo_rows if "reward/score" in row]
+    assert len(iterations) == ppo_rows[-1]["iterations"] > 0
+    for row in iterations:
+        missing = [key for key in STEP3_KEYS if key not in row]
+        assert not missing, f"step-3 metrics lack {missing}: {row}"
+        assert all(math.isfinite(row[key]) for key in STEP3_KEYS), row
+        assert 0 < row["answer/length"] <= 12
+    assert {"eval/reward_before", "eval/reward_after"} <= ppo_rows[-1].keys()
+    assert "step 3 (PPO) done" in run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The exports are plain Hugging Face directories
+
+LOAD_WITH_TRANSFORMERS = r"""
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+spec = json.loads(sys.argv[1])
+result = {}
+for d in spec["causal"]:
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        logits = model(**tok(["Give me some even digits."], return_tensors="pt")).logits
+    result[d] = {"vocab": len(tok), "finite": bool(torch.isfinite(logits).all()),
+                 "width": logits.shape[-1]}
+for d in spec["classifier"]:
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.padding_side = "right"
+    model = AutoModelForSequenceClassification.from_pretrained(d).eval()
+    batch = tok(spec["texts"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**batch).logits
+    result[d] = {"num_labels": model.config.num_labels, "logits": logits.tolist(),
+                 "input_ids": batch["input_ids"].tolist(),
+                 "attention_mask": batch["attention_mask"].tolist()}
+result["project_modules"] = sorted(
+    name for name, module in list(sys.modules.items())
+    if (getattr(module, "__file__", None) or "").startswith(tuple(spec["project"])))
+print(json.dumps(result))
+"""
+
+
+def load_outside_project(tmp_path: Path, causal: list[Path], classifier: list[Path],
+                         texts: list[str]) -> dict:
+    """Load model dirs in a fresh interpreter that can import transformers but not this
+    project (cwd outside the repo, no PYTHONPATH)."""
+    spec = {"causal": [str(d) for d in causal], "classifier": [str(d) for d in classifier],
+            "texts": texts,
+            "project": [str(ROOT / name) for name in ("engine", "steps", "train.py", "chat.py")]}
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITH_TRANSFORMERS, json.dumps(spec)],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("project_modules") == []
+    return result
+
+
+def test_exports_load_with_transformers_alone(pipeline, tmp_path):
+    _, out, _ = pipeline
+    texts = ["\n\nHuman: Give me some even digits.\n\nAssistant: 2 4 6 8",
+             "\n\nHuman: Which digits are small?\n\nAssistant: 1",
+             "\n\nHuman: List a few big digits.\n\nAssistant:"]
+    causal = [out / "actor", out / "step3" / "actor"]
+    classifier = [out / "reward", out / "step3" / "critic"]
+    result = load_outside_project(tmp_path, causal, classifier, texts)
+
+    for d in causal:
+        got = result[str(d)]
+        assert got["finite"] and got["width"] >= got["vocab"]
+    for d in classifier:
+        assert result[str(d)]["num_labels"] == 1
+
+    # HF's own pooling (last non-pad token) == our score at the last real token
+    got = result[str(out / "reward")]
+    input_ids, mask = torch.tensor(got["input_ids"]), torch.tensor(got["attention_mask"])
+    lengths = mask.sum(1)
+    assert len(set(lengths.tolist())) == len(texts), "the batch should need padding"
+    assert (mask[:, :1] == 1).all(), "the batch should be right-padded"
+    hf_logits = torch.tensor(got["logits"])
+    assert hf_logits.shape == (len(texts), 1)
+    tokenizer = load_tokenizer(str(out / "reward"), flag="test")
+    model = load_reward_model(str(out / "reward"), tokenizer).eval()
+    with torch.no_grad():
+        ours = sequence_scores(model, input_ids, mask)
+    torch.testing.assert_close(ours, hf_logits[:, 0], atol=1e-5, rtol=0)
+    assert ours.std() > 0, "scores should depend on the text"
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Step 3 starts from the step-1 actor and the step-2 reward model
+
+
+def test_step3_starts_from_step1_actor_and_reward_model(pipeline):
+    _, out, _ = pipeline
+    sft, ppo_actor = weights(out / "actor"), weights(out / "step3" / "actor")
+    reward, critic = weights(out / "reward"), weights(out / "step3" / "critic")
+
+    assert sft.keys() == ppo_actor.keys()
+    assert any(not torch.equal(sft[k], ppo_actor[k]) for k in sft), "PPO did not train"
+    # close to where it started: a fresh random init would be ~1.4 away in relative terms
+    assert 0 < relative_change(ppo_actor, sft) < 0.3
+
+    assert model_type(out / "step3" / "critic") == model_type(out / "reward")
+    assert json.loads((out / "step3" / "critic" / "config.json").read_text())["architectures"] \
+        == json.loads((out / "reward" / "config.json").read_text())["architectures"]
+    assert {k: v.shape for k, v in critic.items()} == {k: v.shape for k, v in reward.items()}
+    assert 0 < relative_change(critic, reward) < 0.3
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. LoRA: trained adapters are merged into plain exports
+
+
+def test_sft_lora_exports_merged_plain_model(tmp_path):
+    out = tmp_path / "lora"
+    run_train("--actor-model", "tiny-llama", "--step", "1", "--output-dir", out,
+              settings=SMALL, **{"sft.lora.dim": 4, "sft.lora.only_optimize_lora": "true"}
+              ).check()
+    assert_model_dir(out / "actor")
+    assert not (out / "reward").exists() and not (out / "step3").exists()
+
+    exported = weights(out / "actor")
+    init = load_causal_lm("tiny-llama", byte_tokenizer(), seed=1234).state_dict()  # cfg.seed
+    assert exported.keys() == init.keys(), "not a plain LlamaForCausalLM state dict"
+    model = AutoModelForCausalLM.from_pretrained(out / "actor")
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+    # only the adapters trained: adapted projections moved, everything else is the init
+    adapted = [k for k in init if k.endswith("q_proj.weight")]
+    assert adapted and all(not torch.equal(exported[k], init[k]) for k in adapted)
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        torch.testing.assert_close(exported[key], init[key], atol=0, rtol=0)
+
+
+def test_ppo_with_lora_ema_and_ptx(llama_run, tmp_path):
+    src, _ = llama_run
+    out = tmp_path / "ppo-lora"
+    run = run_train("--step", "3", "--output-dir", out, settings=SMALL, **{
+        "ppo.actor_path": src / "actor", "ppo.reward_path": src / "reward",
+        "ppo.actor_lora.dim": 4, "ppo.critic_lora.dim": 4,
+        "ppo.ema.enabled": "true", "ppo.ptx.enabled": "true"}).check()
+    assert "step 3 PTX" in run.stdout
+    for name in ("actor", "critic", "actor_ema"):
+        assert_model_dir(out / "step3" / name)  # includes: no lora_ keys left
+    assert_no_leftovers(out)
+    assert not (out / "actor").exists(), "step 3 must not write step-1 outputs"
+
+    rows = [row for row in metrics(out / "step3" / "metrics.jsonl") if "reward/score" in row]
+    assert rows and all(math.isfinite(row["train/ptx_loss"]) for row in rows)
+
+    start, actor = weights(src / "actor"), weights(out / "step3" / "actor")
+    ema = weights(out / "step3" / "actor_ema")
+    assert ema.keys() == actor.keys() == start.keys()
+    assert relative_change(actor, start) > 0, "the merged LoRA actor did not move"
+    # beta=0.992 over a few steps: the EMA stays between the start and the trained actor
+    assert 0 < relative_change(ema, start) < relative_change(actor, start)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Real data and a real tokenizer
+
+
+def dropped(log: str, what: str) -> int:
+    found = re.search(rf"{what}: \d+ examples, (\d+) dropped \(prompt > data.max_prompt_len=128",
+                      log)
+    assert found, f"no dropped-prompt count for {what} in:\n{log}"
+    return int(found.group(1))
+
+
+def test_real_hh_rlhf_data_with_opt_tokenizer(hh_run):
+    out, first, third = hh_run
+    assert dropped(first.stdout, "step 1 train") > 0
+    assert dropped(first.stdout, "step 2 train") > 0
+    assert dropped(third.stdout, "step 3 prompts") > 0
+
+    for name in MODEL_DIRS:
+        assert_model_dir(out / name)
+        tok = AutoTokenizer.from_pretrained(out / name)
+        assert tok("Hello world")["input_ids"] == OPT_HELLO_WORLD, name
+        assert json.loads((out / name / "config.json").read_text())["vocab_size"] == len(tok)
+    assert_no_leftovers(out)
+    rows = [row for row in metrics(out / "step3" / "metrics.jsonl") if "reward/score" in row]
+    assert rows and all(0 < row["answer/length"] <= 8 for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Actor and reward model with different tokenizers
+
+
+def test_step3_with_different_actor_and_reward_tokenizers(llama_run, opt_tokenizer, tmp_path):
+    actor_src, _ = llama_run  # tiny-llama, built-in byte tokenizer
+    reward_src = tmp_path / "opt-reward"
+    run_train("--reward-model", "tiny-opt", "--step", "2", "--output-dir", reward_src,
+              settings=SMALL, tokenizer=opt_tokenizer).check()
+    assert AutoTokenizer.from_pretrained(reward_src / "reward")("Hello world")["input_ids"] \
+        == OPT_HELLO_WORLD
+
+    out = tmp_path / "mixed"
+    run = run_train("--step", "3", "--output-dir", out, settings=SMALL, **{
+        "ppo.actor_path": actor_src / "actor", "ppo.reward_path": reward_src / "reward"}).check()
+    assert "tokenizers differ" in run.stdout
+    for name in ("actor", "critic"):
+        assert_model_dir(out / "step3" / name)
+    actor_vocab = AutoTokenizer.from_pretrained(actor_src / "actor").get_vocab()
+    critic_tok = AutoTokenizer.from_pretrained(out / "step3" / "critic")
+    assert critic_tok.get_vocab() == actor_vocab
+    assert critic_tok.get_vocab() != AutoTokenizer.from_pretrained(reward_src / "reward") \
+        .get_vocab()
+    # the critic reads the actor's tokens, so it starts from the actor, not the reward model
+    assert model_type(out / "step3" / "critic") == model_type(actor_src / "actor") == "llama"
+    rows = [row for row in metrics(out / "step3" / "metrics.jsonl") if "reward/score" in row]
+    assert rows and all(math.isfinite(row["reward/score"]) for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. chat.py on the PPO actor
+
+
+def test_chat_with_step3_actor(llama_run, tmp_path):
+    out, _ = llama_run
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "chat.py"), "--path", str(out / "step3" / "actor"),
+         "--greedy", "--max-new-tokens", "8"],
+        input="Give me some even digits.\nquit\n", capture_output=True, text=True,
+        cwd=tmp_path, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    replies = [line for line in proc.stdout.splitlines() if line.startswith("Assistant:")]
+    assert len(replies) == 1, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Steps in separate invocations; step 3 alone needs steps 1 and 2
+
+
+def test_steps_1_2_then_step_3_in_same_dir(tmp_path):
+    """Also covers the other two presets: a GPT-NeoX actor with a GPT-2 reward model."""
+    out = tmp_path / "split"
+    models = ["--actor-model", "tiny-gpt-neox", "--reward-model", "tiny-gpt2"]
+    run_train(*models, "--step", "1", "2", "--output-dir", out, settings=SMALL).check()
+    assert_model_dir(out / "actor")
+    assert_model_dir(out / "reward")
+    assert not (out / "step3").exists()
+
+    run_train(*models, "--step", "3", "--output-dir", out, settings=SMALL).check()
+    for name in MODEL_DIRS:
+        assert_model_dir(out / name)
+    assert_no_leftovers(out)
+    assert model_type(out / "step3" / "actor") == "gpt_neox"
+    assert model_type(out / "step3" / "critic") == "gpt2"
+    assert OmegaConf.load(out / "step3" / "config.yaml").steps == [3]
+    assert OmegaConf.load(out / "step1" / "config.yaml").steps == [1, 2]
+    assert metrics(out / "step3" / "metrics.jsonl")
+    assert relative_change(weights(out / "step3" / "actor"), weights(out / "actor")) > 0
+
+    # a finished step 3 is not replaced by accident, and its files stay as they were
+    before = (out / "step3" / "metrics.jsonl").read_text()
+    again = run_train(*models, "--step", "3", "--output-dir", out, settings=SMALL)
+    assert again.rc == 2 and "overwrite=true" in again.stderr, again.stderr
+    assert (out / "step3" / "metrics.jsonl").read_text() == before
+    # nor by a replacement run that is refused for a missing input
+    config = (out / "step3" / "config.yaml").read_text()
+    refused = run_train(*models, "--step", "3", "--output-dir", out, settings=SMALL,
+                        overwrite="true", **{"ppo.actor_path": out / "missing"})
+    assert refused.rc == 2 and "ppo.actor_path" in refused.stderr, refused.stderr
+    assert (out / "step3" / "metrics.jsonl").read_text() == before
+    assert (out / "step3" / "config.yaml").read_text() == config
+    assert_model_dir(out / "step3" / "actor")
+
+
+def test_step3_alone_in_empty_dir_fails_cleanly(tmp_path):
+    out = tmp_path / "empty"
+    run = run_train("--step", "3", "--output-dir", out, settings=SMALL)
+    assert run.rc == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ppo.actor_path" in lines[0], run.stderr
+    assert lines[0].startswith("train.py: ")
+    assert not (out / "step3").exists(), "a refused step 3 should leave nothing behind"
