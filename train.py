@@ -18,12 +18,17 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, OverrideParseException
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from steps.config import LIST_KEYS, register
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEPLOYMENTS = ("single_gpu",)
 MODEL_DIRS = {1: ("actor",), 2: ("reward",), 3: ("step3/actor", "step3/critic")}
+
+
+register()
 
 
 def _default_config_text() -> str:
@@ -74,10 +79,18 @@ def _inline_steps(argv: list[str]) -> list[str]:
     return out
 
 
+def _as_list(override: str) -> str:
+    """`data.path=a.jsonl` -> `data.path=[a.jsonl]`: one value for a list key is a list."""
+    key, sep, value = override.partition("=")
+    if sep and key in LIST_KEYS and value and not value.startswith("["):
+        return f"{key}=[{value}]"
+    return override
+
+
 def build_config(args: argparse.Namespace) -> DictConfig:
     """Flags and overrides -> the resolved run config. With no model flags and no explicit
     recipe the demo recipe is selected."""
-    overrides = list(args.overrides)
+    overrides = [_as_list(o) for o in args.overrides]
     no_models = args.actor_model is None and args.reward_model is None
     if no_models and not any(o.lstrip("+~").startswith("recipe=") for o in overrides):
         overrides.insert(0, "recipe=demo")
@@ -89,8 +102,6 @@ def build_config(args: argparse.Namespace) -> DictConfig:
 
             raise UserError(f"bad override in {' '.join(args.overrides)}: "
                             f"{str(err).splitlines()[0]}") from None
-        defaults = compose("config")
-    _check_types(cfg, OmegaConf.to_container(defaults, resolve=True))
     flags = {"actor_model": args.actor_model, "reward_model": args.reward_model,
              "steps": args.step, "output_dir": args.output_dir,
              "deployment_type": args.deployment_type, "actor_zero_stage": args.actor_zero_stage,
@@ -99,46 +110,6 @@ def build_config(args: argparse.Namespace) -> DictConfig:
         if value is not None:
             cfg[key] = sorted(set(value)) if key == "steps" else value
     return cfg
-
-
-def _check_types(cfg: DictConfig, defaults: dict, prefix: str = "") -> None:
-    """Refuse an override whose value cannot be what its key's default is (`ppo.kl_coef=abc`
-    would otherwise fail deep inside a step, minutes later). A list key given one value
-    (`data.path=a.jsonl`, `steps=1`) becomes a one-element list."""
-    from engine.errors import UserError
-
-    def kind(value) -> str | None:
-        if value is None or isinstance(value, dict):
-            return None
-        if isinstance(value, bool):
-            return "a boolean (true/false)"
-        if isinstance(value, int | float):
-            return "a number"
-        return "a list" if isinstance(value, list) else "text"
-
-    def fits(value, default, name: str) -> bool:
-        want, got = kind(default), kind(value)
-        return want is None or got is None or got == want or (
-            want == "text" and got == "a list" and name == "target_modules")
-
-    for name, default in defaults.items():
-        key, value = f"{prefix}{name}", cfg.get(name)
-        if isinstance(default, dict):
-            if isinstance(value, DictConfig):
-                _check_types(value, default, f"{key}.")
-            continue
-        value = OmegaConf.to_container(value, resolve=True) \
-            if isinstance(value, DictConfig | ListConfig) else value
-        if isinstance(default, list) and not isinstance(value, list | type(None)):
-            value = [value]
-            cfg[name] = value
-        items = zip(value, [default[0]] * len(value), strict=True) \
-            if isinstance(default, list) and default and isinstance(value, list) else []
-        for item, item_default in [(value, default), *items]:
-            if not fits(item, item_default, name):
-                raise UserError(f"{key}={value!r}: expected {kind(item_default)}"
-                                + (" in every item" if item is not value else "")
-                                + f" (default {default!r})")
 
 
 def check_config(cfg: DictConfig) -> None:

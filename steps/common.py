@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from engine.engine import OptimSettings
 from engine.lora import LoraSettings
 from steps import demo
-from steps.data import DEMO_SOURCE, TokenizeStats
+from steps.data import TokenizeStats
 
 
 def step_dir(cfg: DictConfig, step: int) -> Path:
@@ -81,10 +81,6 @@ def optim_settings(section: DictConfig, lr: float, lora: DictConfig) -> OptimSet
 def lora_settings(lora: DictConfig) -> LoraSettings:
     values = OmegaConf.to_container(lora, resolve=True)
     return LoraSettings(**values)
-
-
-def uses_demo(cfg: DictConfig) -> bool:
-    return DEMO_SOURCE in list(cfg.data.path)
 
 
 def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> float | None:
