@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from engine.engine import TrainEngine, frozen
+from engine.errors import UserError
 from engine.export import save_hf
 from engine.generation import SamplingSettings, generate
 from engine.lora import apply_lora
@@ -208,9 +209,8 @@ def evaluate_policy(actor_module, scorer: RewardScorer, prompts: list[list[int]]
             p = batch["input_ids"].shape[1]
             actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
             scores.append(scorer(seqs, torch.cat([batch["attention_mask"], actions.long()], 1)))
-            answers += tokenizer.batch_decode(seqs[:, p:] * actions.long() +
-                                              tokenizer.pad_token_id * (1 - actions.long()),
-                                              skip_special_tokens=True)
+            # generate pads after EOS, so the special tokens are all that must go
+            answers += tokenizer.batch_decode(seqs[:, p:], skip_special_tokens=True)
     metrics = {"reward": float(torch.cat(scores).mean())}
     truth = ground_truth(prompt_texts, answers)
     if truth is not None:
@@ -225,7 +225,7 @@ def _paths(cfg: DictConfig) -> tuple[str, str]:
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path")):
         if not (Path(path) / "config.json").exists():
-            raise DataError(f"step 3 needs the {what} at {path}: run its step first "
+            raise UserError(f"step 3 needs the {what} at {path}: run its step first "
                             f"(--step 1 2 3) or set {key}=DIR")
     return actor_path, reward_path
 

@@ -1,8 +1,8 @@
 """The built-in demo really learns: the reward model ranks held-out pairs well above chance
 and PPO raises the ground-truth score of the SFT model's answers.
 
-One full default run (`python train.py`, the demo recipe), about a minute on 2 cores.
-Thresholds were measured on this machine over seeds 1234, 99 and 7 and set with margin:
+One full default run (`python train.py`, the demo recipe), under two minutes on 2 cores.
+Thresholds were measured on this machine over seeds 1234, 99, 7 and 5 and set with margin:
 see the README's demo table for the figures.
 """
 
@@ -26,20 +26,20 @@ def demo_run(tmp_path_factory):
 
 def test_reward_model_ranks_held_out_pairs(demo_run):
     summary = _last(demo_run / "step2" / "metrics.jsonl")
-    # chance is 0.5; measured 0.82-0.84
-    assert summary["eval/accuracy"] >= 0.72
+    # chance is 0.5; measured 0.94-1.00 over four seeds
+    assert summary["eval/accuracy"] >= 0.85
     assert summary["eval/chosen_score"] > summary["eval/rejected_score"]
 
 
 def test_ppo_beats_sft_on_ground_truth(demo_run):
     summary = _last(demo_run / "step3" / "metrics.jsonl")
     before, after = summary["eval/ground_truth_before"], summary["eval/ground_truth_after"]
-    # measured: SFT 0.74-0.77 -> PPO 0.92-0.96 on the same held-out prompts and seed
-    assert after >= before + 0.08, (before, after)
+    # measured: SFT 0.74-0.76 -> PPO 0.96-0.98 on the same held-out prompts and seed
+    assert after >= before + 0.12, (before, after)
     assert summary["eval/reward_after"] > summary["eval/reward_before"]
 
 
 def test_sft_learned_the_answer_format(demo_run):
     summary = _last(demo_run / "step1" / "metrics.jsonl")
-    # byte-level perplexity of the answers: ~3.3 after SFT, 260 (vocabulary size) untrained
-    assert summary["eval/perplexity"] < 5.0
+    # byte-level perplexity of the answers: 3.0-3.5 after SFT, ~260 (vocabulary) untrained
+    assert summary["eval/perplexity"] < 4.5

@@ -1,0 +1,41 @@
+"""metrics.jsonl and the wandb mirror (offline: no key, no network)."""
+
+import json
+
+from engine.tracking import Tracker, _wandb_mode
+
+
+def test_metrics_jsonl_one_object_per_logged_step(tmp_path):
+    tracker = Tracker(tmp_path / "step1")
+    tracker.log({"train/loss": 1.23456789, "epoch": 0}, step=1)
+    tracker.log({"train/loss": 0.5}, step=2)
+    tracker.close()
+    rows = [json.loads(line) for line in (tmp_path / "step1" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert rows == [{"step": 1, "train/loss": 1.234568, "epoch": 0},
+                    {"step": 2, "train/loss": 0.5}]
+
+
+def test_wandb_auto_mode_is_offline_without_a_key(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert _wandb_mode("auto") == "online"
+    assert _wandb_mode("disabled") == "disabled"
+
+
+def test_wandb_offline_run_is_written_inside_the_step_dir(monkeypatch, tmp_path):
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    settings = {"enabled": True, "mode": "auto", "project": "rlhf-test", "run_name": "t"}
+    tracker = Tracker(tmp_path / "step2", wandb_settings=settings, config={"step": 2})
+    tracker.log({"eval/accuracy": 0.75}, step=3)
+    tracker.close()
+    runs = list((tmp_path / "step2" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+    assert json.loads((tmp_path / "step2" / "metrics.jsonl").read_text()) == {
+        "step": 3, "eval/accuracy": 0.75}
