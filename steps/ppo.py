@@ -243,8 +243,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
     if not prompts:
-        raise DataError(f"step 3 has no prompts after filtering ({stats}); "
-                        "add data or raise data.max_prompt_len")
+        raise DataError(f"step 3 has no prompts after filtering: "
+                        f"{stats.dropped_long_prompt} of {len(train_pairs)} prompts are longer than "
+                        f"data.max_prompt_len={data.max_prompt_len} tokens; add data or raise it")
     eval_pairs = eval_pairs[:ppo.eval_prompts]
     eval_prompts, _ = tokenize_prompts(eval_pairs, tokenizer, data.max_prompt_len)
     eval_texts = [p.prompt for p in eval_pairs

@@ -61,8 +61,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
     report_tokenized("step 2 train", stats, data.max_prompt_len, data.max_answer_len)
     evals, _ = tokenize_pairs(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     if not train:
-        raise DataError(f"step 2 has no training pairs after filtering ({stats}); "
-                        "add data or raise data.max_prompt_len")
+        raise DataError(f"step 2 has no training pairs after filtering: "
+                        f"{stats.dropped_long_prompt} of {len(train_pairs)} prompts are longer than "
+                        f"data.max_prompt_len={data.max_prompt_len} tokens; add data or raise it")
 
     model = load_reward_model(cfg.reward_model, tokenizer, dtype=rt.dtype, seed=cfg.seed + 1,
                               trust_remote_code=cfg.trust_remote_code)

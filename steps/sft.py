@@ -59,8 +59,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
     report_tokenized("step 1 train", stats, data.max_prompt_len, data.max_answer_len)
     evals, _ = tokenize_sft(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     if not train:
-        raise DataError(f"step 1 has no training examples after filtering ({stats}); "
-                        "add data or raise data.max_prompt_len")
+        raise DataError(f"step 1 has no training examples after filtering: "
+                        f"{stats.dropped_long_prompt} of {len(train_pairs)} prompts are longer than "
+                        f"data.max_prompt_len={data.max_prompt_len} tokens; add data or raise it")
 
     model = load_causal_lm(cfg.actor_model, tokenizer, dtype=rt.dtype, seed=cfg.seed,
                            trust_remote_code=cfg.trust_remote_code)
