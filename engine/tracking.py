@@ -4,16 +4,23 @@ wandb when enabled (offline when there is no API key)."""
 from __future__ import annotations
 
 import json
+import netrc
 import os
 from pathlib import Path
 from typing import Any
 
 
 def _wandb_mode(mode: str) -> str:
+    """"auto" is online only when a wandb API key is configured (env or ~/.netrc)."""
     if mode != "auto":
         return mode
-    has_key = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists()
-    return "online" if has_key else "offline"
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        has_login = netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        has_login = False
+    return "online" if has_login else "offline"
 
 
 class Tracker:
