@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from engine.engine import OptimSettings
 from engine.lora import LoraSettings
 from steps import demo
-from steps.data import TokenizeStats
+from steps.data import DataError, TokenizeStats
 
 
 def step_dir(cfg: DictConfig, step: int) -> Path:
@@ -45,6 +45,15 @@ def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
         parts.append(f"{stats.truncated_answer} answers cut to data.max_answer_len="
                      f"{max_answer_len} tokens")
     log(", ".join(parts))
+
+
+def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len: int) -> None:
+    """Stop a step that filtering left with nothing to train on, saying why."""
+    if stats.kept == 0:
+        total = stats.kept + stats.dropped_long_prompt
+        raise DataError(f"step {step} has no {what} after filtering: "
+                        f"{stats.dropped_long_prompt} of {total} prompts are longer than "
+                        f"data.max_prompt_len={max_prompt_len} tokens; add data or raise it")
 
 
 def progress(iterable: Iterable, *, desc: str, total: int | None = None,

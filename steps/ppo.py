@@ -41,11 +41,11 @@ from steps.common import (
     optim_settings,
     progress,
     report_tokenized,
+    require_examples,
     start_step,
     to_device,
 )
 from steps.data import (
-    DataError,
     PreferencePair,
     collate_prompts,
     collate_sft,
@@ -242,10 +242,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
-    if not prompts:
-        raise DataError(f"step 3 has no prompts after filtering: "
-                        f"{stats.dropped_long_prompt} of {len(train_pairs)} prompts are longer than "
-                        f"data.max_prompt_len={data.max_prompt_len} tokens; add data or raise it")
+    require_examples(3, "prompts", stats, data.max_prompt_len)
     eval_pairs = eval_pairs[:ppo.eval_prompts]
     eval_prompts, _ = tokenize_prompts(eval_pairs, tokenizer, data.max_prompt_len)
     eval_texts = [p.prompt for p in eval_pairs

@@ -23,10 +23,11 @@ from steps.common import (
     optim_settings,
     progress,
     report_tokenized,
+    require_examples,
     start_step,
     to_device,
 )
-from steps.data import DataError, PreferencePair, collate_pairs, tokenize_pairs, train_eval_split
+from steps.data import PreferencePair, collate_pairs, tokenize_pairs, train_eval_split
 from steps.rlhf import RewardLossOut, pairwise_reward_loss
 
 
@@ -60,10 +61,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
                                   data.max_answer_len)
     report_tokenized("step 2 train", stats, data.max_prompt_len, data.max_answer_len)
     evals, _ = tokenize_pairs(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
-    if not train:
-        raise DataError(f"step 2 has no training pairs after filtering: "
-                        f"{stats.dropped_long_prompt} of {len(train_pairs)} prompts are longer than "
-                        f"data.max_prompt_len={data.max_prompt_len} tokens; add data or raise it")
+    require_examples(2, "training pairs", stats, data.max_prompt_len)
 
     model = load_reward_model(cfg.reward_model, tokenizer, dtype=rt.dtype, seed=cfg.seed + 1,
                               trust_remote_code=cfg.trust_remote_code)

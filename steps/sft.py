@@ -24,10 +24,11 @@ from steps.common import (
     optim_settings,
     progress,
     report_tokenized,
+    require_examples,
     start_step,
     to_device,
 )
-from steps.data import DataError, PreferencePair, collate_sft, tokenize_sft, train_eval_split
+from steps.data import PreferencePair, collate_sft, tokenize_sft, train_eval_split
 from steps.rlhf import sft_loss
 
 
@@ -58,10 +59,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
     train, stats = tokenize_sft(train_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     report_tokenized("step 1 train", stats, data.max_prompt_len, data.max_answer_len)
     evals, _ = tokenize_sft(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
-    if not train:
-        raise DataError(f"step 1 has no training examples after filtering: "
-                        f"{stats.dropped_long_prompt} of {len(train_pairs)} prompts are longer than "
-                        f"data.max_prompt_len={data.max_prompt_len} tokens; add data or raise it")
+    require_examples(1, "training examples", stats, data.max_prompt_len)
 
     model = load_causal_lm(cfg.actor_model, tokenizer, dtype=rt.dtype, seed=cfg.seed,
                            trust_remote_code=cfg.trust_remote_code)
