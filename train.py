@@ -132,8 +132,8 @@ def check_config(cfg: DictConfig) -> None:
         check_model_arg(cfg.actor_model, "--actor-model")
     if 2 in steps:
         check_model_arg(cfg.reward_model, "--reward-model")
-    if cfg.tokenizer and not Path(cfg.tokenizer).expanduser().is_dir():
-        check_model_arg(cfg.tokenizer, "tokenizer=")
+    if cfg.tokenizer:
+        check_model_arg(cfg.tokenizer, "tokenizer=", tokenizer=True)
     if len(cfg.data.split) != 3:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")

@@ -31,9 +31,8 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
                         target_modules=targets, exclude_modules=["score", "lm_head"])
     peft_model = get_peft_model(model, config)
     for name, param in peft_model.named_parameters():
-        is_lora = "lora_" in name
         is_head = name.split(".")[-2:-1] == ["score"]
-        param.requires_grad_(is_lora or is_head or not lora.only_optimize_lora)
+        param.requires_grad_(is_lora_param(name) or is_head or not lora.only_optimize_lora)
     return peft_model
 
 

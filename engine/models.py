@@ -94,15 +94,22 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _source(spec: str, flag: str) -> str:
-    """Classify a model argument as 'preset', 'local' or 'hub'; fail early on a bad path."""
+_MODEL_FILES = ("config.json",)
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def _source(spec: str, flag: str, files: tuple[str, ...] = _MODEL_FILES) -> str:
+    """Classify a model (or, with `files=_TOKENIZER_FILES`, tokenizer) argument as 'preset',
+    'local' or 'hub'; fail early on a bad path."""
     if spec in PRESETS:
         return "preset"
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise UserError(f"{flag} {spec}: directory has no config.json; pass a Hugging Face "
-                            "model directory (e.g. output/actor)")
+        if not any((path / name).exists() for name in files):
+            what = "model directory (e.g. output/actor)" if files == _MODEL_FILES \
+                else "tokenizer directory"
+            raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "
+                            f"Hugging Face {what}")
         return "local"
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise UserError(f"{flag} {spec}: no such model directory; pass a local Hugging Face "
@@ -133,22 +140,28 @@ def _in_hub_cache(spec: str) -> bool:
                for name in ("config.json", "tokenizer_config.json"))
 
 
-def check_model_arg(spec: str, flag: str) -> None:
-    """Fail fast, in one line, on a model argument that cannot load: a bad path, or a hub
-    name while the hub is unreachable and the name is not cached. train.py calls this
-    before any data is read or anything is written."""
-    if spec not in PRESETS and _source(spec, flag) == "hub" and _hub_offline() \
-            and not _in_hub_cache(spec):
+def _hub_local_only(spec: str, flag: str) -> bool:
+    """For a hub name: True when it must be read from the local cache (hub unreachable);
+    raises when it is neither reachable nor cached."""
+    if not _hub_offline():
+        return False
+    if not _in_hub_cache(spec):
         raise _hub_error(spec, flag, "offline, and not in the local cache")
+    return True
+
+
+def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False) -> None:
+    """Fail fast, in one line, on a model (or tokenizer) argument that cannot load: a bad
+    path, or a hub name while the hub is unreachable and the name is not cached. train.py
+    calls this before any data is read or anything is written."""
+    files = _TOKENIZER_FILES if tokenizer else _MODEL_FILES
+    if _source(spec, flag, files) == "hub":
+        _hub_local_only(spec, flag)
 
 
 def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str):
     """Call `load(local_files_only=...)`, turning hub/IO failures into one-line errors."""
-    local_only = False
-    if kind == "hub" and _hub_offline():
-        if not _in_hub_cache(spec):
-            raise _hub_error(spec, flag, "offline, and not in the local cache")
-        local_only = True
+    local_only = kind == "hub" and _hub_local_only(spec, flag)
     try:
         return load(local_files_only=local_only)
     except OSError as err:
@@ -168,8 +181,7 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     else:
         flag = "tokenizer=" if tokenizer else flag
         # a tokenizer directory (tokenizer=DIR) holds no config.json, only tokenizer files
-        kind = "local" if tokenizer and Path(source).expanduser().is_dir() \
-            else _source(source, flag)
+        kind = _source(source, flag, _TOKENIZER_FILES if tokenizer else _MODEL_FILES)
         tok = _from_hub_or_dir(
             lambda **kw: AutoTokenizer.from_pretrained(
                 source, trust_remote_code=trust_remote_code, **kw),

@@ -245,8 +245,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     require_examples(3, "prompts", stats, data.max_prompt_len)
     eval_pairs = eval_pairs[:ppo.eval_prompts]
     eval_prompts, _ = tokenize_prompts(eval_pairs, tokenizer, data.max_prompt_len)
-    eval_texts = [p.prompt for p in eval_pairs
-                  if len(tokenizer(p.prompt)["input_ids"]) <= data.max_prompt_len]
+    eval_texts = tokenizer.batch_decode(eval_prompts, skip_special_tokens=True)
     ptx_examples = []
     if ppo.ptx.enabled:
         ptx_examples, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
