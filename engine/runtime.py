@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,3 +44,12 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0) -> R
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device):
+    """Run a block with fixed torch RNG state (CPU and, when used, the CUDA device), then
+    restore the state the run had, so an evaluation does not shift training's samples."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield

@@ -30,7 +30,7 @@ from engine.models import (
     sequence_scores,
     token_values,
 )
-from engine.runtime import Runtime
+from engine.runtime import Runtime, seeded
 from engine.tracking import Tracker
 from steps.common import (
     batches,
@@ -199,8 +199,7 @@ def evaluate_policy(actor_module, scorer: RewardScorer, prompts: list[list[int]]
     """Reward-model score (and the demo's ground truth when it applies) of answers sampled
     for held-out prompts, with a fixed seed so before/after compare like with like."""
     scores, answers = [], []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
+    with seeded(seed, device):
         for batch in batches(prompts, batch_size, shuffle=False, seed=0):
             batch = to_device(collate_prompts(batch, tokenizer.pad_token_id), device)
             seqs = generate(actor_module, batch["input_ids"], batch["attention_mask"],
