@@ -3,6 +3,8 @@
     python train.py                                     # the built-in demo, CPU, minutes
     python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m \\
         data.path=[Dahoas/rm-static] ppo.kl_coef=0.05
+    python train.py --deployment-type single_node --actor-zero-stage 3 ...  # all GPUs here
+    python train.py engine.device=cpu engine.procs=4    # 4 CPU processes (gloo)
 
 Flags follow DeepSpeed-Chat; every further `key=value` argument is a Hydra override of
 configs/config.yaml (see --help for all keys).
@@ -11,9 +13,11 @@ configs/config.yaml (see --help for all keys).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -24,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from steps.config import LIST_KEYS, register
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-DEPLOYMENTS = ("single_gpu",)
+DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
 MODEL_DIRS = {1: ("actor",), 2: ("reward",), 3: ("step3/actor", "step3/critic")}
 
 
@@ -55,9 +59,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-dir", help="where models, configs and metrics go "
                         "(default ./output)")
     parser.add_argument("--deployment-type", choices=DEPLOYMENTS, default=None,
-                        help="single_gpu: one process (the only kind so far)")
-    parser.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
-    parser.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
+                        help="single_gpu: one process (default); single_node: one process "
+                        "per GPU here, through torchrun; multi_node: the same on every node, "
+                        "with --nnodes/--node-rank/--master-addr or --hostfile")
+    parser.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="actor sharding (steps 1, 3): 3 = ZeRO-3, 1/2 = gradients and "
+                        "optimizer state sharded, 0 = replicated")
+    parser.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="reward model (step 2) and critic (step 3) sharding")
+    parser.add_argument("--resume", action="store_true", default=None,
+                        help="continue the interrupted run in --output-dir (it must hold one); "
+                        "by default a run found there is continued anyway")
+    launch = parser.add_argument_group("multi-node rendezvous (torchrun's)")
+    launch.add_argument("--nnodes", type=int, default=None)
+    launch.add_argument("--node-rank", type=int, default=None)
+    launch.add_argument("--master-addr", default=None)
+    launch.add_argument("--master-port", type=int, default=None)
+    launch.add_argument("--hostfile", default=None,
+                        help="DeepSpeed-style `host slots=N` lines: sets the node count, the "
+                        "master (first host) and processes per node")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="Hydra overrides of configs/config.yaml")
     # intermixed: `key=value` overrides may come before, between and after the flags
@@ -105,10 +125,15 @@ def build_config(args: argparse.Namespace) -> DictConfig:
     flags = {"actor_model": args.actor_model, "reward_model": args.reward_model,
              "steps": args.step, "output_dir": args.output_dir,
              "deployment_type": args.deployment_type, "actor_zero_stage": args.actor_zero_stage,
-             "reward_zero_stage": args.reward_zero_stage}
+             "reward_zero_stage": args.reward_zero_stage,
+             "resume": "true" if args.resume else None}
     for key, value in flags.items():
         if value is not None:
             cfg[key] = sorted(set(value)) if key == "steps" else value
+    for key in ("nnodes", "node_rank", "master_addr", "master_port", "hostfile"):
+        if getattr(args, key) is not None:
+            cfg.launch[key] = getattr(args, key)
+    cfg.resume = str(cfg.resume).lower()
     return cfg
 
 
@@ -120,8 +145,12 @@ def check_config(cfg: DictConfig) -> None:
     if not steps or not set(steps) <= {1, 2, 3}:
         raise UserError(f"steps={steps}: choose from 1 2 3 (--step 1 2 3)")
     if cfg.deployment_type not in DEPLOYMENTS:
-        raise UserError(f"--deployment-type {cfg.deployment_type}: only single_gpu is "
-                        "available in this version")
+        raise UserError(f"deployment_type={cfg.deployment_type}: choose one of "
+                        f"{', '.join(DEPLOYMENTS)}")
+    if cfg.resume not in ("auto", "true", "false"):
+        raise UserError(f"resume={cfg.resume}: choose auto, true or false")
+    if cfg.engine.procs < 1:
+        raise UserError(f"engine.procs={cfg.engine.procs}: give 1 or more processes")
     if 1 in steps and not cfg.actor_model:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
     if 2 in steps and not cfg.reward_model:
@@ -139,13 +168,78 @@ def check_config(cfg: DictConfig) -> None:
                         "1, 2, 3 (e.g. data.split=[2,4,4])")
     if cfg.ppo.micro_batch_size > cfg.ppo.rollout_batch_size:
         raise UserError("ppo.micro_batch_size must not exceed ppo.rollout_batch_size")
+    plan_steps(cfg)
+
+
+def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
+    """What each selected step does: "run" from scratch, "resume" from its latest
+    checkpoint, or "skip" (finished before the interrupted step). A run is interrupted when
+    a step directory holds a complete checkpoint: checkpoints are dropped once a step
+    has written its model."""
+    from engine.checkpoint import complete_checkpoints
+    from engine.errors import UserError
+    from steps.common import step_dir
+
     out = Path(cfg.output_dir)
-    for step in steps:
+    resumable = [] if cfg.resume == "false" else [
+        s for s in cfg.steps if complete_checkpoints(step_dir(cfg, s))]
+    if cfg.resume == "true" and not resumable:
+        raise UserError(f"--resume: {out} holds no interrupted run (no step*/checkpoints/step-* "
+                        "of the selected steps); drop --resume to start one")
+    first = resumable[0] if resumable else None
+    plan = []
+    for step in cfg.steps:
+        finished = all((out / name).exists() for name in MODEL_DIRS[step])
+        if first is not None and step < first and finished:
+            plan.append((step, "skip"))
+            continue
+        if step == first:
+            plan.append((step, "resume"))
+            continue
         for name in MODEL_DIRS[step]:
             if (out / name).exists() and not cfg.overwrite:
                 raise UserError(f"{out / name} already holds a finished step-{step} model; "
                                 "pass overwrite=true to replace it or choose another "
                                 "--output-dir")
+        plan.append((step, "run"))
+    return plan
+
+
+def needs_launcher(cfg: DictConfig) -> bool:
+    from engine.runtime import launched_by_torchrun
+
+    multi = cfg.deployment_type != "single_gpu" or cfg.engine.procs > 1
+    return multi and not launched_by_torchrun()
+
+
+def launch(cfg: DictConfig, argv: list[str]) -> int:
+    """Start this same command on every process of this node through torchrun."""
+    import torch
+
+    from engine.launch import Launch, from_hostfile, run_torchrun
+
+    lc = cfg.launch
+    if cfg.engine.procs > 1:
+        procs = cfg.engine.procs
+    elif cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available():
+        procs = torch.cuda.device_count()
+    else:
+        procs = 1
+    if cfg.deployment_type == "multi_node":
+        if lc.hostfile:
+            where = from_hostfile(lc.hostfile, lc.node_rank, lc.master_port)
+        else:
+            where = Launch(nproc_per_node=procs, nnodes=lc.nnodes, node_rank=lc.node_rank or 0,
+                           master_addr=lc.master_addr, master_port=lc.master_port,
+                           standalone=False)
+    else:
+        where = Launch(nproc_per_node=procs)
+    from steps.common import log
+
+    log(f"launching {where.nproc_per_node} processes on this node"
+        + (f" (node {where.node_rank} of {where.nnodes}, master {where.master_addr}:"
+           f"{where.master_port})" if not where.standalone else "") + " through torchrun")
+    return run_torchrun(where, str(Path(__file__).resolve()), argv)
 
 
 def run(cfg: DictConfig) -> dict[int, float]:
@@ -156,32 +250,38 @@ def run(cfg: DictConfig) -> dict[int, float]:
     from steps.common import log, step_dir
     from steps.data import DataError, load_blend
 
-    rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed)
+    rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed, cfg.engine.timeout_s)
+    plan = plan_steps(cfg)
     sft_pairs, rm_pairs, ppo_pairs = load_blend(
         list(cfg.data.path), list(cfg.data.split), cfg.seed,
         demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed))
     log(f"data {list(cfg.data.path)}: {len(sft_pairs)} / {len(rm_pairs)} / {len(ppo_pairs)} "
         f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)}); device {rt.device}, "
-        f"{str(rt.dtype).removeprefix('torch.')}")
+        f"{str(rt.dtype).removeprefix('torch.')}"
+        + (f", {rt.world_size} ranks" if rt.distributed else ""))
     seconds = {}
     out = Path(cfg.output_dir)
     out_existed = out.exists()
-    for step in cfg.steps:
+    for step, mode in plan:
+        if mode == "skip":
+            log(f"step {step}: finished before the interruption; kept")
+            continue
         seed_everything(cfg.seed + step)
         start = time.perf_counter()
         fresh = not step_dir(cfg, step).exists()
+        resume = mode == "resume"
         try:
             if step == 1:
-                sft.run(cfg, sft_pairs, rt)
+                sft.run(cfg, sft_pairs, rt, resume)
             elif step == 2:
-                reward.run(cfg, rm_pairs, rt)
+                reward.run(cfg, rm_pairs, rt, resume)
             else:
-                ppo.run(cfg, ppo_pairs, sft_pairs, rt)
+                ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume)
         except (UserError, DataError):
             # a refused step (bad model, no data left after filtering) leaves nothing behind
-            if fresh:
+            if fresh and rt.is_main:
                 shutil.rmtree(step_dir(cfg, step), ignore_errors=True)
-            if not out_existed and out.is_dir() and not any(out.iterdir()):
+            if rt.is_main and not out_existed and out.is_dir() and not any(out.iterdir()):
                 out.rmdir()
             raise
         seconds[step] = time.perf_counter() - start
@@ -191,18 +291,26 @@ def run(cfg: DictConfig) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from engine.errors import UserError
+    from engine.runtime import launched_by_torchrun
     from steps.data import DataError
 
+    rank = int(os.environ.get("RANK", 0)) if launched_by_torchrun() else None
     try:
         cfg = build_config(args)
         check_config(cfg)
+        if needs_launcher(cfg):
+            return launch(cfg, argv)
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        run(cfg)
+        if rank is None:
+            run(cfg)
+        else:
+            return _run_rank(cfg, rank)
     except (HydraException, OmegaConfBaseException) as err:
         reason = " ".join(str(err).split("\n")[:2]).strip()
         cause = str(err.__cause__).split("\n")[0] if err.__cause__ else ""
@@ -211,8 +319,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: {where}{reason}" + (f" ({cause})" if cause else ""), file=sys.stderr)
         return 2
     except (UserError, DataError) as err:
-        print(f"train.py: {err}", file=sys.stderr)
+        if not rank:
+            print(f"train.py: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run_rank(cfg: DictConfig, rank: int) -> int:
+    """One rank of a torchrun job: only rank 0 prints progress; an error is printed with
+    the rank's number, and the process exits at once, without waiting on the other ranks
+    (which torchrun, or the collective timeout, then stops)."""
+    import torch.distributed as dist
+
+    from engine.errors import UserError
+    from steps.data import DataError
+
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    try:
+        run(cfg)
+    except (UserError, DataError) as err:
+        if rank == 0:
+            print(f"train.py: {err}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except BaseException as err:  # noqa: BLE001 - any failure must stop the whole job
+        print(f"train.py: rank {rank} failed: {type(err).__name__}: {err}\n"
+              + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

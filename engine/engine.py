@@ -1,6 +1,11 @@
 """TrainEngine: one trainable model with its optimizer, schedule and gradient
 accumulation. steps/ calls `engine(...)`, `backward(loss)`, `step()`; how parameters are
-placed and reduced stays in here."""
+placed, sharded and reduced stays in here (engine/parallel.py).
+
+The loss contract with several ranks: each rank passes its share of the objective, and the
+objective is the sum of the shares over the ranks (a mean over a global batch is each
+rank's sum divided by the global count). Gradients then equal a single process's on the
+whole batch, however the batch was split."""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
 from engine.lora import is_lora_param
+from engine.parallel import ShardSettings, set_gradient_sync, shard, shard_frozen
 from engine.runtime import Runtime
 
 
@@ -43,12 +50,12 @@ def _param_groups(model: nn.Module, optim: OptimSettings) -> list[dict]:
 
 class TrainEngine:
     def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
-                 runtime: Runtime):
+                 runtime: Runtime, sharding: ShardSettings | None = None):
         self.runtime = runtime
         self.optim = optim
-        self.module = model.to(runtime.device)
+        self.module = shard(model, runtime, sharding or ShardSettings())
         self.module.train()
-        fused = runtime.device.type == "cuda"
+        fused = runtime.device.type == "cuda" and not (sharding and sharding.offload)
         self.optimizer = torch.optim.AdamW(_param_groups(model, optim), lr=optim.lr,
                                            betas=optim.betas, fused=fused)
         self.scheduler = get_scheduler(optim.lr_scheduler, self.optimizer,
@@ -61,8 +68,12 @@ class TrainEngine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.optim.grad_accum).backward()
+        """Accumulate the gradient of this rank's share of the loss; ranks exchange
+        gradients only on the last micro-step of an accumulation window."""
         self.micro_steps += 1
+        set_gradient_sync(self.module, self.micro_steps % self.optim.grad_accum == 0)
+        # FSDP2 averages gradients over ranks; the objective is their sum (see above)
+        (loss * (self.runtime.world_size / self.optim.grad_accum)).backward()
 
     def step(self) -> float | None:
         """Apply the optimizer at the end of an accumulation window; returns the gradient
@@ -72,11 +83,31 @@ class TrainEngine:
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(grad_norm, "full_tensor"):  # DTensor when sharded
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return float(grad_norm)
+
+    def state_dict(self) -> dict:
+        """Model and optimizer state, sharded as the model is (for a DCP checkpoint)."""
+        model, optimizer = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def progress_state(self) -> dict:
+        """Counters and schedule: plain values, stored beside the tensors."""
+        return {"steps": self.steps, "micro_steps": self.micro_steps,
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_progress_state(self, state: dict) -> None:
+        self.steps, self.micro_steps = state["steps"], state["micro_steps"]
+        self.scheduler.load_state_dict(state["scheduler"])
 
     @property
     def lr(self) -> float:
@@ -89,6 +120,8 @@ class TrainEngine:
         self.module.eval()
 
 
-def frozen(model: nn.Module, runtime: Runtime) -> nn.Module:
-    """A model used for forward passes only (reference, reward): eval mode, no grads."""
-    return model.to(runtime.device).eval().requires_grad_(False)
+def frozen(model: nn.Module, runtime: Runtime, *, sharded: bool = True,
+           offload: bool = False) -> nn.Module:
+    """A model used for forward passes only (reference, reward): eval mode, no grads,
+    ZeRO-3 sharded or replicated over the ranks, optionally kept on the CPU between uses."""
+    return shard_frozen(model, runtime, sharded=sharded, offload=offload)

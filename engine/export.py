@@ -1,5 +1,7 @@
 """Writing Hugging Face directories atomically: a killed run never leaves a model
-directory that looks finished."""
+directory that looks finished. A sharded model is gathered to rank 0 one parameter at a
+time (each all-gathered, moved to the CPU, then freed on the device), so the device never
+holds more than one full layer beyond its shards."""
 
 from __future__ import annotations
 
@@ -7,10 +9,16 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
+from peft import PeftModel, get_peft_model
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.lora import merged
+from engine.parallel import hf_model
+from engine.runtime import Runtime
 
 
 def atomic_directory(final: Path, write) -> Path:
@@ -40,13 +48,46 @@ def atomic_directory(final: Path, write) -> Path:
     return final
 
 
-def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> Path:
-    """Save `model` (LoRA merged in place) and `tokenizer` as a plain HF directory with
-    model.safetensors, loadable by `from_pretrained` without this project."""
-    plain = merged(model)
+def _plain_class(model: PreTrainedModel) -> type[PreTrainedModel]:
+    """The transformers class under FSDP2's generated `FSDP<Model>` subclass."""
+    return next(c for c in type(model).__mro__
+                if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
 
-    def write(tmp: Path) -> None:
-        plain.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
 
-    return atomic_directory(out_dir, write)
+def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
+    """A plain CPU copy of `model` with full weights and LoRA merged in, on rank 0 (None on
+    the others). Collective when the model is sharded; the live model is left untouched."""
+    full = get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    if not rt.is_main:
+        return None
+    inner = hf_model(model)
+    with torch.device("meta"):
+        copy = _plain_class(inner)(inner.config)
+    if isinstance(model, PeftModel):
+        copy = get_peft_model(copy, model.peft_config[model.active_adapter])
+    # a replicated model's CPU state shares storage with the live one: copy before merging
+    full = {k: v.detach().to("cpu", copy=not rt.distributed) for k, v in full.items()}
+    copy.load_state_dict(full, strict=False, assign=True)
+    copy = merged(copy)
+    copy.tie_weights()
+    meta = [name for name, t in copy.state_dict().items() if t.is_meta]
+    if meta:
+        raise RuntimeError(f"export left weights unset: {meta[:3]}")
+    return copy.eval()
+
+
+def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
+            rt: Runtime) -> Path:
+    """Save `model` (LoRA merged) and `tokenizer` as a plain HF directory with
+    model.safetensors, loadable by `from_pretrained` without this project. Collective:
+    every rank calls it; rank 0 writes."""
+    plain = full_copy(model, rt)
+    if plain is not None:
+        def write(tmp: Path) -> None:
+            plain.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+
+        atomic_directory(out_dir, write)
+    rt.barrier()
+    return Path(out_dir)

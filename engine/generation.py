@@ -1,5 +1,12 @@
 """Sampling answers from a causal LM (Hugging Face generate for now; the hybrid engine
-replaces this path for the sharded actor)."""
+replaces this path for the sharded actor).
+
+Sampling is row-seeded: the noise that picks row b's t-th token is a hash of
+(row_seeds[b], t, token id), drawn through the Gumbel-max trick. A row's answer then does
+not depend on which other rows share its batch, how the batch is padded or split over
+ranks, or what ran before: one process and N ranks sample the same answers, and a resumed
+run samples what the uninterrupted one would have.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass(frozen=True)
@@ -19,27 +33,85 @@ class SamplingSettings:
     do_sample: bool = True
 
 
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                               0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijective int64 hash (multiplication wraps around)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def row_uniforms(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1), a pure function of (row seed, step, token id)."""
+    key = _mix(row_seeds.long() * _GOLDEN + step)                       # [B]
+    tokens = torch.arange(vocab, device=row_seeds.device, dtype=torch.long)
+    bits = _shift_right(_mix(key[:, None] + tokens * _GOLDEN), 40)      # 24 random bits
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+class RowSeededSampling(LogitsProcessor):
+    """Temperature / top-k / top-p, then Gumbel noise from `row_uniforms`: the argmax that
+    greedy decoding takes is then a sample from the warped distribution."""
+
+    def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor, prompt_len: int):
+        self.row_seeds, self.prompt_len = row_seeds, prompt_len
+        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
+        if sampling.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        uniforms = row_uniforms(self.row_seeds.to(scores.device),
+                                input_ids.shape[1] - self.prompt_len, scores.shape[-1])
+        return torch.log_softmax(scores, dim=-1) - torch.log(-torch.log(uniforms))
+
+
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             sampling: SamplingSettings, *, eos_token_id: int, pad_token_id: int
-             ) -> torch.Tensor:
+             sampling: SamplingSettings, *, eos_token_id: int, pad_token_id: int,
+             row_seeds: torch.Tensor | None = None, synced: bool = False) -> torch.Tensor:
     """Continue left-padded prompts.
 
     Args:
         input_ids, attention_mask: [B, P], prompts left-padded.
+        row_seeds: [B] int seeds for row-seeded sampling (see the module docstring); None
+            samples from torch's global generator.
+        synced: several ranks generate with a sharded model: every rank keeps stepping until
+            all have finished, so the all-gathers of the sharded weights always pair up.
     Returns:
         [B, P + N] sequences, N <= max_new_tokens; after a row's EOS come pad tokens.
     """
+    row_seeded = sampling.do_sample and row_seeds is not None
+    native_sampling = sampling.do_sample and not row_seeded
     config = GenerationConfig(
-        max_new_tokens=sampling.max_new_tokens, do_sample=sampling.do_sample,
-        temperature=sampling.temperature if sampling.do_sample else None,
-        top_p=sampling.top_p if sampling.do_sample else None,
-        top_k=sampling.top_k if sampling.do_sample else None,
+        max_new_tokens=sampling.max_new_tokens, do_sample=native_sampling,
+        temperature=sampling.temperature if native_sampling else None,
+        top_p=sampling.top_p if native_sampling else None,
+        top_k=sampling.top_k if native_sampling else None,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
     )
+    processors = LogitsProcessorList(
+        [RowSeededSampling(sampling, row_seeds, input_ids.shape[1])] if row_seeded else [])
     was_training = model.training
     model.eval()
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                         generation_config=config)
+                         generation_config=config, logits_processor=processors,
+                         synced_gpus=synced)
     model.train(was_training)
     return out

@@ -1,12 +1,16 @@
-"""Where the computation runs: device, dtype, seeding. (Process groups join here later.)"""
+"""Where the computation runs: device, dtype, seeding, and the process group when torchrun
+started this process (one rank of N: gloo on CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
+import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from engine.errors import UserError
 
@@ -17,18 +21,56 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
-    dtype: torch.dtype          # parameter dtype of the models
+    dtype: torch.dtype          # compute dtype (sharded runs keep fp32 master weights)
     rank: int = 0
     world_size: int = 1
+    local_rank: int = 0
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """Dtype to load trainable weights in: fp32 master weights under FSDP2's mixed
+        precision when sharded; the compute dtype itself in a plain single process."""
+        return torch.float32 if self.distributed else self.dtype
 
-def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0) -> Runtime:
+    @property
+    def distributed(self) -> bool:
+        """True when torchrun started this process: models get sharded even at world 1."""
+        return dist.is_available() and dist.is_initialized()
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum of `values` over all ranks (the tensor itself in one process)."""
+        if not self.distributed or self.world_size == 1:
+            return values
+        values = values.detach().clone()
+        dist.all_reduce(values)
+        return values
+
+    def total(self, *numbers: float) -> list[float]:
+        """Sum plain numbers over the ranks: one all-reduce for several counters."""
+        summed = self.all_sum(torch.tensor(numbers, dtype=torch.float64, device=self.device))
+        return summed.tolist()
+
+    def barrier(self) -> None:
+        if self.distributed and self.world_size > 1:
+            dist.barrier()
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
+                  timeout_s: float = 600) -> Runtime:
     """Resolve `engine.device` / `engine.dtype` ("auto": CUDA + bf16 when present, else CPU
-    + fp32) and seed every generator the run uses."""
+    + fp32), join the process group when launched by torchrun, and seed every generator.
+
+    `timeout_s` bounds every collective: a rank that dies or hangs makes the others fail
+    within it instead of waiting forever."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -37,8 +79,19 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0) -> R
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in _DTYPES:
         raise UserError(f"engine.dtype={dtype}: unknown; use one of auto, {', '.join(_DTYPES)}")
+    rank = world_size = local_rank = None
+    if launched_by_torchrun():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                    timeout=timedelta(seconds=timeout_s))
     seed_everything(seed)
-    return Runtime(device=torch.device(device), dtype=_DTYPES[dtype])
+    return Runtime(device=torch.device(device), dtype=_DTYPES[dtype], rank=rank or 0,
+                   world_size=world_size or 1, local_rank=local_rank or 0)
 
 
 def seed_everything(seed: int) -> None:
@@ -53,3 +106,21 @@ def seeded(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
+
+
+def rng_state() -> dict:
+    """This process's generator states, for a checkpoint (tensors and lists only, so the
+    file loads with weights_only=True)."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -25,13 +25,22 @@ def _wandb_mode(mode: str) -> str:
 
 class Tracker:
     def __init__(self, step_dir: Path, *, wandb_settings: dict | None = None,
-                 config: dict | None = None, enabled: bool = True):
+                 config: dict | None = None, enabled: bool = True,
+                 keep_rows: int | None = None):
+        """`keep_rows`: continue a resumed run's metrics.jsonl after its first `keep_rows`
+        rows (those written before the checkpoint); None starts the file afresh."""
         self.enabled = enabled
         self.path = Path(step_dir) / "metrics.jsonl"
         self._wandb = None
+        self.rows = 0
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_rows is not None and self.path.exists():
+            kept = self.path.read_text().splitlines(keepends=True)[:keep_rows]
+        self.path.write_text("".join(kept))
+        self.rows = len(kept)
         ws = wandb_settings or {}
         if ws.get("enabled"):
             import wandb
@@ -48,6 +57,7 @@ class Tracker:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        self.rows += 1
         if self._wandb is not None:
             self._wandb.log(row, step=step)
 

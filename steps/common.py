@@ -1,5 +1,6 @@
 """What the three steps share: step directories, config snapshots, progress bars,
-batching, and the demo's ground-truth evaluation."""
+batching (and each rank's share of a batch), checkpoint settings, and the demo's
+ground-truth evaluation."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from engine.checkpoint import Checkpointer
 from engine.engine import OptimSettings
 from engine.lora import LoraSettings
+from engine.parallel import ShardSettings
+from engine.runtime import Runtime
 from steps import demo
 from steps.data import DataError, TokenizeStats
 
@@ -22,16 +26,33 @@ def step_dir(cfg: DictConfig, step: int) -> Path:
     return Path(cfg.output_dir) / f"step{step}"
 
 
-def start_step(cfg: DictConfig, step: int) -> Path:
+def start_step(cfg: DictConfig, step: int, rt: Runtime, *, resume: bool) -> Path:
+    """The step's directory with its config snapshot; a fresh start also drops the metrics
+    and checkpoints of an earlier attempt."""
     directory = step_dir(cfg, step)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "metrics.jsonl").unlink(missing_ok=True)
-    (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if not resume:
+        checkpointer(cfg, step, rt).clear()
+    if rt.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (directory / "metrics.jsonl").unlink(missing_ok=True)
+        (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    rt.barrier()
     return directory
 
 
+def checkpointer(cfg: DictConfig, step: int, rt: Runtime) -> Checkpointer:
+    return Checkpointer(step_dir(cfg, step), rt, every=cfg.engine.checkpoint_every,
+                        keep=cfg.engine.keep_checkpoints)
+
+
+def shard_settings(cfg: DictConfig, zero_stage: int) -> ShardSettings:
+    return ShardSettings(zero_stage=zero_stage, offload=cfg.engine.offload,
+                         activation_checkpointing=cfg.engine.gradient_checkpointing)
+
+
 def log(message: str) -> None:
-    tqdm.write(message)
+    tqdm.write(message)   # to stdout, which train.py silences on ranks other than 0
 
 
 def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
@@ -58,8 +79,17 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
 
 def progress(iterable: Iterable, *, desc: str, total: int | None = None,
              enabled: bool = True) -> Iterator:
-    return iter(tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False,
-                     dynamic_ncols=True))
+    return iter(tqdm(iterable, desc=desc, total=total, disable=not enabled,
+                     leave=False, dynamic_ncols=True))
+
+
+def rank_rows(rows: Sequence, rt: Runtime) -> tuple[list, float]:
+    """This rank's share of a global batch (every world_size-th row, from its rank on) and
+    its weight: 1, or 0 when the batch has fewer rows than there are ranks and this one got
+    none. It then runs the batch's first row as a stand-in, weighted 0, because every rank
+    must take part in the same forward and backward passes."""
+    mine = list(rows[rt.rank::rt.world_size])
+    return (mine, 1.0) if mine else (list(rows[:1]), 0.0)
 
 
 def batches(items: Sequence, batch_size: int, *, shuffle: bool, seed: int) -> Iterator[list]:
@@ -92,8 +122,9 @@ def lora_settings(lora: DictConfig) -> LoraSettings:
     return LoraSettings(**values)
 
 
-def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> float | None:
-    """Mean demo ground-truth score over the demo prompts, None when there are none."""
+def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> tuple[float, int] | None:
+    """(sum, count) of the demo ground-truth scores over the demo prompts among `prompts`;
+    None when there are none."""
     scored = [demo.score(p, a) for p, a in zip(prompts, answers, strict=True)
               if demo.rule_of(p) is not None]
-    return sum(scored) / len(scored) if scored else None
+    return (sum(scored), len(scored)) if scored else None

@@ -36,7 +36,24 @@ class DataConfig:
 class EngineConfig:
     device: str = MISSING
     dtype: str = MISSING
+    procs: int = MISSING
+    timeout_s: float = MISSING
     gradient_checkpointing: bool = MISSING
+    offload: bool = MISSING
+    shard_frozen_models: bool = MISSING
+    offload_reference_model: bool = MISSING
+    offload_reward_model: bool = MISSING
+    checkpoint_every: int = MISSING
+    keep_checkpoints: int = MISSING
+
+
+@dataclass
+class LaunchConfig:
+    nnodes: int = MISSING
+    node_rank: Optional[int] = MISSING  # noqa: UP045
+    master_addr: str = MISSING
+    master_port: int = MISSING
+    hostfile: Optional[str] = MISSING  # noqa: UP045
 
 
 @dataclass
@@ -125,6 +142,7 @@ class RunConfig:
     steps: list[int] = MISSING
     output_dir: str = MISSING
     overwrite: bool = MISSING
+    resume: str = MISSING
     seed: int = MISSING
     trust_remote_code: bool = MISSING
     deployment_type: str = MISSING
@@ -132,6 +150,7 @@ class RunConfig:
     reward_zero_stage: int = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     sft: TrainConfig = field(default_factory=TrainConfig)
     rm: TrainConfig = field(default_factory=TrainConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)

@@ -5,11 +5,17 @@ critic. Optional: an EMA copy of the actor, and a pretraining (PTX) loss on step
 
 All PPO tensors are answer-aligned [B, N] (see steps/rlhf.py): column j is answer token j
 of `sequences[:, P + j]`; the logits and values that belong to it sit at position P+j-1.
+
+With several ranks, each round's prompts are dealt out (rank r takes rows r, r+W, ...),
+every rank generates and scores its own, and every mean (losses, advantage whitening,
+metrics) is taken over the whole round, so the run computes what one process would.
+Sampling is row-seeded (engine/generation.py): a prompt's answer does not depend on the
+rank that samples it.
 """
 
 from __future__ import annotations
 
-import copy
+import itertools
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +23,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
+from engine.checkpoint import Tensors
 from engine.engine import TrainEngine, frozen
 from engine.errors import UserError
 from engine.export import save_hf
@@ -30,18 +37,21 @@ from engine.models import (
     sequence_scores,
     token_values,
 )
-from engine.runtime import Runtime, seeded
+from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
     batches,
+    checkpointer,
     ground_truth,
     log,
     lora_settings,
     num_batches,
     optim_settings,
     progress,
+    rank_rows,
     report_tokenized,
     require_examples,
+    shard_settings,
     start_step,
     to_device,
 )
@@ -59,12 +69,13 @@ from steps.rlhf import (
     gae,
     kl_penalized_rewards,
     logprobs_of_tokens,
-    masked_mean,
+    masked_sum,
     policy_loss,
     sft_loss,
     value_loss,
     whiten,
 )
+from steps.sft import trained_tokens
 
 
 class Experience(NamedTuple):
@@ -88,6 +99,26 @@ class Experience(NamedTuple):
 
     def rows(self, index: torch.Tensor) -> Experience:
         return Experience(*(field[index] for field in self))
+
+    def without_actions(self) -> Experience:
+        """The same rows contributing nothing (a stand-in on a rank with no rows)."""
+        return self._replace(action_mask=torch.zeros_like(self.action_mask))
+
+
+def row_seeds(seed: int, stream: int, rows: list[int]) -> torch.Tensor:
+    """[B] sampling seeds of global rows `rows` of a round (`stream` 0 = evaluation,
+    i + 1 = rollouts of iteration i)."""
+    return (torch.tensor(rows, dtype=torch.long) + (stream << 20)) + ((seed % (1 << 23)) << 40)
+
+
+def global_moments(x: torch.Tensor, mask: torch.Tensor, rt: Runtime
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased variance) of the masked entries of `x` over all ranks' rows."""
+    total, count = rt.all_sum(torch.stack([masked_sum(x, mask), mask.sum()]))
+    mean = total / count.clamp(min=1)
+    squares = rt.all_sum(masked_sum((x - mean) ** 2, mask)[None])[0]
+    var = squares / count.clamp(min=1)
+    return mean, torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
 
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -129,15 +160,20 @@ class RewardScorer:
 @torch.no_grad()
 def make_experience(actor, ref, critic, score, prompts: dict[str, torch.Tensor],
                     sampling: SamplingSettings, eos_token_id: int, pad_token_id: int,
-                    ppo: DictConfig) -> tuple[Experience, dict[str, float]]:
-    """Sample answers for a batch of left-padded prompts and compute everything PPO needs."""
+                    ppo: DictConfig, rt: Runtime, *, seeds: torch.Tensor | None = None,
+                    weight: float = 1.0) -> tuple[Experience, dict[str, float]]:
+    """Sample answers for this rank's left-padded prompts (row `seeds`, see row_seeds) and
+    compute everything PPO needs. Whitening statistics come from all ranks' rows; a rank
+    whose rows are stand-ins passes weight 0, which empties their action masks."""
     t0 = time.perf_counter()
     sequences = generate(actor.module, prompts["input_ids"], prompts["attention_mask"],
-                         sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                         sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         row_seeds=seeds, synced=rt.world_size > 1)
     t1 = time.perf_counter()
     prompt_len = prompts["input_ids"].shape[1]
-    actions = answer_mask(sequences[:, prompt_len:], eos_token_id)
-    attention_mask = torch.cat([prompts["attention_mask"], actions.long()], dim=1)
+    actions = answer_mask(sequences[:, prompt_len:], eos_token_id) * weight
+    attention_mask = torch.cat([prompts["attention_mask"],
+                                answer_mask(sequences[:, prompt_len:], eos_token_id).long()], 1)
 
     actor.eval()
     logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len)
@@ -152,7 +188,7 @@ def make_experience(actor, ref, critic, score, prompts: dict[str, torch.Tensor],
                                        ppo.kl_coef, ppo.score_clip)
     advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
-        advantages = whiten(advantages, actions)
+        advantages = whiten(advantages, actions, moments=global_moments(advantages, actions, rt))
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl)
@@ -162,27 +198,32 @@ def make_experience(actor, ref, critic, score, prompts: dict[str, torch.Tensor],
 
 
 def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, ppo: DictConfig,
-             ptx_batch: dict[str, torch.Tensor] | None) -> dict[str, float]:
-    """One optimisation step of actor and critic on a micro-batch of experience."""
+             num_actions: float, ptx: tuple[dict[str, torch.Tensor], int, float] | None
+             ) -> dict[str, float]:
+    """One optimisation step of actor and critic on this rank's rows of a micro-batch.
+    `num_actions`: the micro-batch's action count over all ranks; `ptx`: this rank's PTX
+    rows, the global batch's token count, and this rank's weight. Returns this rank's
+    shares of the statistics (they sum to the micro-batch's values over the ranks)."""
     exp, prompt_len = experience, experience.prompt_len
     logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len)
     actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
-                            ppo.clip_range)
+                            ppo.clip_range, num_actions)
     loss = actor_out.loss
     stats = {}
-    if ptx_batch is not None:
+    if ptx is not None:
+        ptx_batch, ptx_tokens, ptx_weight = ptx
         logits = actor(input_ids=ptx_batch["input_ids"],
                        attention_mask=ptx_batch["attention_mask"],
                        position_ids=position_ids(ptx_batch["attention_mask"])).logits
-        ptx = sft_loss(logits, ptx_batch["labels"])
-        loss = loss + ppo.ptx.coef * ptx
-        stats["train/ptx_loss"] = ptx.item()
+        ptx_loss = sft_loss(logits, ptx_batch["labels"], num_tokens=ptx_tokens) * ptx_weight
+        loss = loss + ppo.ptx.coef * ptx_loss
+        stats["train/ptx_loss"] = ptx_loss.item()
     actor.backward(loss)
     actor.step()
 
     values = answer_values(critic.module, exp.sequences, exp.attention_mask, prompt_len)
     critic_out = value_loss(values, exp.values, exp.returns, exp.action_mask,
-                            ppo.value_clip_range)
+                            ppo.value_clip_range, num_actions)
     critic.backward(critic_out.loss)
     critic.step()
     return {**stats, "train/policy_loss": actor_out.loss.item(),
@@ -192,28 +233,39 @@ def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, pp
             "train/value_clip_fraction": float(critic_out.clip_fraction)}
 
 
+def summed(stats: dict[str, float], rt: Runtime) -> dict[str, float]:
+    """Per-rank shares of statistics -> their totals over the ranks (one all-reduce)."""
+    return dict(zip(stats, rt.total(*stats.values()), strict=True))
+
+
 @torch.no_grad()
 def evaluate_policy(actor_module, scorer: RewardScorer, prompts: list[list[int]],
                     prompt_texts: list[str], tokenizer, sampling: SamplingSettings,
-                    batch_size: int, seed: int, device) -> dict[str, float]:
+                    batch_size: int, seed: int, rt: Runtime) -> dict[str, float]:
     """Reward-model score (and the demo's ground truth when it applies) of answers sampled
-    for held-out prompts, with a fixed seed so before/after compare like with like."""
-    scores, answers = [], []
-    with seeded(seed, device):
-        for batch in batches(prompts, batch_size, shuffle=False, seed=0):
-            batch = to_device(collate_prompts(batch, tokenizer.pad_token_id), device)
-            seqs = generate(actor_module, batch["input_ids"], batch["attention_mask"],
-                            sampling, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
-            p = batch["input_ids"].shape[1]
-            actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
-            scores.append(scorer(seqs, torch.cat([batch["attention_mask"], actions.long()], 1)))
-            # generate pads after EOS, so the special tokens are all that must go
-            answers += tokenizer.batch_decode(seqs[:, p:], skip_special_tokens=True)
-    metrics = {"reward": float(torch.cat(scores).mean())}
-    truth = ground_truth(prompt_texts, answers)
-    if truth is not None:
-        metrics["ground_truth"] = truth
+    for held-out prompts, with fixed row seeds so before/after compare like with like."""
+    reward_sum = truth_sum = truth_count = 0.0
+    rows = list(range(len(prompts)))
+    for batch_rows in batches(rows, batch_size, shuffle=False, seed=0):
+        mine, weight = rank_rows(batch_rows, rt)
+        batch = to_device(collate_prompts([prompts[i] for i in mine], tokenizer.pad_token_id),
+                          rt.device)
+        seqs = generate(actor_module, batch["input_ids"], batch["attention_mask"], sampling,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        row_seeds=row_seeds(seed, 0, mine), synced=rt.world_size > 1)
+        p = batch["input_ids"].shape[1]
+        actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
+        reward_sum += float(scorer(seqs, torch.cat([batch["attention_mask"],
+                                                     actions.long()], 1)).sum()) * weight
+        # generate pads after EOS, so the special tokens are all that must go
+        answers = tokenizer.batch_decode(seqs[:, p:], skip_special_tokens=True)
+        truth = ground_truth([prompt_texts[i] for i in mine], answers)
+        if truth is not None and weight:
+            truth_sum, truth_count = truth_sum + truth[0], truth_count + truth[1]
+    reward_sum, truth_sum, truth_count = rt.total(reward_sum, truth_sum, truth_count)
+    metrics = {"reward": reward_sum / len(prompts)}
+    if truth_count:
+        metrics["ground_truth"] = truth_sum / truth_count
     return metrics
 
 
@@ -230,10 +282,10 @@ def _paths(cfg: DictConfig) -> tuple[str, str]:
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
-        rt: Runtime) -> dict:
+        rt: Runtime, resume: bool = False) -> dict:
     actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
-    out = start_step(cfg, 3)
-    ppo, data = cfg.ppo, cfg.data
+    out = start_step(cfg, 3, rt, resume=resume)
+    ppo, data, engine_cfg = cfg.ppo, cfg.data, cfg.engine
     trc = cfg.trust_remote_code
     tokenizer = load_tokenizer(actor_path, trust_remote_code=trc)
     reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path", trust_remote_code=trc)
@@ -251,87 +303,119 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                                                data.max_answer_len)
         report_tokenized("step 3 PTX", ptx_stats, data.max_prompt_len, data.max_answer_len)
 
-    dtype, seed = rt.dtype, cfg.seed
-    actor_model = apply_lora(load_causal_lm(actor_path, tokenizer, dtype=dtype,
+    dtype, master, seed = rt.dtype, rt.master_dtype, cfg.seed
+    actor_model = apply_lora(load_causal_lm(actor_path, tokenizer, dtype=master,
                                             trust_remote_code=trc), lora_settings(ppo.actor_lora))
-    ref = frozen(load_causal_lm(actor_path, tokenizer, dtype=dtype, trust_remote_code=trc), rt)
+    ref = frozen(load_causal_lm(actor_path, tokenizer, dtype=dtype, trust_remote_code=trc), rt,
+                 sharded=engine_cfg.shard_frozen_models,
+                 offload=engine_cfg.offload_reference_model)
     reward = frozen(load_reward_model(reward_path, reward_tokenizer, flag="ppo.reward_path",
-                                      dtype=dtype, trust_remote_code=trc), rt)
+                                      dtype=dtype, trust_remote_code=trc), rt,
+                    sharded=engine_cfg.shard_frozen_models,
+                    offload=engine_cfg.offload_reward_model)
     scorer = RewardScorer(reward, tokenizer, reward_tokenizer, rt.device)
     if scorer.same_tokenizer:
         critic_model = load_reward_model(reward_path, tokenizer, flag="ppo.reward_path",
-                                         dtype=dtype, trust_remote_code=trc)
+                                         dtype=master, trust_remote_code=trc)
         critic_tokenizer = reward_tokenizer
     else:  # the critic must read the actor's tokens: start it from the actor instead
         log("step 3: reward model and actor tokenizers differ; the critic starts from the "
             "actor with a new value head, and rewards are scored on re-tokenized text")
         critic_model = load_reward_model(actor_path, tokenizer, flag="ppo.actor_path",
-                                         dtype=dtype, trust_remote_code=trc, seed=seed)
+                                         dtype=master, trust_remote_code=trc, seed=seed)
         critic_tokenizer = tokenizer
-    if cfg.engine.gradient_checkpointing:
-        actor_model.gradient_checkpointing_enable()
-        critic_model.gradient_checkpointing_enable()
     critic_model = apply_lora(critic_model, lora_settings(ppo.critic_lora))
 
     rounds = num_batches(len(prompts), ppo.rollout_batch_size)
     micro_per_round = num_batches(ppo.rollout_batch_size, ppo.micro_batch_size)
     total = ppo.epochs * rounds * ppo.ppo_epochs * micro_per_round
-    actor = TrainEngine(actor_model, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), total, rt)
+    actor = TrainEngine(actor_model, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), total, rt,
+                        shard_settings(cfg, cfg.actor_zero_stage))
     critic = TrainEngine(critic_model, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
-                         total, rt)
-    ema = copy.deepcopy(actor.module).eval().requires_grad_(False) if ppo.ema.enabled else None
+                         total, rt, shard_settings(cfg, cfg.reward_zero_stage))
+    # the EMA copy is kept as (sharded) tensors beside the actor's own parameters
+    ema = Tensors({name: p.detach().clone() for name, p in actor.module.named_parameters()}) \
+        if ppo.ema.enabled else None
     sampling = SamplingSettings(max_new_tokens=ppo.max_new_tokens, temperature=ppo.temperature,
                                 top_p=ppo.top_p, top_k=ppo.top_k, do_sample=True)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3))
+
+    ckpt = checkpointer(cfg, 3, rt)
+    stateful = {"actor": actor, "critic": critic, **({"ema": ema} if ema else {})}
+    position = {"epoch": 0, "round": 0, "iteration": 0, "ptx_batches": 0, "seconds": 0.0,
+                "before": None}
+    saved = ckpt.load(stateful) if resume else None
+    if saved:
+        actor.load_progress_state(saved["actor"])
+        critic.load_progress_state(saved["critic"])
+        position = saved["position"]
+        log(f"step 3: resumed from {ckpt.latest()} (epoch {position['epoch'] + 1}, "
+            f"iteration {position['iteration']})")
+    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
+                      enabled=rt.is_main, keep_rows=saved["metrics_rows"] if saved else None)
 
     def evaluate() -> dict[str, float]:
         return evaluate_policy(actor.module, scorer, eval_prompts, eval_texts, tokenizer,
-                               sampling, ppo.rollout_batch_size, seed, rt.device)
+                               sampling, ppo.rollout_batch_size, seed, rt)
 
-    before = evaluate() if eval_prompts else {}
-    start, iteration = time.perf_counter(), 0
-    ptx_stream = iter(())
-    for epoch in range(ppo.epochs):
+    before = position["before"]
+    if before is None:
+        before = evaluate() if eval_prompts else {}
+    start = time.perf_counter() - position["seconds"]
+    iteration, ptx_batches = position["iteration"], position["ptx_batches"]
+    for epoch in range(position["epoch"], ppo.epochs):
+        done = position["round"] if epoch == position["epoch"] else 0
         prompt_batches = batches(prompts, ppo.rollout_batch_size, shuffle=True, seed=seed + epoch)
-        for prompt_batch in progress(prompt_batches, desc=f"step 3 epoch {epoch + 1}",
-                                     total=rounds, enabled=cfg.logging.progress):
+        for round_index, prompt_batch in enumerate(
+                progress(itertools.islice(prompt_batches, done, None),
+                         desc=f"step 3 epoch {epoch + 1}", total=rounds - done,
+                         enabled=cfg.logging.progress and rt.is_main), start=done + 1):
             t0 = time.perf_counter()
-            batch = to_device(collate_prompts(prompt_batch, pad), rt.device)
+            mine, weight = rank_rows(range(len(prompt_batch)), rt)
+            batch = to_device(collate_prompts([prompt_batch[i] for i in mine], pad), rt.device)
             exp, timing = make_experience(actor, ref, critic, scorer, batch, sampling, eos, pad,
-                                          ppo)
+                                          ppo, rt, seeds=row_seeds(seed, iteration + 1, mine),
+                                          weight=weight)
             t1 = time.perf_counter()
+            global_rows = torch.tensor(mine)
             stats: dict[str, float] = {}
             for ppo_epoch in range(ppo.ppo_epochs):
-                order = torch.randperm(len(exp.scores), generator=torch.Generator().manual_seed(
+                order = torch.randperm(len(prompt_batch), generator=torch.Generator().manual_seed(
                     seed + iteration * 131 + ppo_epoch))
-                for index in order.split(ppo.micro_batch_size):
-                    ptx_batch = None
+                for micro in order.split(ppo.micro_batch_size):
+                    local = torch.isin(global_rows, micro).nonzero().flatten()
+                    rows = exp.rows(local) if len(local) else \
+                        exp.rows(torch.tensor([0])).without_actions()
+                    num_actions = rt.total(float(rows.action_mask.sum()))[0]
+                    ptx = None
                     if ptx_examples:
-                        ptx_batch, ptx_stream = _next_ptx(ptx_stream, ptx_examples, ppo, pad,
-                                                          seed + iteration, rt.device)
-                    stats = train_on(exp.rows(index.to(rt.device)), actor, critic, ppo,
-                                     ptx_batch)
+                        ptx_global = _ptx_batch(ptx_examples, ptx_batches, ppo.ptx.batch_size,
+                                                seed)
+                        ptx_batches += 1
+                        ptx_rows, ptx_weight = rank_rows(ptx_global, rt)
+                        ptx = (to_device(collate_sft(ptx_rows, pad), rt.device),
+                               trained_tokens(ptx_global), ptx_weight)
+                    stats = train_on(rows, actor, critic, ppo, num_actions, ptx)
                     if ema is not None:
-                        ema_update(ema.parameters(), actor.module.parameters(), ppo.ema.beta)
+                        ema_update(ema.tensors.values(), actor.module.parameters(),
+                                   ppo.ema.beta)
             t2 = time.perf_counter()
             iteration += 1
-            lengths = exp.action_mask.sum(1)
-            metrics = {
-                **stats, **timing,
-                "reward/score": float(exp.scores.mean()),
-                "reward/kl": float((exp.kl * exp.action_mask).sum(1).mean()),
-                "reward/total": float(exp.rewards.sum(1).mean()),
-                "answer/length": float(lengths.float().mean()),
-                "answer/ended_with_eos": float((exp.action_mask.sum(1) < exp.action_mask.shape[1])
-                                               .float().mean()),
-                "value/mean": float(masked_mean(exp.values, exp.action_mask)),
-                "time/train": t2 - t1, "time/iteration": t2 - t0,
-                "time/train_tokens_per_s": float(lengths.sum()) * ppo.ppo_epochs / (t2 - t1),
-                "lr/actor": actor.lr, "lr/critic": critic.lr,
-            }
+            metrics = {**summed(stats, rt), **timing, **_rollout_metrics(exp, rt),
+                       "time/train": t2 - t1, "time/iteration": t2 - t0,
+                       "lr/actor": actor.lr, "lr/critic": critic.lr}
+            metrics["time/train_tokens_per_s"] = \
+                metrics.pop("answer/tokens") * ppo.ppo_epochs / (t2 - t1)
             if iteration % ppo.log_every == 0:
                 tracker.log(metrics, iteration)
+            if ckpt.due(iteration):
+                at_end = round_index >= rounds
+                ckpt.save(iteration, stateful, {
+                    "actor": actor.progress_state(), "critic": critic.progress_state(),
+                    "metrics_rows": tracker.rows,
+                    "position": {"epoch": epoch + at_end, "round": 0 if at_end else round_index,
+                                 "iteration": iteration, "ptx_batches": ptx_batches,
+                                 "seconds": time.perf_counter() - start, "before": before}})
 
     actor.eval()
     after = evaluate() if eval_prompts else {}
@@ -342,20 +426,43 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     tracker.log(summary, iteration)
     tracker.close()
     step3 = Path(cfg.output_dir) / "step3"
-    save_hf(actor.module, tokenizer, step3 / "actor")
-    save_hf(critic.module, critic_tokenizer, step3 / "critic")
-    if ema is not None:
-        save_hf(ema, tokenizer, step3 / "actor_ema")
+    save_hf(actor.module, tokenizer, step3 / "actor", rt)
+    save_hf(critic.module, critic_tokenizer, step3 / "critic", rt)
+    if ema is not None:  # export the EMA weights through the actor's own structure
+        with torch.no_grad():
+            for param, average in zip(actor.module.parameters(), ema.tensors.values(),
+                                      strict=True):
+                param.copy_(average)
+        save_hf(actor.module, tokenizer, step3 / "actor_ema", rt)
+    ckpt.clear()
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
     log(f"step 3 (PPO) done: {iteration} iterations, " + (f"{line}, " if line else "")
         + f"{elapsed:.1f}s -> {step3}")
     return summary
 
 
-def _next_ptx(stream, examples, ppo: DictConfig, pad: int, seed: int, device):
-    """The next PTX batch, cycling through the step-1 data in a fresh order each pass."""
-    batch = next(stream, None)
-    if batch is None:
-        stream = batches(examples, ppo.ptx.batch_size, shuffle=True, seed=seed)
-        batch = next(stream)
-    return to_device(collate_sft(batch, pad), device), stream
+def _rollout_metrics(exp: Experience, rt: Runtime) -> dict[str, float]:
+    """Means over all ranks' real rows (rows with at least one action)."""
+    real = (exp.action_mask.sum(1) > 0).float()
+    lengths = exp.action_mask.sum(1)
+    full = exp.action_mask.shape[1]
+    sums = rt.total(
+        float(real.sum()), float((exp.scores * real).sum()),
+        float((exp.kl * exp.action_mask).sum()), float(exp.rewards.sum()),
+        float(lengths.sum()), float(((lengths < full).float() * real).sum()),
+        float(masked_sum(exp.values, exp.action_mask)))
+    rows, score, kl, reward, tokens, ended, values = sums
+    rows = max(rows, 1)
+    return {"reward/score": score / rows, "reward/kl": kl / rows, "reward/total": reward / rows,
+            "answer/length": tokens / rows, "answer/ended_with_eos": ended / rows,
+            "value/mean": values / max(tokens, 1), "answer/tokens": tokens}
+
+
+def _ptx_batch(examples: list, index: int, batch_size: int, seed: int) -> list:
+    """The `index`-th PTX batch: passes over the step-1 data, each in a fresh seeded order,
+    so the stream's position is one counter (which a checkpoint stores)."""
+    per_pass = num_batches(len(examples), batch_size)
+    epoch, offset = divmod(index, per_pass)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(
+        seed + 7919 * (epoch + 1))).tolist()
+    return [examples[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -17,13 +18,16 @@ from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
     batches,
+    checkpointer,
     log,
     lora_settings,
     num_batches,
     optim_settings,
     progress,
+    rank_rows,
     report_tokenized,
     require_examples,
+    shard_settings,
     start_step,
     to_device,
 )
@@ -31,28 +35,34 @@ from steps.data import PreferencePair, collate_pairs, tokenize_pairs, train_eval
 from steps.rlhf import RewardLossOut, pairwise_reward_loss
 
 
-def _pair_loss(model, batch: dict[str, torch.Tensor]) -> RewardLossOut:
+def _pair_loss(model, batch: dict[str, torch.Tensor], num_pairs: int | None = None
+               ) -> RewardLossOut:
     scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     chosen, rejected = scores.chunk(2)
-    return pairwise_reward_loss(chosen, rejected)
+    return pairwise_reward_loss(chosen, rejected, num_pairs)
 
 
 @torch.no_grad()
-def evaluate(model, examples, pad_token_id: int, batch_size: int, device) -> dict[str, float]:
-    """Accuracy and mean chosen/rejected scores over held-out pairs."""
-    chosen, rejected = [], []
+def evaluate(model, examples, pad_token_id: int, batch_size: int, rt: Runtime
+             ) -> dict[str, float]:
+    """Accuracy and mean chosen/rejected scores over held-out pairs (split over the ranks)."""
+    correct = chosen_sum = rejected_sum = 0.0
     for batch in batches(examples, batch_size, shuffle=False, seed=0):
-        batch = to_device(collate_pairs(batch, pad_token_id), device)
+        mine, weight = rank_rows(batch, rt)
+        batch = to_device(collate_pairs(mine, pad_token_id), rt.device)
         c, r = sequence_scores(model, batch["input_ids"], batch["attention_mask"]).chunk(2)
-        chosen.append(c)
-        rejected.append(r)
-    c, r = torch.cat(chosen), torch.cat(rejected)
-    return {"eval/accuracy": float((c > r).float().mean()),
-            "eval/chosen_score": float(c.mean()), "eval/rejected_score": float(r.mean())}
+        correct += float((c > r).sum()) * weight
+        chosen_sum += float(c.sum()) * weight
+        rejected_sum += float(r.sum()) * weight
+    correct, chosen_sum, rejected_sum = rt.total(correct, chosen_sum, rejected_sum)
+    n = len(examples)
+    return {"eval/accuracy": correct / n, "eval/chosen_score": chosen_sum / n,
+            "eval/rejected_score": rejected_sum / n}
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
-    out = start_step(cfg, 2)
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False
+        ) -> dict:
+    out = start_step(cfg, 2, rt, resume=resume)
     rm, data = cfg.rm, cfg.data
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
@@ -63,39 +73,60 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
     evals, _ = tokenize_pairs(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     require_examples(2, "training pairs", stats, data.max_prompt_len)
 
-    model = load_reward_model(cfg.reward_model, tokenizer, dtype=rt.dtype, seed=cfg.seed + 1,
-                              trust_remote_code=cfg.trust_remote_code)
-    if cfg.engine.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    model = load_reward_model(cfg.reward_model, tokenizer, dtype=rt.master_dtype,
+                              seed=cfg.seed + 1, trust_remote_code=cfg.trust_remote_code)
     model = apply_lora(model, lora_settings(rm.lora))
     steps_per_epoch = num_batches(len(train), rm.batch_size)
     engine = TrainEngine(model, optim_settings(rm, rm.lr, rm.lora),
-                         rm.epochs * steps_per_epoch // rm.grad_accum, rt)
-    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=2))
+                         rm.epochs * steps_per_epoch // rm.grad_accum, rt,
+                         shard_settings(cfg, cfg.reward_zero_stage))
+    ckpt = checkpointer(cfg, 2, rt)
+    position = {"epoch": 0, "batch": 0, "seconds": 0.0, "loss": float("nan")}
+    saved = ckpt.load({"reward": engine}) if resume else None
+    if saved:
+        engine.load_progress_state(saved["reward"])
+        position = saved["position"]
+        log(f"step 2: resumed from {ckpt.latest()} (epoch {position['epoch'] + 1}, "
+            f"batch {position['batch']}, optimizer step {engine.steps})")
+    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=2),
+                      enabled=rt.is_main, keep_rows=saved["metrics_rows"] if saved else None)
 
-    start = time.perf_counter()
-    for epoch in range(rm.epochs):
+    start, loss = time.perf_counter() - position["seconds"], position["loss"]
+    for epoch in range(position["epoch"], rm.epochs):
         epoch_batches = batches(train, rm.batch_size, shuffle=True, seed=cfg.seed + epoch)
-        bar = progress(epoch_batches, desc=f"step 2 epoch {epoch + 1}/{rm.epochs}",
-                       total=steps_per_epoch, enabled=cfg.logging.progress)
-        for examples in bar:
-            batch = to_device(collate_pairs(examples, tokenizer.pad_token_id), rt.device)
-            result = _pair_loss(engine.module, batch)
-            engine.backward(result.loss)
+        done = position["batch"] if epoch == position["epoch"] else 0
+        bar = progress(itertools.islice(epoch_batches, done, None),
+                       desc=f"step 2 epoch {epoch + 1}/{rm.epochs}",
+                       total=steps_per_epoch - done, enabled=cfg.logging.progress and rt.is_main)
+        for index, examples in enumerate(bar, start=done + 1):
+            mine, weight = rank_rows(examples, rt)
+            batch = to_device(collate_pairs(mine, tokenizer.pad_token_id), rt.device)
+            result = _pair_loss(engine.module, batch, num_pairs=len(examples))
+            engine.backward(result.loss * weight)
             grad_norm = engine.step()
-            if grad_norm is not None and engine.steps % rm.log_every == 0:
-                tracker.log({"train/loss": result.loss.item(),
-                             "train/accuracy": result.accuracy.item(), "train/lr": engine.lr,
-                             "train/grad_norm": grad_norm, "epoch": epoch}, engine.steps)
+            if grad_norm is None:
+                continue
+            loss, accuracy = rt.total(result.loss.item() * weight, result.accuracy.item() * weight)
+            if engine.steps % rm.log_every == 0:
+                tracker.log({"train/loss": loss, "train/accuracy": accuracy,
+                             "train/lr": engine.lr, "train/grad_norm": grad_norm,
+                             "epoch": epoch}, engine.steps)
+            if ckpt.due(engine.steps):
+                next_position = (epoch, index) if index < steps_per_epoch else (epoch + 1, 0)
+                ckpt.save(engine.steps, {"reward": engine}, {
+                    "reward": engine.progress_state(), "metrics_rows": tracker.rows,
+                    "position": {"epoch": next_position[0], "batch": next_position[1],
+                                 "loss": loss, "seconds": time.perf_counter() - start}})
 
     engine.eval()
     metrics = evaluate(engine.module, evals, tokenizer.pad_token_id, rm.eval_batch_size,
-                       rt.device) if evals else {}
+                       rt) if evals else {}
     elapsed = time.perf_counter() - start
-    summary = {**metrics, "train/loss": result.loss.item(), "time/seconds": elapsed}
+    summary = {**metrics, "train/loss": loss, "time/seconds": elapsed}
     tracker.log(summary, engine.steps)
     tracker.close()
-    save_hf(engine.module, tokenizer, Path(cfg.output_dir) / "reward")
+    save_hf(engine.module, tokenizer, Path(cfg.output_dir) / "reward", rt)
+    ckpt.clear()
     log(f"step 2 (reward model) done: {engine.steps} steps, eval accuracy "
         f"{metrics.get('eval/accuracy', float('nan')):.3f} (chosen "
         f"{metrics.get('eval/chosen_score', float('nan')):.3f} vs rejected "

@@ -138,6 +138,14 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return y.sum() if dim is None else y.sum(dim=dim)
 
 
+def _over(total: Tensor, count: Tensor | float | None, mask: Tensor) -> Tensor:
+    """``total / count``; ``count`` defaults to the number of masked entries (0 -> 1)."""
+    if count is None:
+        count = mask.sum()
+    count = torch.as_tensor(count, dtype=total.dtype, device=total.device)
+    return total / torch.where(count > 0, count, torch.ones_like(count))
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over the masked entries; 0 (not NaN) where the mask is empty.
 
@@ -172,19 +180,22 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+           moments: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Normalise ``x`` by its masked mean and (unbiased) masked variance.
 
     Args:
         x: [...] values (e.g. advantages [B, N]). mask: same shape as ``x``.
         shift_mean: if False the masked mean is added back (only the scale is normalised).
         eps: added to the variance before the square root.
+        moments: (mean, unbiased var) to use instead of those of ``x`` itself, e.g. of the
+            whole batch when ``x`` is one rank's share of it.
 
     Returns:
         same shape as ``x``: ``(x - mean) / sqrt(var + eps)`` on masked entries, 0 elsewhere.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    mean, var = moments if moments is not None else (masked_mean(x, mask),
+                                                     masked_var(x, mask, unbiased=True))
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -286,6 +297,7 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     clip_range: float,
+    num_actions: Tensor | float | None = None,
 ) -> PolicyLossOut:
     """PPO clipped surrogate objective.
 
@@ -296,6 +308,9 @@ def policy_loss(
         logprobs: [B, N] log-probs of the actions under the current policy (with grad).
         old_logprobs: [B, N] log-probs at rollout time. advantages: [B, N]. mask: [B, N].
         clip_range: PPO epsilon.
+        num_actions: the count the means divide by; default ``mask.sum()``. Give the count
+            of the whole batch when these rows are one rank's share of it: the shares then
+            sum to the batch mean.
 
     Returns:
         PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean), all scalars; the statistics
@@ -311,11 +326,12 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = _over(masked_sum(torch.maximum(unclipped, clipped), mask), num_actions, mask)
     with torch.no_grad():
-        clip_fraction = masked_mean((clipped > unclipped).to(ratio.dtype), mask)
-        approx_kl = masked_mean((ratio - 1.0) - log_ratio, mask)
-        ratio_mean = masked_mean(ratio, mask)
+        clip_fraction = _over(masked_sum((clipped > unclipped).to(ratio.dtype), mask),
+                              num_actions, mask)
+        approx_kl = _over(masked_sum((ratio - 1.0) - log_ratio, mask), num_actions, mask)
+        ratio_mean = _over(masked_sum(ratio, mask), num_actions, mask)
     return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)
 
 
@@ -325,6 +341,7 @@ def value_loss(
     returns: Tensor,
     mask: Tensor,
     clip_range: float,
+    num_actions: Tensor | float | None = None,
 ) -> ValueLossOut:
     """Clipped value loss (OpenAI baselines / DeepSpeed-Chat).
 
@@ -334,6 +351,7 @@ def value_loss(
     Args:
         values: [B, N] current value predictions (with grad). old_values: [B, N] at rollout time.
         returns: [B, N] GAE returns. mask: [B, N]. clip_range: value clip epsilon.
+        num_actions: the count the means divide by (see ``policy_loss``).
 
     Returns:
         ValueLossOut(loss, clip_fraction): scalars; ``clip_fraction`` (detached) = share of actions
@@ -344,17 +362,21 @@ def value_loss(
     v_clip = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     unclipped = (values - returns) ** 2
     clipped = (v_clip - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    loss = 0.5 * _over(masked_sum(torch.maximum(unclipped, clipped), mask), num_actions, mask)
     with torch.no_grad():
-        clip_fraction = masked_mean((clipped > unclipped).to(unclipped.dtype), mask)
+        clip_fraction = _over(masked_sum((clipped > unclipped).to(unclipped.dtype), mask),
+                              num_actions, mask)
     return ValueLossOut(loss, clip_fraction)
 
 
-def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor) -> RewardLossOut:
+def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor,
+                         num_pairs: int | None = None) -> RewardLossOut:
     """Bradley-Terry loss of a reward model on (chosen, rejected) pairs.
 
     Args:
         chosen_scores: [B] scores of the preferred answers. rejected_scores: [B].
+        num_pairs: the count the means divide by; default B (the whole batch's count when
+            these pairs are one rank's share of it).
 
     Returns:
         RewardLossOut(loss, accuracy, chosen_mean, rejected_mean), scalars:
@@ -363,21 +385,25 @@ def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor) -> Rewa
     """
     chosen = chosen_scores.float()
     rejected = rejected_scores.float()
-    loss = -F.logsigmoid(chosen - rejected).mean()
+    n = num_pairs or len(chosen)
+    loss = -F.logsigmoid(chosen - rejected).sum() / n
     with torch.no_grad():
-        accuracy = (chosen > rejected).float().mean()
-        chosen_mean = chosen.mean()
-        rejected_mean = rejected.mean()
+        accuracy = (chosen > rejected).float().sum() / n
+        chosen_mean = chosen.sum() / n
+        rejected_mean = rejected.sum() / n
     return RewardLossOut(loss, accuracy, chosen_mean, rejected_mean)
 
 
-def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100,
+             num_tokens: int | None = None) -> Tensor:
     """Causal-LM cross entropy; ``logits[:, t]`` predicts ``labels[:, t + 1]``.
 
     Args:
         logits: [B, T, V] model outputs for ``input_ids`` [B, T] (any float dtype; float32 math).
         labels: LongTensor [B, T] aligned with ``input_ids``; ``ignore_index`` marks positions
             that are not trained on (prompt, padding).
+        num_tokens: the count the mean divides by; default the batch's target tokens (give
+            the whole batch's count when these rows are one rank's share of it).
 
     Returns:
         scalar: mean cross entropy over the non-ignored target tokens of the whole batch
@@ -391,8 +417,8 @@ def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor
         ignore_index=ignore_index,
         reduction="sum",
     )
-    count = (targets != ignore_index).sum().clamp(min=1)
-    return total / count
+    count = num_tokens if num_tokens is not None else (targets != ignore_index).sum()
+    return total / max(int(count), 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ responses; evaluated by perplexity on held-out pairs."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -18,40 +19,58 @@ from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
     batches,
+    checkpointer,
     log,
     lora_settings,
     num_batches,
     optim_settings,
     progress,
+    rank_rows,
     report_tokenized,
     require_examples,
+    shard_settings,
     start_step,
     to_device,
 )
-from steps.data import PreferencePair, collate_sft, tokenize_sft, train_eval_split
+from steps.data import (
+    IGNORE_INDEX,
+    PreferencePair,
+    SFTExample,
+    collate_sft,
+    tokenize_sft,
+    train_eval_split,
+)
 from steps.rlhf import sft_loss
 
 
-def _batch_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def trained_tokens(examples: list[SFTExample]) -> int:
+    """Answer tokens the loss is taken over (the targets after the one-token shift)."""
+    return sum(sum(label != IGNORE_INDEX for label in ex.labels[1:]) for ex in examples)
+
+
+def _batch_loss(model, batch: dict[str, torch.Tensor], num_tokens: int | None = None
+                ) -> torch.Tensor:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=position_ids(batch["attention_mask"])).logits
-    return sft_loss(logits, batch["labels"])
+    return sft_loss(logits, batch["labels"], num_tokens=num_tokens)
 
 
 @torch.no_grad()
-def perplexity(model, examples, pad_token_id: int, batch_size: int, device) -> float:
-    """exp of the mean answer-token cross entropy over `examples`."""
-    total_loss, total_tokens = 0.0, 0
+def perplexity(model, examples, pad_token_id: int, batch_size: int, rt: Runtime) -> float:
+    """exp of the mean answer-token cross entropy over `examples` (split over the ranks)."""
+    total_loss = 0.0
     for batch in batches(examples, batch_size, shuffle=False, seed=0):
-        batch = to_device(collate_sft(batch, pad_token_id), device)
-        tokens = int((batch["labels"][:, 1:] != -100).sum())
-        total_loss += float(_batch_loss(model, batch)) * tokens
-        total_tokens += tokens
-    return math.exp(total_loss / max(total_tokens, 1))
+        mine, weight = rank_rows(batch, rt)
+        tokens = trained_tokens(mine)
+        loss = _batch_loss(model, to_device(collate_sft(mine, pad_token_id), rt.device))
+        total_loss += float(loss) * tokens * weight
+    total_loss = rt.total(total_loss)[0]
+    return math.exp(total_loss / max(trained_tokens(examples), 1))
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
-    out = start_step(cfg, 1)
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False
+        ) -> dict:
+    out = start_step(cfg, 1, rt, resume=resume)
     sft, data = cfg.sft, cfg.data
     tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
                                trust_remote_code=cfg.trust_remote_code)
@@ -61,40 +80,63 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime) -> dict:
     evals, _ = tokenize_sft(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     require_examples(1, "training examples", stats, data.max_prompt_len)
 
-    model = load_causal_lm(cfg.actor_model, tokenizer, dtype=rt.dtype, seed=cfg.seed,
+    model = load_causal_lm(cfg.actor_model, tokenizer, dtype=rt.master_dtype, seed=cfg.seed,
                            trust_remote_code=cfg.trust_remote_code)
-    if cfg.engine.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
     model = apply_lora(model, lora_settings(sft.lora))
     steps_per_epoch = num_batches(len(train), sft.batch_size)
     engine = TrainEngine(model, optim_settings(sft, sft.lr, sft.lora),
-                         sft.epochs * steps_per_epoch // sft.grad_accum, rt)
-    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=1))
+                         sft.epochs * steps_per_epoch // sft.grad_accum, rt,
+                         shard_settings(cfg, cfg.actor_zero_stage))
+    ckpt = checkpointer(cfg, 1, rt)
+    position = {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}
+    saved = ckpt.load({"actor": engine}) if resume else None
+    if saved:
+        engine.load_progress_state(saved["actor"])
+        position = saved["position"]
+        log(f"step 1: resumed from {ckpt.latest()} (epoch {position['epoch'] + 1}, "
+            f"batch {position['batch']}, optimizer step {engine.steps})")
+    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=1),
+                      enabled=rt.is_main, keep_rows=saved["metrics_rows"] if saved else None)
 
-    start, tokens = time.perf_counter(), 0
-    for epoch in range(sft.epochs):
+    start, tokens, loss = time.perf_counter() - position["seconds"], position["tokens"], \
+        position["loss"]
+    for epoch in range(position["epoch"], sft.epochs):
         epoch_batches = batches(train, sft.batch_size, shuffle=True, seed=cfg.seed + epoch)
-        bar = progress(epoch_batches, desc=f"step 1 epoch {epoch + 1}/{sft.epochs}",
-                       total=steps_per_epoch, enabled=cfg.logging.progress)
-        for examples in bar:
-            batch = to_device(collate_sft(examples, tokenizer.pad_token_id), rt.device)
-            loss = _batch_loss(engine, batch)
-            engine.backward(loss)
-            tokens += int(batch["attention_mask"].sum())
+        done = position["batch"] if epoch == position["epoch"] else 0
+        bar = progress(itertools.islice(epoch_batches, done, None),
+                       desc=f"step 1 epoch {epoch + 1}/{sft.epochs}",
+                       total=steps_per_epoch - done, enabled=cfg.logging.progress and rt.is_main)
+        for index, examples in enumerate(bar, start=done + 1):
+            mine, weight = rank_rows(examples, rt)
+            batch = to_device(collate_sft(mine, tokenizer.pad_token_id), rt.device)
+            share = _batch_loss(engine, batch, num_tokens=trained_tokens(examples)) * weight
+            engine.backward(share)
+            tokens += sum(len(ex.input_ids) for ex in examples)
             grad_norm = engine.step()
-            if grad_norm is not None and engine.steps % sft.log_every == 0:
-                tracker.log({"train/loss": loss.item(), "train/lr": engine.lr,
+            if grad_norm is None:
+                continue
+            loss = rt.total(share.item())[0]
+            if engine.steps % sft.log_every == 0:
+                tracker.log({"train/loss": loss, "train/lr": engine.lr,
                              "train/grad_norm": grad_norm, "epoch": epoch}, engine.steps)
+            if ckpt.due(engine.steps):
+                next_position = (epoch, index) if index < steps_per_epoch else (epoch + 1, 0)
+                ckpt.save(engine.steps, {"actor": engine}, {
+                    "actor": engine.progress_state(), "metrics_rows": tracker.rows,
+                    "position": {"epoch": next_position[0], "batch": next_position[1],
+                                 "tokens": tokens, "loss": loss,
+                                 "seconds": time.perf_counter() - start}})
 
     engine.eval()
     ppl = perplexity(engine.module, evals, tokenizer.pad_token_id, sft.eval_batch_size,
-                     rt.device) if evals else float("nan")
+                     rt) if evals else float("nan")
     elapsed = time.perf_counter() - start
-    summary = {"eval/perplexity": ppl, "train/loss": loss.item(), "time/seconds": elapsed,
+    summary = {"eval/perplexity": ppl, "train/loss": loss, "time/seconds": elapsed,
                "time/tokens_per_s": tokens / elapsed}
     tracker.log(summary, engine.steps)
     tracker.close()
-    save_hf(engine.module, tokenizer, Path(cfg.output_dir) / "actor")
-    log(f"step 1 (SFT) done: {engine.steps} steps, final loss {loss.item():.4f}, "
+    save_hf(engine.module, tokenizer, Path(cfg.output_dir) / "actor", rt)
+    ckpt.clear()
+    log(f"step 1 (SFT) done: {engine.steps} steps, final loss {loss:.4f}, "
         f"eval perplexity {ppl:.3f}, {elapsed:.1f}s -> {Path(cfg.output_dir) / 'actor'}")
     return summary

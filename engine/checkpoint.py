@@ -1,0 +1,116 @@
+"""Periodic checkpoints of a running step, sharded with torch.distributed.checkpoint (DCP):
+every rank writes its own shards of models and optimizers; plain state (counters, data
+position, schedules) goes to state.json and each rank's RNG state to rng-rank<r>.pt.
+
+A checkpoint is written under a temporary name and renamed once every rank has finished,
+so `latest()` only ever sees complete ones; a killed save leaves a `.tmp` directory that
+the next save removes. DCP reshards on load, so a run may resume on another world size
+(only the per-rank RNG states are then left behind, with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from engine.runtime import Runtime, rng_state, set_rng_state
+
+_PREFIX = "step-"
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, rt: Runtime, *, every: int, keep: int = 1):
+        self.directory = Path(directory) / "checkpoints"
+        self.rt, self.every, self.keep = rt, every, max(keep, 1)
+
+    def due(self, count: int) -> bool:
+        return self.every > 0 and count > 0 and count % self.every == 0
+
+    def complete(self) -> list[Path]:
+        return complete_checkpoints(self.directory.parent)
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, tag: int, stateful: dict[str, Any], state: dict) -> Path:
+        """Write models/optimizers (`stateful`: objects with state_dict/load_state_dict)
+        and the plain `state`; collective: every rank calls it."""
+        final = self.directory / f"{_PREFIX}{tag:08d}"
+        tmp = self.directory / f".{final.name}.tmp"
+        if self.rt.is_main:
+            for stale in self.directory.glob(".*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.rt.barrier()
+        with warnings.catch_warnings():  # DCP warns that one process saves alone
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            dcp.save(stateful, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / f"rng-rank{self.rt.rank}.pt")
+        self.rt.barrier()
+        if self.rt.is_main:
+            payload = {**state, "world_size": self.rt.world_size}
+            (tmp / "state.json").write_text(json.dumps(payload, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            for old in self.complete()[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.rt.barrier()
+        return final
+
+    def load(self, stateful: dict[str, Any], path: Path | None = None) -> dict | None:
+        """Load the latest (or given) checkpoint into `stateful` in place; returns its plain
+        state, or None when there is none. Collective."""
+        path = path or self.latest()
+        if path is None:
+            return None
+        state = json.loads((path / "state.json").read_text())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            dcp.load(stateful, checkpoint_id=str(path))
+        rng = path / f"rng-rank{self.rt.rank}.pt"
+        if state["world_size"] == self.rt.world_size and rng.exists():
+            set_rng_state(torch.load(rng, weights_only=True))
+        elif self.rt.is_main:
+            print(f"note: checkpoint {path} was written by {state['world_size']} ranks; "
+                  f"resuming on {self.rt.world_size} with fresh RNG states", flush=True)
+        return state
+
+    def clear(self) -> None:
+        """Drop the checkpoints (once the step's final model is written). Collective."""
+        self.rt.barrier()
+        if self.rt.is_main:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Tensors:
+    """A dict of tensors (e.g. EMA weights) as a DCP `Stateful`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in state.items():
+                if value is not self.tensors[name]:
+                    self.tensors[name].copy_(value)
+
+
+def complete_checkpoints(step_dir: Path) -> list[Path]:
+    """The complete checkpoints under a step's directory, oldest first."""
+    directory = Path(step_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    done = [p for p in directory.iterdir()
+            if p.name.startswith(_PREFIX) and (p / "state.json").exists()]
+    return sorted(done, key=lambda p: int(p.name.removeprefix(_PREFIX)))

@@ -1,0 +1,98 @@
+"""Starting several processes: torchrun (torch.distributed.run), called in-process, with
+its own rendezvous flags. No launcher of our own: a user with a cluster can equally run
+`torchrun ... train.py ...` on every node, or any launcher that sets torchrun's variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import UserError
+
+
+@dataclass(frozen=True)
+class Launch:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    standalone: bool = True         # one node: a free local port, no fixed rendezvous
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """DeepSpeed's hostfile format: one `hostname slots=N` per line; # starts a comment."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise UserError(f"--hostfile {path}: cannot read it ({err.strerror})") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = [p.removeprefix("slots=") for p in parts[1:] if p.startswith("slots=")]
+        if len(parts) != 2 or len(slots) != 1 or not slots[0].isdigit() or int(slots[0]) < 1:
+            raise UserError(f"--hostfile {path}, line {number}: expected `hostname slots=N`, "
+                            f"got {line!r}")
+        hosts.append((parts[0], int(slots[0])))
+    if not hosts:
+        raise UserError(f"--hostfile {path}: lists no hosts")
+    return hosts
+
+
+def from_hostfile(path: str, node_rank: int | None, master_port: int) -> Launch:
+    """Nodes, master and processes per node from a hostfile; this node's rank is its
+    position in the file unless given."""
+    hosts = read_hostfile(path)
+    slots = {n for _, n in hosts}
+    if len(slots) != 1:
+        raise UserError(f"--hostfile {path}: every host needs the same slots=N (torchrun "
+                        "starts the same number of processes on each node)")
+    if node_rank is None:
+        names = {socket.gethostname(), socket.getfqdn(), "localhost"}
+        matches = [i for i, (host, _) in enumerate(hosts) if host in names]
+        if len(matches) != 1:
+            raise UserError(f"--hostfile {path}: this machine ({socket.gethostname()}) is not "
+                            "listed once; pass --node-rank")
+        node_rank = matches[0]
+    return Launch(nproc_per_node=slots.pop(), nnodes=len(hosts), node_rank=node_rank,
+                  master_addr=hosts[0][0], master_port=master_port, standalone=False)
+
+
+def torchrun_args(launch: Launch, script: str, script_args: list[str]) -> list[str]:
+    args = [f"--nproc-per-node={launch.nproc_per_node}", "--max-restarts=0"]
+    if launch.standalone:
+        args.append("--standalone")
+    else:
+        args += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}",
+                 f"--master-addr={launch.master_addr}", f"--master-port={launch.master_port}"]
+    return [*args, script, *script_args]
+
+
+def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
+    """Run `script` on every process of this node; returns 0, or 1 after saying which rank
+    failed first (its own error is printed above by the rank itself)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # torchrun would otherwise pin every worker to one thread, with a banner saying so
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
+    args = get_args_parser().parse_args(torchrun_args(launch, script, script_args))
+    try:
+        run(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        others = len(err.failures) - 1
+        print(f"{Path(script).name}: rank {rank} failed first (exit code {failure.exitcode}); "
+              f"{'its error is printed above; ' if failure.exitcode > 0 else ''}all "
+              f"{launch.nproc_per_node * launch.nnodes} ranks stopped"
+              + (f" ({others} more failed after it)" if others else ""), file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,126 @@
+"""How a model is spread over the ranks: PyTorch FSDP2 (`fully_shard`) per transformer
+block and at the root, applied in this one place and nowhere else.
+
+ZeRO stages map onto FSDP2 as DeepSpeed users expect:
+  3     parameters, gradients and optimizer state sharded; parameters re-gathered for
+        backward (`reshard_after_forward=True`)
+  1, 2  gradients and optimizer state sharded; parameters stay gathered from forward to
+        backward (`reshard_after_forward=False`): more memory, one all-gather less
+  0     replicated data parallel: FSDP2 over a (replicas, 1) mesh, i.e. every rank holds
+        everything and gradients are all-reduced
+With one process and no torchrun, models are left as they are (plain PyTorch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from transformers import PreTrainedModel
+
+from engine.errors import UserError
+from engine.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    zero_stage: int = 3
+    offload: bool = False               # params + optimizer state on CPU (ZeRO-Offload)
+    activation_checkpointing: bool = False
+
+
+def hf_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model inside wrappers (peft)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner, PreTrainedModel):
+        raise TypeError(f"expected a transformers model, got {type(inner).__name__}")
+    return inner
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder layers: the modules transformers itself never splits
+    (`_no_split_modules`), which is the natural FSDP unit."""
+    names = set(hf_model(model)._no_split_modules or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise UserError(f"{type(hf_model(model)).__name__}: found no transformer blocks to "
+                        "shard (the model class declares no _no_split_modules)")
+    return blocks
+
+
+def _mesh(rt: Runtime, zero_stage: int) -> DeviceMesh:
+    if zero_stage == 0:
+        return init_device_mesh(rt.device.type, (rt.world_size, 1),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("shard",))
+
+
+def _mixed_precision(rt: Runtime) -> MixedPrecisionPolicy:
+    """Compute in the run's dtype (bf16 on GPU) over fp32 master weights; reduce gradients
+    in fp32 so that summing over many ranks loses nothing."""
+    if rt.dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
+
+
+def _offload_policy(offload: bool, rt: Runtime) -> OffloadPolicy:
+    # on a CPU run there is nowhere else to put the weights: offloading is a no-op
+    return CPUOffloadPolicy() if offload and rt.device.type == "cuda" else OffloadPolicy()
+
+
+def shard(model: nn.Module, rt: Runtime, settings: ShardSettings) -> nn.Module:
+    """Place a trainable model: FSDP2 over all ranks when distributed, else just the
+    device. Loaded weights must be fp32 in the distributed case (they become the master
+    copy; `rt.dtype` is the compute dtype)."""
+    if settings.activation_checkpointing:
+        # non-reentrant checkpointing composes with FSDP2's hooks and keeps parameter names
+        hf_model(model).gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not rt.distributed:
+        return model.to(rt.device)
+    if settings.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"zero stage {settings.zero_stage}: choose 0, 1, 2 or 3")
+    kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=_mixed_precision(rt),
+                  offload_policy=_offload_policy(settings.offload, rt),
+                  reshard_after_forward=settings.zero_stage == 3)
+    if rt.device.type == "cuda" and not settings.offload:
+        model.to(rt.device)
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(hf_model(model), **kwargs)
+    return model
+
+
+def shard_frozen(model: nn.Module, rt: Runtime, *, sharded: bool, offload: bool) -> nn.Module:
+    """Place a forward-only model (reference, reward in step 3): ZeRO-3 sharded or a full
+    replica on every rank; with `offload` its weights live on the CPU between uses
+    (DeepSpeed-Chat's --offload_reference_model)."""
+    model.eval().requires_grad_(False)
+    if rt.distributed and sharded:
+        return shard(model, rt, ShardSettings(zero_stage=3, offload=offload))
+    if offload and rt.device.type == "cuda":
+        model.register_forward_pre_hook(lambda module, args: module.to(rt.device))
+        model.register_forward_hook(lambda module, args, out: module.to("cpu"))
+        return model.to("cpu")
+    return model.to(rt.device)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Let the next backward reduce gradients across ranks (True), or only accumulate them
+    locally (False: the micro-steps inside a gradient-accumulation window)."""
+    root = hf_model(model)
+    if isinstance(root, FSDPModule):
+        root.set_requires_gradient_sync(enabled)
