@@ -212,8 +212,9 @@ def needs_launcher(cfg: DictConfig) -> bool:
     return multi and not launched_by_torchrun()
 
 
-def launch(cfg: DictConfig, argv: list[str]) -> int:
-    """Start this same command on every process of this node through torchrun."""
+def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
+    """Start this same command (`script` with `argv`) on every process of this node through
+    torchrun."""
     import torch
 
     from engine.launch import Launch, from_hostfile, run_torchrun
@@ -239,7 +240,7 @@ def launch(cfg: DictConfig, argv: list[str]) -> int:
     log(f"launching {where.nproc_per_node} processes on this node"
         + (f" (node {where.node_rank} of {where.nnodes}, master {where.master_addr}:"
            f"{where.master_port})" if not where.standalone else "") + " through torchrun")
-    return run_torchrun(where, str(Path(__file__).resolve()), argv)
+    return run_torchrun(where, script, argv)
 
 
 def run(cfg: DictConfig) -> dict[int, float]:
@@ -290,7 +291,9 @@ def run(cfg: DictConfig) -> dict[int, float]:
     return seconds
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, script: str = __file__) -> int:
+    """`script`: what torchrun starts on every rank when this run needs several processes
+    (this file; a test harness passes its own wrapper)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     from engine.errors import UserError
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(args)
         check_config(cfg)
         if needs_launcher(cfg):
-            return launch(cfg, argv)
+            return launch(cfg, argv, str(Path(script).resolve()))
         import transformers
 
         transformers.logging.set_verbosity_error()
@@ -332,6 +335,7 @@ def _run_rank(cfg: DictConfig, rank: int) -> int:
     import torch.distributed as dist
 
     from engine.errors import UserError
+    from engine.launch import PEER_LOST_EXIT, lost_peer
     from steps.data import DataError
 
     if rank != 0:
@@ -343,6 +347,10 @@ def _run_rank(cfg: DictConfig, rank: int) -> int:
             print(f"train.py: {err}", file=sys.stderr, flush=True)
         os._exit(2)
     except BaseException as err:  # noqa: BLE001 - any failure must stop the whole job
+        if lost_peer(err):
+            print(f"train.py: rank {rank} stopped: another rank failed or hung "
+                  f"({str(err).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+            os._exit(PEER_LOST_EXIT)
         print(f"train.py: rank {rank} failed: {type(err).__name__}: {err}\n"
               + "".join(traceback.format_exception(err)), file=sys.stderr, flush=True)
         os._exit(1)

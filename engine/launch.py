@@ -13,6 +13,20 @@ from pathlib import Path
 
 from engine.errors import UserError
 
+# Exit code of a rank that stopped because another one failed (a collective broke or timed
+# out), so the launcher can name the rank that failed first in fact, not the first to exit.
+PEER_LOST_EXIT = 3
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+              "timed out", "Broken pipe")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is a collective failing because another rank died or hung."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or (
+        isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST))
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -88,11 +102,13 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        others = len(err.failures) - 1
-        print(f"{Path(script).name}: rank {rank} failed first (exit code {failure.exitcode}); "
-              f"{'its error is printed above; ' if failure.exitcode > 0 else ''}all "
-              f"{launch.nproc_per_node * launch.nnodes} ranks stopped"
-              + (f" ({others} more failed after it)" if others else ""), file=sys.stderr)
+        # a rank that lost its peers exits after the one that failed, but may be seen first
+        culprits = {r: f for r, f in err.failures.items() if f.exitcode != PEER_LOST_EXIT}
+        rank, failure = min((culprits or err.failures).items(), key=lambda rf: rf[1].timestamp)
+        how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else \
+            f"killed by signal {-failure.exitcode}"
+        print(f"{Path(script).name}: rank {rank} failed ({how})"
+              f"{'; its error is printed above' if failure.exitcode > 0 else ''}; all "
+              f"{launch.nproc_per_node * launch.nnodes} ranks stopped", file=sys.stderr)
         return 1
     return 0

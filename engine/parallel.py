@@ -77,10 +77,11 @@ def _offload_policy(offload: bool, rt: Runtime) -> OffloadPolicy:
     return CPUOffloadPolicy() if offload and rt.device.type == "cuda" else OffloadPolicy()
 
 
-def shard(model: nn.Module, rt: Runtime, settings: ShardSettings) -> nn.Module:
-    """Place a trainable model: FSDP2 over all ranks when distributed, else just the
-    device. Loaded weights must be fp32 in the distributed case (they become the master
-    copy; `rt.dtype` is the compute dtype)."""
+def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
+          trainable: bool = True) -> nn.Module:
+    """Place a model: FSDP2 over all ranks when distributed, else just the device. Loaded
+    trainable weights must be fp32 in the distributed case (they become the master copy;
+    `rt.dtype` is the compute dtype)."""
     if settings.activation_checkpointing:
         # non-reentrant checkpointing composes with FSDP2's hooks and keeps parameter names
         hf_model(model).gradient_checkpointing_enable(
@@ -96,7 +97,10 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings) -> nn.Module:
         model.to(rt.device)
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
-    fully_shard(hf_model(model), **kwargs)
+    # A trained root stays gathered from forward to backward: backward needs it at once, and
+    # the critic's values come from the score head's output rather than the root's output,
+    # so FSDP's pre-backward hook on the root output would never re-gather it.
+    fully_shard(hf_model(model), **{**kwargs, "reshard_after_forward": not trainable})
     return model
 
 
@@ -106,7 +110,7 @@ def shard_frozen(model: nn.Module, rt: Runtime, *, sharded: bool, offload: bool)
     (DeepSpeed-Chat's --offload_reference_model)."""
     model.eval().requires_grad_(False)
     if rt.distributed and sharded:
-        return shard(model, rt, ShardSettings(zero_stage=3, offload=offload))
+        return shard(model, rt, ShardSettings(zero_stage=3, offload=offload), trainable=False)
     if offload and rt.device.type == "cuda":
         model.register_forward_pre_hook(lambda module, args: module.to(rt.device))
         model.register_forward_hook(lambda module, args, out: module.to("cpu"))

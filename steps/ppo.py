@@ -401,7 +401,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                                    ppo.ema.beta)
             t2 = time.perf_counter()
             iteration += 1
-            metrics = {**summed(stats, rt), **timing, **_rollout_metrics(exp, rt),
+            metrics = {**summed(stats, rt), **timing, **_rollout_metrics(exp, eos, rt),
                        "time/train": t2 - t1, "time/iteration": t2 - t0,
                        "lr/actor": actor.lr, "lr/critic": critic.lr}
             metrics["time/train_tokens_per_s"] = \
@@ -441,15 +441,15 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     return summary
 
 
-def _rollout_metrics(exp: Experience, rt: Runtime) -> dict[str, float]:
+def _rollout_metrics(exp: Experience, eos_token_id: int, rt: Runtime) -> dict[str, float]:
     """Means over all ranks' real rows (rows with at least one action)."""
     real = (exp.action_mask.sum(1) > 0).float()
     lengths = exp.action_mask.sum(1)
-    full = exp.action_mask.shape[1]
+    ended = ((exp.sequences[:, exp.prompt_len:] == eos_token_id) & (exp.action_mask > 0)).any(1)
     sums = rt.total(
         float(real.sum()), float((exp.scores * real).sum()),
         float((exp.kl * exp.action_mask).sum()), float(exp.rewards.sum()),
-        float(lengths.sum()), float(((lengths < full).float() * real).sum()),
+        float(lengths.sum()), float(ended.float().sum()),
         float(masked_sum(exp.values, exp.action_mask)))
     rows, score, kl, reward, tokens, ended, values = sums
     rows = max(rows, 1)

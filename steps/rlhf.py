@@ -359,7 +359,9 @@ def value_loss(
     """
     old_values = old_values.detach()
     returns = returns.detach()
-    v_clip = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    # clamp to bounds (not old + clamp(diff)): inside them v_clip is `values` bit for bit, so
+    # the clip statistics never count rounding noise as clipping
+    v_clip = torch.clamp(values, old_values - clip_range, old_values + clip_range)
     unclipped = (values - returns) ** 2
     clipped = (v_clip - returns) ** 2
     loss = 0.5 * _over(masked_sum(torch.maximum(unclipped, clipped), mask), num_actions, mask)

@@ -1,0 +1,282 @@
+"""Peak memory per rank of one training step under ZeRO stages 0, 2 and 3 (FSDP2 via
+engine.TrainEngine), at several world sizes, on one fixed randomly initialised Llama.
+
+For each (world size, stage) a child job is started with torchrun. Every rank builds the
+same model (same seed), wraps it in TrainEngine, and runs two AdamW steps on a fixed random
+batch split over the ranks; the second step is measured:
+
+  peak      CUDA: torch.cuda.max_memory_allocated. CPU: peak bytes of live torch tensor
+            storages on the rank, from torch's FSDPMemTracker (a TorchDispatchMode that also
+            follows FSDP2's storage resizes), which splits the peak into parameters,
+            gradients, optimizer state and activations/temporaries.
+  shards    bytes of this rank's local parameters, gradients (after backward) and AdamW
+            state: deterministic, and where ZeRO's 1/N shows directly.
+  RSS       the process's peak resident set, for reference only: it includes the full
+            model every rank builds before sharding, and Python/transformers themselves.
+
+Per-rank numbers are the maximum over the ranks. Stage 3 with CPU offload applies to CUDA
+only (on CPU there is nowhere to offload to).
+
+Run from the repository root:  python bench/memory.py        (options: --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 2**20
+CHILD_TIMEOUT_S = 300
+# FSDPMemTracker categories, merged into the columns printed
+PEAK_GROUPS = {
+    "param": ("Sharded Param", "Unsharded Param", "All Gather"),
+    "grad": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optim": ("OptState",),
+    "act": ("Activation", "Temp", "Inputs", "Buffer"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="1,2,4", help="world sizes (comma-separated)")
+    p.add_argument("--stages", default="0,2,3", help="ZeRO stages (comma-separated)")
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="add stage 3 + CPU offload rows (run on CUDA, n/a on CPU)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=4, help="global sequences, split over ranks")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0)
+    # child-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace):
+    from transformers import LlamaConfig
+
+    # Llama's proportions: 64-wide heads, MLP 8/3 x hidden rounded up to a multiple of 32
+    intermediate = math.ceil(args.hidden * 8 / 3 / 32) * 32
+    return LlamaConfig(hidden_size=args.hidden, intermediate_size=intermediate,
+                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                       num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
+                       max_position_embeddings=max(args.seq, 128))
+
+
+# ---------------------------------------------------------------- child (one rank) ---
+
+def local_nbytes(tensors) -> int:
+    """Bytes this rank holds: a DTensor counts only its local shard."""
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from transformers import LlamaForCausalLM
+
+    from engine.engine import OptimSettings, TrainEngine
+    from engine.parallel import ShardSettings
+    from engine.runtime import setup_runtime
+
+    # a short collective timeout: a stuck rank fails the job rather than eating its budget
+    rt = setup_runtime(args.device, "float32", seed=args.seed, timeout_s=120)
+    model = LlamaForCausalLM(model_config(args))  # same seed: identical on every rank
+    engine = TrainEngine(model, OptimSettings(lr=1e-4), total_steps=10, runtime=rt,
+                         sharding=ShardSettings(zero_stage=args.stage, offload=args.offload))
+
+    # one fixed global batch; each rank takes its contiguous slice
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(args.seed))
+    per_rank = args.batch // rt.world_size
+    ids = ids[rt.rank * per_rank:(rt.rank + 1) * per_rank].to(rt.device)
+    grad_bytes = 0
+
+    def train_step() -> None:
+        nonlocal grad_bytes
+        out = engine(input_ids=ids, labels=ids)
+        # engine contract: the rank shares sum to the objective, here the global token mean
+        engine.backward(out.loss * (per_rank / args.batch))
+        # grads are freed by step(), so count them in between
+        grad_bytes = local_nbytes(p.grad for p in engine.module.parameters()
+                                  if p.grad is not None)
+        engine.step()
+
+    train_step()  # step 1: lazy FSDP init and AdamW state allocation, not measured
+    gc.collect()  # leftovers of step 1 must not be counted in (or freed during) step 2
+    tracker = FSDPMemTracker(engine.module, engine.optimizer)
+    cuda = rt.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(rt.device)
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    with tracker:
+        train_step()
+    if cuda:
+        torch.cuda.synchronize(rt.device)
+
+    snap = tracker.get_tracker_snapshot("peak").get(rt.device, {})
+    row = {group: sum(snap.get(key, 0) for key in keys) for group, keys in PEAK_GROUPS.items()}
+    row["tracked_peak"] = snap.get("Total", 0)
+    row["peak"] = torch.cuda.max_memory_allocated(rt.device) if cuda else row["tracked_peak"]
+    row["param_shard"] = local_nbytes(engine.module.parameters())
+    row["grad_shard"] = grad_bytes
+    row["optim_shard"] = local_nbytes(v for state in engine.optimizer.state.values()
+                                      for v in state.values() if torch.is_tensor(v))
+    row["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+    rows = [None] * rt.world_size
+    dist.all_gather_object(rows, row)
+    if rt.is_main:
+        Path(args.out).write_text(json.dumps(
+            {key: max(r[key] for r in rows) for key in row} | {"ranks": rows}))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- parent ---
+
+def child_command(args: argparse.Namespace, world: int, stage: int, offload: bool,
+                  out: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world}", str(Path(__file__).resolve()), "--worker",
+            f"--stage={stage}", "--offload" if offload else "--no-offload",
+            f"--device={args.device}", f"--hidden={args.hidden}", f"--layers={args.layers}",
+            f"--vocab={args.vocab}", f"--batch={args.batch}", f"--seq={args.seq}",
+            f"--seed={args.seed}", f"--out={out}"]
+
+
+def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool) -> dict | str:
+    """One torchrun job; its rank-0 row, or why there is none."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        env = dict(os.environ,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                            os.environ.get("PYTHONPATH")])),
+                   # share the cores between the ranks; setting it also silences torchrun
+                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+        # own session, so a timeout can kill torchrun and all its ranks together
+        proc = subprocess.Popen(child_command(args, world, stage, offload, out), cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return f"FAILED: timed out after {CHILD_TIMEOUT_S} s"
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n    ".join(log.strip().splitlines()[-15:])
+            print(f"  world {world} stage {stage}: exit {proc.returncode}\n    {tail}",
+                  file=sys.stderr)
+            return f"FAILED: exit {proc.returncode} (log above)"
+        return json.loads(Path(out).read_text())
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:.1f}"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+
+    import torch
+    import transformers
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    worlds = [int(w) for w in args.worlds.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
+    bad = [w for w in worlds if args.batch % w]
+    if bad:
+        sys.exit(f"--batch {args.batch} does not split evenly over world sizes {bad}")
+    cfg = model_config(args)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in transformers.LlamaForCausalLM(cfg).parameters())
+
+    print(f"model: LlamaForCausalLM hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, "
+          f"heads {cfg.num_attention_heads}, intermediate {cfg.intermediate_size}, vocab "
+          f"{cfg.vocab_size}: {n_params / 1e6:.1f}M params, {mib(4 * n_params)} MiB fp32")
+    print(f"batch: {args.batch} x {args.seq} tokens (global, split over ranks); AdamW; "
+          f"2 steps, the 2nd measured")
+    print(f"device: {args.device}; torch {torch.__version__}; transformers "
+          f"{transformers.__version__}")
+    print(f"command: {shlex.join(['python', *sys.argv])}")
+    print("child: " + shlex.join(child_command(args, worlds[0], stages[0], False, "ROW.json")
+                                 [1:]).replace(str(REPO) + "/", ""))
+    print(flush=True)
+
+    jobs = [(w, s, False) for w in worlds for s in stages]
+    if args.offload:
+        jobs += [(w, 3, True) for w in worlds]
+    jobs.sort()
+    results = {}
+    started = time.monotonic()
+    for world, stage, offload in jobs:
+        if offload and args.device != "cuda":
+            results[world, stage, offload] = "n/a (CPU run)"
+            continue
+        if args.device == "cuda" and world > torch.cuda.device_count():
+            results[world, stage, offload] = f"n/a ({torch.cuda.device_count()} GPUs)"
+            continue
+        t0 = time.monotonic()
+        results[world, stage, offload] = run_child(args, world, stage, offload)
+        print(f"  world {world} stage {stage}{' +offload' if offload else ''}: "
+              f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    cols = ("world", "stage", "params", "grads", "optim", "peak/rank", "vs w1 s0",
+            "@peak: param", "grad", "optim", "act+tmp", "RSS (ref)")
+    widths = (5, 9, 8, 8, 8, 10, 9, 13, 8, 8, 8, 10)
+    line = "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    base = results.get((1, 0, False))
+    for (world, stage, offload), r in results.items():
+        label = f"{stage}+offload" if offload else str(stage)
+        if isinstance(r, str):
+            print(f"{world:>5}  {label:>9}  {r}")
+            continue
+        ratio = f"{r['peak'] / base['peak']:.2f}x" if isinstance(base, dict) else "-"
+        cells = (world, label, mib(r["param_shard"]), mib(r["grad_shard"]),
+                 mib(r["optim_shard"]), mib(r["peak"]), ratio, mib(r["param"]),
+                 mib(r["grad"]), mib(r["optim"]), mib(r["act"]), mib(r["rss"]))
+        print("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    peak_how = ("torch.cuda.max_memory_allocated" if args.device == "cuda" else
+                "peak bytes of live\n                      tensor storages (FSDPMemTracker)")
+    print(f"""
+All sizes MiB per rank, max over ranks.
+  params/grads/optim  this rank's local shards: parameters, gradients after backward,
+                      AdamW state after the step
+  peak/rank           peak of the 2nd training step (forward, backward, AdamW): {peak_how}
+  @peak: ...          FSDPMemTracker's split of its peak: param = sharded + gathered params
+                      (+ all-gather buffers), grad = sharded + unsharded grads (+ reduce-
+                      scatter buffers), act+tmp = activations, backward temporaries, buffers
+  RSS (ref)           peak resident memory of the whole rank process: includes the full
+                      model each rank builds before sharding, Python and libraries
+total time {time.monotonic() - started:.0f} s""")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Sharded runs on CPU processes (torchrun + gloo, FSDP2) against one process: the same
+losses, metrics and exported weights at world size 2 and 4 under different ZeRO stages; a
+run killed after a checkpoint (in step 1, then inside step 3) and resumed ends where an
+uninterrupted one does; a rank that raises stops the whole job, naming the rank.
+
+Tolerance: fp32 with dropout 0, so the only differences are summation orders (a batch
+split over ranks, reduce-scatter vs a local sum), ~1e-7 relative per step. Every logged
+loss and metric agrees to 1e-5 (relative, or absolute near 0). Weights: the mean absolute
+difference stays below 1e-6, and the largest below 2e-4, under half of one Adam step at
+step 3's largest learning rate (5e-4): Adam divides by the gradient's scale, so an element
+whose gradient is nearly 0 can move by rounding noise (measured: max 4e-5 on 1 of 0.5M
+critic weights, 6e-6 on the actor, 1e-7 in steps 1 and 2). A resumed run on the same ranks
+agrees with the uninterrupted one to 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "tests" / "harness" / "faulty_train.py"
+MODEL_DIRS = ("actor", "reward", "step3/actor", "step3/critic", "step3/actor_ema")
+LAUNCH_TIMEOUT = 240  # seconds: a deadlock fails the test instead of hanging the suite
+
+# Tiny but complete: gradient accumulation in step 1, LoRA + EMA + PTX in step 3, and
+# batches that leave some of 4 ranks without rows (the stand-in row path).
+ARGS = [
+    "data.demo_pairs=120", "data.max_prompt_len=64", "data.max_answer_len=10",
+    "sft.epochs=1", "sft.batch_size=4", "sft.grad_accum=2", "sft.lr=2e-3", "sft.log_every=1",
+    "rm.epochs=1", "rm.batch_size=6", "rm.lr=1e-3", "rm.log_every=1", "rm.eval_batch_size=3",
+    "ppo.rollout_batch_size=8", "ppo.micro_batch_size=4", "ppo.eval_prompts=6",
+    "ppo.actor_lr=2e-4", "ppo.critic_lr=5e-4", "ppo.actor_lora.dim=4",
+    "ppo.ema.enabled=true", "ppo.ptx.enabled=true", "ppo.ptx.batch_size=3", "ppo.ptx.coef=0.5",
+    "engine.checkpoint_every=2", "engine.device=cpu", "logging.progress=false",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _train(out: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
+    """train.py (through the fault harness when `fault` is set) in a fresh process."""
+    script = HARNESS if fault else ROOT / "train.py"
+    env = {**_env(), "RLHF_TEST_FAULT": fault}
+    return subprocess.run([sys.executable, str(script), "--output-dir", str(out), *ARGS,
+                           *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _metrics(out: Path, step: int) -> list[dict]:
+    rows = [json.loads(line) for line in (out / f"step{step}" / "metrics.jsonl").open()]
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "lr/"))}
+            for row in rows]
+
+
+def _weights(out: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(out / name / "model.safetensors")
+
+
+def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_max: float,
+                     weight_mean: float):
+    for step in (1, 2, 3):
+        rows_got, rows_want = _metrics(got, step), _metrics(want, step)
+        assert len(rows_got) == len(rows_want), f"step {step}: {len(rows_got)} metric rows"
+        for row_got, row_want in zip(rows_got, rows_want, strict=True):
+            assert row_got.keys() == row_want.keys()
+            for key, value in row_want.items():
+                assert row_got[key] == pytest.approx(value, rel=rtol, abs=atol), \
+                    f"step {step} row {row_want['step']} {key}"
+    for name in MODEL_DIRS:
+        got_w, want_w = _weights(got, name), _weights(want, name)
+        assert got_w.keys() == want_w.keys(), name
+        diff = torch.cat([(got_w[k] - want_w[k]).abs().flatten() for k in want_w])
+        assert diff.max() <= weight_max and diff.mean() <= weight_mean, \
+            f"{name}: max {diff.max():.2e}, mean {diff.mean():.2e}"
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    _ok(_train(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two")
+    _ok(_train(out, "engine.procs=2", "--actor-zero-stage", "3", "--reward-zero-stage", "0"))
+    return out
+
+
+def test_two_ranks_match_one_process(single, two_ranks):
+    """ZeRO-3 actor, replicated (stage 0) reward model and critic, sharded frozen models."""
+    _assert_same_run(two_ranks, single, rtol=1e-5, atol=1e-5, weight_max=2e-4,
+                     weight_mean=1e-6)
+
+
+def test_four_ranks_match_one_process(single, tmp_path):
+    """ZeRO-2 actor, ZeRO-3 reward model and critic, replicated frozen models."""
+    _ok(_train(tmp_path, "engine.procs=4", "--actor-zero-stage", "2", "--reward-zero-stage", "3",
+               "engine.shard_frozen_models=false"))
+    _assert_same_run(tmp_path, single, rtol=1e-5, atol=1e-5, weight_max=2e-4,
+                     weight_mean=1e-6)
+
+
+def test_sharded_run_writes_plain_hf_models(two_ranks):
+    """The gathered export loads with transformers alone, LoRA merged, no sharding left."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    actor = AutoModelForCausalLM.from_pretrained(two_ranks / "step3" / "actor")
+    assert not any("lora" in name for name, _ in actor.named_parameters())
+    critic = AutoModelForSequenceClassification.from_pretrained(two_ranks / "step3" / "critic")
+    assert critic.config.num_labels == 1
+    assert not list((two_ranks / "step1").glob("checkpoints"))  # dropped once finished
+
+
+def test_killed_run_resumes_to_the_same_end(two_ranks, tmp_path):
+    """Killed after step 1's first checkpoint, resumed; killed again after step 3's second,
+    resumed: the end equals the uninterrupted run on the same ranks."""
+    two = ["engine.procs=2", "--actor-zero-stage", "3", "--reward-zero-stage", "0"]
+    killed = _train(tmp_path, *two, fault="kill:1:1")
+    assert killed.returncode != 0
+    assert "failed (exit code 9)" in killed.stderr
+    assert (tmp_path / "step1" / "checkpoints" / "step-00000002" / "state.json").exists()
+    assert not (tmp_path / "actor").exists()
+
+    killed = _train(tmp_path, *two, fault="kill:3:2")
+    assert killed.returncode != 0
+    assert "step 1: resumed from" in killed.stdout and "optimizer step 2" in killed.stdout
+    assert (tmp_path / "actor").exists() and (tmp_path / "reward").exists()
+    assert (tmp_path / "step3" / "checkpoints" / "step-00000004" / "state.json").exists()
+
+    resumed = _ok(_train(tmp_path, *two, "--resume"))
+    assert "step 1: finished before the interruption" in resumed.stdout
+    assert "step 3: resumed from" in resumed.stdout and "iteration 4" in resumed.stdout
+    _assert_same_run(tmp_path, two_ranks, rtol=1e-6, atol=1e-6, weight_max=1e-6,
+                     weight_mean=1e-7)
+
+
+def test_failed_rank_stops_the_job_and_is_named(tmp_path):
+    start = time.monotonic()
+    result = _train(tmp_path, "engine.procs=2", "engine.timeout_s=30", fault="raise:1:3")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert "rank 1 failed: RuntimeError: injected fault" in result.stderr
+    assert "faulty_train.py: rank 1 failed (exit code 1)" in result.stderr
+    assert elapsed < 30 + 20, f"took {elapsed:.0f}s"  # timeout + start-up on 2 busy cores
+    assert not (tmp_path / "actor").exists()
+
+
+def test_hung_rank_is_named_within_the_collective_timeout(tmp_path):
+    """Rank 1 stops responding: rank 0's next collective times out after engine.timeout_s,
+    the job stops, and the hung rank is the one named."""
+    start = time.monotonic()
+    result = _train(tmp_path, "engine.procs=2", "engine.timeout_s=8", fault="hang:1:3")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1
+    assert "rank 0 stopped: another rank failed or hung" in result.stderr
+    assert "faulty_train.py: rank 1 failed (killed by signal 15)" in result.stderr
+    assert 8 <= elapsed < 8 + 25, f"took {elapsed:.0f}s"
+
+
+def test_one_process_resume_flag_needs_an_interrupted_run(tmp_path):
+    assert train.main(["--output-dir", str(tmp_path), "--resume", *ARGS]) == 2
