@@ -186,10 +186,10 @@ def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool) -
             proc.communicate()
             return f"FAILED: timed out after {CHILD_TIMEOUT_S} s"
         if proc.returncode != 0 or not os.path.exists(out):
-            tail = "\n    ".join(log.strip().splitlines()[-15:])
-            print(f"  world {world} stage {stage}: exit {proc.returncode}\n    {tail}",
-                  file=sys.stderr)
-            return f"FAILED: exit {proc.returncode} (log above)"
+            # keep the whole log: torchrun's summary at its end rarely shows the cause
+            saved = Path(tempfile.gettempdir()) / f"bench-memory-w{world}-s{stage}.log"
+            saved.write_text(log)
+            return f"FAILED: exit {proc.returncode}, log in {saved}"
         return json.loads(Path(out).read_text())
 
 

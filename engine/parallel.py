@@ -93,8 +93,8 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=_mixed_precision(rt),
                   offload_policy=_offload_policy(settings.offload, rt),
                   reshard_after_forward=settings.zero_stage == 3)
-    if rt.device.type == "cuda" and not settings.offload:
-        model.to(rt.device)
+    # fully_shard moves each block to the mesh's device as it shards it: the full model is
+    # never on the device at once
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     # A trained root stays gathered from forward to backward: backward needs it at once, and

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -97,15 +96,6 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-@contextmanager
-def seeded(seed: int, device: torch.device):
-    """Run a block with fixed torch RNG state (CPU and, when used, the CUDA device), then
-    restore the state the run had, so an evaluation does not shift training's samples."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 def rng_state() -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -77,8 +78,9 @@ def _weights(out: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_max: float,
-                     weight_mean: float):
-    for step in (1, 2, 3):
+                     weight_mean: float, steps: tuple[int, ...] = (1, 2, 3),
+                     models: tuple[str, ...] = MODEL_DIRS):
+    for step in steps:
         rows_got, rows_want = _metrics(got, step), _metrics(want, step)
         assert len(rows_got) == len(rows_want), f"step {step}: {len(rows_got)} metric rows"
         for row_got, row_want in zip(rows_got, rows_want, strict=True):
@@ -86,7 +88,7 @@ def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_
             for key, value in row_want.items():
                 assert row_got[key] == pytest.approx(value, rel=rtol, abs=atol), \
                     f"step {step} row {row_want['step']} {key}"
-    for name in MODEL_DIRS:
+    for name in models:
         got_w, want_w = _weights(got, name), _weights(want, name)
         assert got_w.keys() == want_w.keys(), name
         diff = torch.cat([(got_w[k] - want_w[k]).abs().flatten() for k in want_w])
@@ -115,11 +117,39 @@ def test_two_ranks_match_one_process(single, two_ranks):
 
 
 def test_four_ranks_match_one_process(single, tmp_path):
-    """ZeRO-2 actor, ZeRO-3 reward model and critic, replicated frozen models."""
+    """ZeRO-2 actor, ZeRO-3 reward model and critic, replicated frozen models, activation
+    checkpointing."""
     _ok(_train(tmp_path, "engine.procs=4", "--actor-zero-stage", "2", "--reward-zero-stage", "3",
-               "engine.shard_frozen_models=false"))
+               "engine.shard_frozen_models=false", "engine.gradient_checkpointing=true"))
     _assert_same_run(tmp_path, single, rtol=1e-5, atol=1e-5, weight_max=2e-4,
                      weight_mean=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_rendezvous_like_a_cluster(single, tmp_path):
+    """--deployment-type multi_node, run once per "node" (here both on this machine, one
+    process each): torchrun's static rendezvous joins them into one job of 2 ranks."""
+    port = str(_free_port())
+    nodes = [subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "--output-dir", str(tmp_path), "--step", "1",
+         *ARGS, "--deployment-type", "multi_node", "--nnodes", "2", "--node-rank", str(rank),
+         "--master-addr", "127.0.0.1", "--master-port", port],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=LAUNCH_TIMEOUT) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "node 0 of 2, master 127.0.0.1" in outputs[0][0] and "2 ranks" in outputs[0][0]
+    _assert_same_run(tmp_path, single, rtol=1e-5, atol=1e-5, weight_max=1e-6, weight_mean=1e-7,
+                     steps=(1,), models=("actor",))
 
 
 def test_sharded_run_writes_plain_hf_models(two_ranks):

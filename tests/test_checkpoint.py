@@ -1,0 +1,106 @@
+"""Checkpoints in one process: a TrainEngine saved mid-training and loaded into a fresh one
+continues bit for bit; only complete checkpoints count; old ones are pruned; train.py plans
+which steps to skip, resume or run; metrics continue after the checkpoint's rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import train
+from engine.checkpoint import Checkpointer
+from engine.engine import OptimSettings, TrainEngine
+from engine.errors import UserError
+from engine.models import byte_tokenizer, load_causal_lm
+from engine.runtime import Runtime
+from engine.tracking import Tracker
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+
+
+def engine_at(seed: int = 0) -> TrainEngine:
+    model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=seed)
+    return TrainEngine(model, OptimSettings(lr=1e-2, warmup_steps=2), total_steps=10, runtime=CPU)
+
+
+def train_steps(engine: TrainEngine, first: int, count: int) -> None:
+    for step in range(first, first + count):
+        ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+
+
+def test_resumed_engine_continues_exactly(tmp_path):
+    engine = engine_at()
+    train_steps(engine, 0, 3)
+    ckpt = Checkpointer(tmp_path, CPU, every=3)
+    ckpt.save(3, {"actor": engine}, {"actor": engine.progress_state(), "note": "x"})
+    train_steps(engine, 3, 2)
+
+    resumed = engine_at(seed=1)  # other initial weights: everything must come from the file
+    state = Checkpointer(tmp_path, CPU, every=3).load({"actor": resumed})
+    resumed.load_progress_state(state["actor"])
+    assert state["note"] == "x" and resumed.steps == 3 and resumed.lr == pytest.approx(
+        engine_at().scheduler.lr_lambdas[0](3) * 1e-2)
+    train_steps(resumed, 3, 2)
+    for (name, want), got in zip(engine.module.state_dict().items(),
+                                 resumed.module.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+    assert resumed.lr == engine.lr
+
+
+def test_only_complete_checkpoints_count_and_old_ones_go(tmp_path):
+    engine = engine_at()
+    ckpt = Checkpointer(tmp_path, CPU, every=1, keep=2)
+    assert ckpt.latest() is None and ckpt.load({"actor": engine}) is None
+    for tag in (1, 2, 3):
+        ckpt.save(tag, {"actor": engine}, {})
+    assert [p.name for p in ckpt.complete()] == ["step-00000002", "step-00000003"]
+    (tmp_path / "checkpoints" / "step-00000009").mkdir()   # killed before state.json
+    (tmp_path / "checkpoints" / ".step-00000010.tmp").mkdir()
+    assert ckpt.latest().name == "step-00000003"
+    ckpt.save(4, {"actor": engine}, {})
+    assert not (tmp_path / "checkpoints" / ".step-00000010.tmp").exists()
+    every_4 = Checkpointer(tmp_path, CPU, every=4)
+    assert every_4.due(8) and not every_4.due(7) and not every_4.due(0)
+    assert not Checkpointer(tmp_path, CPU, every=0).due(8)
+
+
+def plan(out, *argv):
+    return train.plan_steps(train.build_config(train.parse_args(
+        ["--output-dir", str(out), *argv])))
+
+
+def fake_checkpoint(out, step):
+    (out / f"step{step}" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (out / f"step{step}" / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
+
+
+def test_plan_fresh_interrupted_and_refused_runs(tmp_path):
+    assert plan(tmp_path) == [(1, "run"), (2, "run"), (3, "run")]
+    for name in ("actor", "reward"):
+        (tmp_path / name).mkdir()
+    fake_checkpoint(tmp_path, 3)
+    assert plan(tmp_path) == [(1, "skip"), (2, "skip"), (3, "resume")]
+    assert plan(tmp_path, "--resume") == [(1, "skip"), (2, "skip"), (3, "resume")]
+    assert plan(tmp_path, "--step", "3") == [(3, "resume")]
+    with pytest.raises(UserError, match="already holds a finished step-1 model"):
+        plan(tmp_path, "resume=false")
+    assert plan(tmp_path, "resume=false", "overwrite=true") == [(1, "run"), (2, "run"),
+                                                               (3, "run")]
+    with pytest.raises(UserError, match="holds no interrupted run"):
+        plan(tmp_path / "elsewhere", "--resume")
+
+
+def test_metrics_continue_after_the_checkpoints_rows(tmp_path):
+    tracker = Tracker(tmp_path)
+    for step in range(1, 6):
+        tracker.log({"loss": float(step)}, step)
+    resumed = Tracker(tmp_path, keep_rows=3)
+    resumed.log({"loss": 40.0}, 4)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["loss"] for r in rows] == [1.0, 2.0, 3.0, 40.0] and resumed.rows == 4
+    Tracker(tmp_path)  # a fresh start empties it
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

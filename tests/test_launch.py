@@ -1,0 +1,74 @@
+"""Launch decisions without starting processes: torchrun's arguments for one and several
+nodes, DeepSpeed-style hostfiles, and when train.py starts torchrun at all."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+import train
+from engine.errors import UserError
+from engine.launch import Launch, from_hostfile, read_hostfile, torchrun_args
+
+
+def cfg_of(*argv: str):
+    return train.build_config(train.parse_args(list(argv)))
+
+
+def test_one_node_uses_a_standalone_rendezvous():
+    args = torchrun_args(Launch(nproc_per_node=4), "train.py", ["--step", "1"])
+    assert args == ["--nproc-per-node=4", "--max-restarts=0", "--standalone", "train.py",
+                    "--step", "1"]
+
+
+def test_several_nodes_pass_the_rendezvous_through():
+    launch = Launch(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                    master_port=29600, standalone=False)
+    assert torchrun_args(launch, "train.py", []) == [
+        "--nproc-per-node=8", "--max-restarts=0", "--nnodes=2", "--node-rank=1",
+        "--master-addr=10.0.0.1", "--master-port=29600", "train.py"]
+
+
+def test_hostfile_sets_nodes_master_and_this_nodes_rank(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"# cluster\nworker-0 slots=4\n{socket.gethostname()} slots=4  # me\n")
+    assert read_hostfile(str(hostfile)) == [("worker-0", 4), (socket.gethostname(), 4)]
+    launch = from_hostfile(str(hostfile), None, 29500)
+    assert (launch.nnodes, launch.node_rank, launch.master_addr, launch.nproc_per_node) == \
+        (2, 1, "worker-0", 4)
+    assert from_hostfile(str(hostfile), 0, 29500).node_rank == 0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("worker-0 4\n", "line 1: expected `hostname slots=N`"),
+    ("a slots=2\nb slots=4\n", "same slots=N"),
+    ("# nothing\n", "lists no hosts"),
+    ("a slots=2\nb slots=2\n", "is not listed once; pass --node-rank"),
+])
+def test_bad_hostfile_is_one_line(tmp_path, text, message):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(text)
+    with pytest.raises(UserError, match=message):
+        from_hostfile(str(hostfile), None, 29500)
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(UserError, match="--hostfile .*cannot read it"):
+        read_hostfile(str(tmp_path / "nope"))
+
+
+def test_torchrun_starts_only_for_several_processes(monkeypatch):
+    for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert not train.needs_launcher(cfg_of())
+    assert train.needs_launcher(cfg_of("engine.procs=2"))
+    assert train.needs_launcher(cfg_of("--deployment-type", "single_node"))
+    cfg = cfg_of("--deployment-type", "multi_node", "--nnodes", "2", "--node-rank", "1",
+                 "--master-addr", "10.1.1.1", "--master-port", "29555")
+    assert train.needs_launcher(cfg)
+    assert (cfg.launch.nnodes, cfg.launch.node_rank, cfg.launch.master_addr,
+            cfg.launch.master_port) == (2, 1, "10.1.1.1", 29555)
+    monkeypatch.setenv("LOCAL_RANK", "0")   # inside torchrun: run, do not launch again
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not train.needs_launcher(cfg_of("engine.procs=2"))
