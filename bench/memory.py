@@ -112,11 +112,20 @@ def worker(args: argparse.Namespace) -> None:
                         generator=torch.Generator().manual_seed(args.seed))
     per_rank = args.batch // rt.world_size
     ids = ids[rt.rank * per_rank:(rt.rank + 1) * per_rank].to(rt.device)
-    grad_bytes = 0
+    cuda = rt.device.type == "cuda"
+    tracker = None
+    grad_bytes = fwd_peak = 0
+
+    def peak_so_far() -> int:
+        if cuda:
+            return torch.cuda.max_memory_allocated(rt.device)
+        return tracker.get_tracker_snapshot("peak").get(rt.device, {}).get("Total", 0)
 
     def train_step() -> None:
-        nonlocal grad_bytes
+        nonlocal grad_bytes, fwd_peak
         out = engine(input_ids=ids, labels=ids)
+        # ZeRO-2 differs from 3 here: it keeps the layers gathered from forward to backward
+        fwd_peak = peak_so_far() if tracker else 0
         # engine contract: the rank shares sum to the objective, here the global token mean
         engine.backward(out.loss * (per_rank / args.batch))
         # grads are freed by step(), so count them in between
@@ -127,7 +136,6 @@ def worker(args: argparse.Namespace) -> None:
     train_step()  # step 1: lazy FSDP init and AdamW state allocation, not measured
     gc.collect()  # leftovers of step 1 must not be counted in (or freed during) step 2
     tracker = FSDPMemTracker(engine.module, engine.optimizer)
-    cuda = rt.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(rt.device)
         torch.cuda.reset_peak_memory_stats(rt.device)
@@ -139,7 +147,8 @@ def worker(args: argparse.Namespace) -> None:
     snap = tracker.get_tracker_snapshot("peak").get(rt.device, {})
     row = {group: sum(snap.get(key, 0) for key in keys) for group, keys in PEAK_GROUPS.items()}
     row["tracked_peak"] = snap.get("Total", 0)
-    row["peak"] = torch.cuda.max_memory_allocated(rt.device) if cuda else row["tracked_peak"]
+    row["peak"] = peak_so_far()
+    row["fwd_peak"] = fwd_peak
     row["param_shard"] = local_nbytes(engine.module.parameters())
     row["grad_shard"] = grad_bytes
     row["optim_shard"] = local_nbytes(v for state in engine.optimizer.state.values()
@@ -181,16 +190,18 @@ def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool) -
                                 text=True, start_new_session=True)
         try:
             log, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+            why = f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            return f"FAILED: timed out after {CHILD_TIMEOUT_S} s"
-        if proc.returncode != 0 or not os.path.exists(out):
-            # keep the whole log: torchrun's summary at its end rarely shows the cause
-            saved = Path(tempfile.gettempdir()) / f"bench-memory-w{world}-s{stage}.log"
-            saved.write_text(log)
-            return f"FAILED: exit {proc.returncode}, log in {saved}"
-        return json.loads(Path(out).read_text())
+            log, _ = proc.communicate()
+            why = f"timed out after {CHILD_TIMEOUT_S} s"
+        if proc.returncode == 0 and os.path.exists(out):
+            return json.loads(Path(out).read_text())
+    # keep the whole log: torchrun's summary at its end rarely shows the cause
+    name = f"bench-memory-w{world}-s{stage}{'-offload' * offload}.log"
+    saved = Path(tempfile.gettempdir()) / name
+    saved.write_text(log)
+    return f"FAILED: {why}, log in {saved}"
 
 
 def mib(n: int) -> str:
@@ -246,9 +257,9 @@ def main() -> None:
         print(f"  world {world} stage {stage}{' +offload' if offload else ''}: "
               f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
-    cols = ("world", "stage", "params", "grads", "optim", "peak/rank", "vs w1 s0",
+    cols = ("world", "stage", "params", "grads", "optim", "peak/rank", "vs w1 s0", "fwd peak",
             "@peak: param", "grad", "optim", "act+tmp", "RSS (ref)")
-    widths = (5, 9, 8, 8, 8, 10, 9, 13, 8, 8, 8, 10)
+    widths = (5, 9, 7, 7, 7, 9, 8, 8, 12, 7, 7, 7, 9)
     line = "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))
     print(line)
     print("-" * len(line))
@@ -260,7 +271,7 @@ def main() -> None:
             continue
         ratio = f"{r['peak'] / base['peak']:.2f}x" if isinstance(base, dict) else "-"
         cells = (world, label, mib(r["param_shard"]), mib(r["grad_shard"]),
-                 mib(r["optim_shard"]), mib(r["peak"]), ratio, mib(r["param"]),
+                 mib(r["optim_shard"]), mib(r["peak"]), ratio, mib(r["fwd_peak"]), mib(r["param"]),
                  mib(r["grad"]), mib(r["optim"]), mib(r["act"]), mib(r["rss"]))
         print("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     peak_how = ("torch.cuda.max_memory_allocated" if args.device == "cuda" else
@@ -270,6 +281,7 @@ All sizes MiB per rank, max over ranks.
   params/grads/optim  this rank's local shards: parameters, gradients after backward,
                       AdamW state after the step
   peak/rank           peak of the 2nd training step (forward, backward, AdamW): {peak_how}
+  fwd peak            the same, up to the end of forward (loss included)
   @peak: ...          FSDPMemTracker's split of its peak: param = sharded + gathered params
                       (+ all-gather buffers), grad = sharded + unsharded grads (+ reduce-
                       scatter buffers), act+tmp = activations, backward temporaries, buffers

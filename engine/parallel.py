@@ -112,8 +112,14 @@ def shard_frozen(model: nn.Module, rt: Runtime, *, sharded: bool, offload: bool)
     if rt.distributed and sharded:
         return shard(model, rt, ShardSettings(zero_stage=3, offload=offload), trainable=False)
     if offload and rt.device.type == "cuda":
-        model.register_forward_pre_hook(lambda module, args: module.to(rt.device))
-        model.register_forward_hook(lambda module, args, out: module.to("cpu"))
+        def to_device(module: nn.Module, args) -> None:
+            module.to(rt.device)
+
+        def to_cpu(module: nn.Module, args, out) -> None:
+            module.to("cpu")
+
+        model.register_forward_pre_hook(to_device)
+        model.register_forward_hook(to_cpu)
         return model.to("cpu")
     return model.to(rt.device)
 

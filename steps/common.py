@@ -4,6 +4,7 @@ ground-truth evaluation."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -13,10 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
-from engine.engine import OptimSettings
+from engine.engine import OptimSettings, TrainEngine
 from engine.lora import LoraSettings
 from engine.parallel import ShardSettings
 from engine.runtime import Runtime
+from engine.tracking import Tracker
 from steps import demo
 from steps.data import DataError, TokenizeStats
 
@@ -44,6 +46,40 @@ def start_step(cfg: DictConfig, step: int, rt: Runtime, *, resume: bool) -> Path
 def checkpointer(cfg: DictConfig, step: int, rt: Runtime) -> Checkpointer:
     return Checkpointer(step_dir(cfg, step), rt, every=cfg.engine.checkpoint_every,
                         keep=cfg.engine.keep_checkpoints)
+
+
+class StepCheckpoints:
+    """A step's checkpoints: its engines (and other stateful objects, e.g. EMA weights),
+    their counters and schedules, the data `position` and the metrics rows so far."""
+
+    def __init__(self, cfg: DictConfig, step: int, rt: Runtime, engines: dict[str, TrainEngine],
+                 extra: dict | None = None):
+        self.step, self.engines = step, engines
+        self.stateful = {**engines, **(extra or {})}
+        self.checkpointer = checkpointer(cfg, step, rt)
+
+    def restore(self, position: dict, resume: bool) -> tuple[dict, int | None]:
+        """Load the latest checkpoint when resuming. Returns the position to continue from
+        (`position` when starting afresh) and how many metrics rows to keep (None: none)."""
+        saved = self.checkpointer.load(self.stateful) if resume else None
+        if not saved:
+            return position, None
+        for name, engine in self.engines.items():
+            engine.load_progress_state(saved[name])
+        where = ", ".join(f"{k} {v}" for k, v in saved["position"].items()
+                          if k in ("epoch", "batch", "round", "iteration"))
+        log(f"step {self.step}: resumed from {self.checkpointer.latest()} ({where}, optimizer "
+            f"step {next(iter(self.engines.values())).steps})")
+        return saved["position"], saved["metrics_rows"]
+
+    def save_if_due(self, count: int, position: dict, tracker: Tracker) -> None:
+        if self.checkpointer.due(count):
+            self.checkpointer.save(count, self.stateful, {
+                **{name: engine.progress_state() for name, engine in self.engines.items()},
+                "metrics_rows": tracker.rows, "position": position})
+
+    def clear(self) -> None:
+        self.checkpointer.clear()
 
 
 def shard_settings(cfg: DictConfig, zero_stage: int) -> ShardSettings:
@@ -99,6 +135,15 @@ def batches(items: Sequence, batch_size: int, *, shuffle: bool, seed: int) -> It
         order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
     for start in range(0, len(order), batch_size):
         yield [items[i] for i in order[start:start + batch_size]]
+
+
+def epoch_batches(items: Sequence, batch_size: int, *, seed: int, skip: int, desc: str,
+                  enabled: bool) -> Iterator[tuple[int, list]]:
+    """(number, batch) of one epoch's shuffled batches, numbered from 1, after the first
+    `skip` (those a resumed run had done), with a progress bar."""
+    rest = itertools.islice(batches(items, batch_size, shuffle=True, seed=seed), skip, None)
+    total = num_batches(len(items), batch_size) - skip
+    return enumerate(progress(rest, desc=desc, total=total, enabled=enabled), start=skip + 1)
 
 
 def num_batches(n: int, batch_size: int) -> int:

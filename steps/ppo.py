@@ -15,7 +15,6 @@ rank that samples it.
 
 from __future__ import annotations
 
-import itertools
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -40,14 +39,14 @@ from engine.models import (
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
+    StepCheckpoints,
     batches,
-    checkpointer,
+    epoch_batches,
     ground_truth,
     log,
     lora_settings,
     num_batches,
     optim_settings,
-    progress,
     rank_rows,
     report_tokenized,
     require_examples,
@@ -340,19 +339,13 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                                 top_p=ppo.top_p, top_k=ppo.top_k, do_sample=True)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    ckpt = checkpointer(cfg, 3, rt)
-    stateful = {"actor": actor, "critic": critic, **({"ema": ema} if ema else {})}
-    position = {"epoch": 0, "round": 0, "iteration": 0, "ptx_batches": 0, "seconds": 0.0,
-                "before": None}
-    saved = ckpt.load(stateful) if resume else None
-    if saved:
-        actor.load_progress_state(saved["actor"])
-        critic.load_progress_state(saved["critic"])
-        position = saved["position"]
-        log(f"step 3: resumed from {ckpt.latest()} (epoch {position['epoch'] + 1}, "
-            f"iteration {position['iteration']})")
+    ckpt = StepCheckpoints(cfg, 3, rt, {"actor": actor, "critic": critic},
+                           extra={"ema": ema} if ema else None)
+    position, metrics_rows = ckpt.restore(
+        {"epoch": 0, "round": 0, "iteration": 0, "ptx_batches": 0, "seconds": 0.0,
+         "before": None}, resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
-                      enabled=rt.is_main, keep_rows=saved["metrics_rows"] if saved else None)
+                      enabled=rt.is_main, keep_rows=metrics_rows)
 
     def evaluate() -> dict[str, float]:
         return evaluate_policy(actor.module, scorer, eval_prompts, eval_texts, tokenizer,
@@ -364,12 +357,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     start = time.perf_counter() - position["seconds"]
     iteration, ptx_batches = position["iteration"], position["ptx_batches"]
     for epoch in range(position["epoch"], ppo.epochs):
-        done = position["round"] if epoch == position["epoch"] else 0
-        prompt_batches = batches(prompts, ppo.rollout_batch_size, shuffle=True, seed=seed + epoch)
-        for round_index, prompt_batch in enumerate(
-                progress(itertools.islice(prompt_batches, done, None),
-                         desc=f"step 3 epoch {epoch + 1}", total=rounds - done,
-                         enabled=cfg.logging.progress and rt.is_main), start=done + 1):
+        for round_index, prompt_batch in epoch_batches(
+                prompts, ppo.rollout_batch_size, seed=seed + epoch,
+                skip=position["round"] if epoch == position["epoch"] else 0,
+                desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and rt.is_main):
             t0 = time.perf_counter()
             mine, weight = rank_rows(range(len(prompt_batch)), rt)
             batch = to_device(collate_prompts([prompt_batch[i] for i in mine], pad), rt.device)
@@ -408,14 +399,11 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                 metrics.pop("answer/tokens") * ppo.ppo_epochs / (t2 - t1)
             if iteration % ppo.log_every == 0:
                 tracker.log(metrics, iteration)
-            if ckpt.due(iteration):
-                at_end = round_index >= rounds
-                ckpt.save(iteration, stateful, {
-                    "actor": actor.progress_state(), "critic": critic.progress_state(),
-                    "metrics_rows": tracker.rows,
-                    "position": {"epoch": epoch + at_end, "round": 0 if at_end else round_index,
-                                 "iteration": iteration, "ptx_batches": ptx_batches,
-                                 "seconds": time.perf_counter() - start, "before": before}})
+            epoch_done = round_index == rounds
+            ckpt.save_if_due(iteration, {
+                "epoch": epoch + epoch_done, "round": 0 if epoch_done else round_index,
+                "iteration": iteration, "ptx_batches": ptx_batches,
+                "seconds": time.perf_counter() - start, "before": before}, tracker)
 
     actor.eval()
     after = evaluate() if eval_prompts else {}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from pathlib import Path
 
@@ -17,13 +16,13 @@ from engine.models import load_reward_model, load_tokenizer, sequence_scores
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
+    StepCheckpoints,
     batches,
-    checkpointer,
+    epoch_batches,
     log,
     lora_settings,
     num_batches,
     optim_settings,
-    progress,
     rank_rows,
     report_tokenized,
     require_examples,
@@ -80,25 +79,19 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     engine = TrainEngine(model, optim_settings(rm, rm.lr, rm.lora),
                          rm.epochs * steps_per_epoch // rm.grad_accum, rt,
                          shard_settings(cfg, cfg.reward_zero_stage))
-    ckpt = checkpointer(cfg, 2, rt)
-    position = {"epoch": 0, "batch": 0, "seconds": 0.0, "loss": float("nan")}
-    saved = ckpt.load({"reward": engine}) if resume else None
-    if saved:
-        engine.load_progress_state(saved["reward"])
-        position = saved["position"]
-        log(f"step 2: resumed from {ckpt.latest()} (epoch {position['epoch'] + 1}, "
-            f"batch {position['batch']}, optimizer step {engine.steps})")
+    ckpt = StepCheckpoints(cfg, 2, rt, {"reward": engine})
+    position, metrics_rows = ckpt.restore(
+        {"epoch": 0, "batch": 0, "seconds": 0.0, "loss": float("nan")}, resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=2),
-                      enabled=rt.is_main, keep_rows=saved["metrics_rows"] if saved else None)
+                      enabled=rt.is_main, keep_rows=metrics_rows)
 
     start, loss = time.perf_counter() - position["seconds"], position["loss"]
     for epoch in range(position["epoch"], rm.epochs):
-        epoch_batches = batches(train, rm.batch_size, shuffle=True, seed=cfg.seed + epoch)
-        done = position["batch"] if epoch == position["epoch"] else 0
-        bar = progress(itertools.islice(epoch_batches, done, None),
-                       desc=f"step 2 epoch {epoch + 1}/{rm.epochs}",
-                       total=steps_per_epoch - done, enabled=cfg.logging.progress and rt.is_main)
-        for index, examples in enumerate(bar, start=done + 1):
+        for index, examples in epoch_batches(
+                train, rm.batch_size, seed=cfg.seed + epoch,
+                skip=position["batch"] if epoch == position["epoch"] else 0,
+                desc=f"step 2 epoch {epoch + 1}/{rm.epochs}",
+                enabled=cfg.logging.progress and rt.is_main):
             mine, weight = rank_rows(examples, rt)
             batch = to_device(collate_pairs(mine, tokenizer.pad_token_id), rt.device)
             result = _pair_loss(engine.module, batch, num_pairs=len(examples))
@@ -111,12 +104,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                 tracker.log({"train/loss": loss, "train/accuracy": accuracy,
                              "train/lr": engine.lr, "train/grad_norm": grad_norm,
                              "epoch": epoch}, engine.steps)
-            if ckpt.due(engine.steps):
-                next_position = (epoch, index) if index < steps_per_epoch else (epoch + 1, 0)
-                ckpt.save(engine.steps, {"reward": engine}, {
-                    "reward": engine.progress_state(), "metrics_rows": tracker.rows,
-                    "position": {"epoch": next_position[0], "batch": next_position[1],
-                                 "loss": loss, "seconds": time.perf_counter() - start}})
+            epoch_done = index == steps_per_epoch
+            ckpt.save_if_due(engine.steps, {
+                "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
+                "loss": loss, "seconds": time.perf_counter() - start}, tracker)
 
     engine.eval()
     metrics = evaluate(engine.module, evals, tokenizer.pad_token_id, rm.eval_batch_size,

@@ -3,7 +3,6 @@ responses; evaluated by perplexity on held-out pairs."""
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from pathlib import Path
@@ -18,13 +17,13 @@ from engine.models import load_causal_lm, load_tokenizer, position_ids
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
+    StepCheckpoints,
     batches,
-    checkpointer,
+    epoch_batches,
     log,
     lora_settings,
     num_batches,
     optim_settings,
-    progress,
     rank_rows,
     report_tokenized,
     require_examples,
@@ -87,26 +86,20 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     engine = TrainEngine(model, optim_settings(sft, sft.lr, sft.lora),
                          sft.epochs * steps_per_epoch // sft.grad_accum, rt,
                          shard_settings(cfg, cfg.actor_zero_stage))
-    ckpt = checkpointer(cfg, 1, rt)
-    position = {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}
-    saved = ckpt.load({"actor": engine}) if resume else None
-    if saved:
-        engine.load_progress_state(saved["actor"])
-        position = saved["position"]
-        log(f"step 1: resumed from {ckpt.latest()} (epoch {position['epoch'] + 1}, "
-            f"batch {position['batch']}, optimizer step {engine.steps})")
+    ckpt = StepCheckpoints(cfg, 1, rt, {"actor": engine})
+    position, metrics_rows = ckpt.restore(
+        {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=1),
-                      enabled=rt.is_main, keep_rows=saved["metrics_rows"] if saved else None)
+                      enabled=rt.is_main, keep_rows=metrics_rows)
 
     start, tokens, loss = time.perf_counter() - position["seconds"], position["tokens"], \
         position["loss"]
     for epoch in range(position["epoch"], sft.epochs):
-        epoch_batches = batches(train, sft.batch_size, shuffle=True, seed=cfg.seed + epoch)
-        done = position["batch"] if epoch == position["epoch"] else 0
-        bar = progress(itertools.islice(epoch_batches, done, None),
-                       desc=f"step 1 epoch {epoch + 1}/{sft.epochs}",
-                       total=steps_per_epoch - done, enabled=cfg.logging.progress and rt.is_main)
-        for index, examples in enumerate(bar, start=done + 1):
+        for index, examples in epoch_batches(
+                train, sft.batch_size, seed=cfg.seed + epoch,
+                skip=position["batch"] if epoch == position["epoch"] else 0,
+                desc=f"step 1 epoch {epoch + 1}/{sft.epochs}",
+                enabled=cfg.logging.progress and rt.is_main):
             mine, weight = rank_rows(examples, rt)
             batch = to_device(collate_sft(mine, tokenizer.pad_token_id), rt.device)
             share = _batch_loss(engine, batch, num_tokens=trained_tokens(examples)) * weight
@@ -119,13 +112,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
             if engine.steps % sft.log_every == 0:
                 tracker.log({"train/loss": loss, "train/lr": engine.lr,
                              "train/grad_norm": grad_norm, "epoch": epoch}, engine.steps)
-            if ckpt.due(engine.steps):
-                next_position = (epoch, index) if index < steps_per_epoch else (epoch + 1, 0)
-                ckpt.save(engine.steps, {"actor": engine}, {
-                    "actor": engine.progress_state(), "metrics_rows": tracker.rows,
-                    "position": {"epoch": next_position[0], "batch": next_position[1],
-                                 "tokens": tokens, "loss": loss,
-                                 "seconds": time.perf_counter() - start}})
+            epoch_done = index == steps_per_epoch
+            ckpt.save_if_due(engine.steps, {
+                "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
+                "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start}, tracker)
 
     engine.eval()
     ppl = perplexity(engine.module, evals, tokenizer.pad_token_id, sft.eval_batch_size,
