@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, OverrideParseException
@@ -328,10 +329,11 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     return 0
 
 
-def _run_rank(cfg: DictConfig, rank: int) -> int:
+def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
     """One rank of a torchrun job: only rank 0 prints progress; an error is printed with
     the rank's number, and the process exits at once, without waiting on the other ranks
-    (which torchrun, or the collective timeout, then stops)."""
+    (which torchrun, or the collective timeout, then stops). Exit codes: 0 done, 2 a user
+    error, 1 a failure, PEER_LOST_EXIT stopped because another rank failed."""
     import torch.distributed as dist
 
     from engine.errors import UserError
@@ -356,7 +358,11 @@ def _run_rank(cfg: DictConfig, rank: int) -> int:
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    # leave without interpreter teardown: gloo's worker threads may still call into Python
+    # during it and abort a rank that has finished its work (pytorch#90549)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

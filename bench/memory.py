@@ -9,6 +9,8 @@ batch split over the ranks; the second step is measured:
             storages on the rank, from torch's FSDPMemTracker (a TorchDispatchMode that also
             follows FSDP2's storage resizes), which splits the peak into parameters,
             gradients, optimizer state and activations/temporaries.
+  fwd peak  the same peak, up to the end of forward: where ZeRO-2 (layers kept gathered
+            until backward) and ZeRO-3 differ even when the whole step's peak is the same.
   shards    bytes of this rank's local parameters, gradients (after backward) and AdamW
             state: deterministic, and where ZeRO's 1/N shows directly.
   RSS       the process's peak resident set, for reference only: it includes the full
@@ -17,7 +19,7 @@ batch split over the ranks; the second step is measured:
 Per-rank numbers are the maximum over the ranks. Stage 3 with CPU offload applies to CUDA
 only (on CPU there is nowhere to offload to).
 
-Run from the repository root:  python bench/memory.py        (options: --help)
+Run:  python bench/memory.py        (options: --help; about 3 minutes on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
                    help="add stage 3 + CPU offload rows (run on CUDA, n/a on CPU)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--hidden", type=int, default=512)
+    # proportions of a real LLM: embeddings ~14% of the parameters (a 32k vocabulary at
+    # this width would make them half the model, and the gathered root would dominate)
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--batch", type=int, default=4, help="global sequences, split over ranks")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0)
@@ -161,6 +165,12 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(
             {key: max(r[key] for r in rows) for key in row} | {"ranks": rows}))
     dist.destroy_process_group()
+    # Skip interpreter teardown: with gloo, a ProcessGroupGloo worker thread can still touch
+    # Python while the interpreter finalizes, which aborts the rank ("terminate called without
+    # an active exception", SIGABRT) in about half the runs, after all the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------- parent ---
@@ -235,8 +245,9 @@ def main() -> None:
     print(f"device: {args.device}; torch {torch.__version__}; transformers "
           f"{transformers.__version__}")
     print(f"command: {shlex.join(['python', *sys.argv])}")
-    print("child: " + shlex.join(child_command(args, worlds[0], stages[0], False, "ROW.json")
-                                 [1:]).replace(str(REPO) + "/", ""))
+    child = child_command(args, worlds[0], stages[0], False, "ROW.json")
+    print(f"child, e.g.: PYTHONPATH=. OMP_NUM_THREADS=<cores / world> python "
+          f"{shlex.join(child[1:]).replace(str(REPO) + '/', '')}")
     print(flush=True)
 
     jobs = [(w, s, False) for w in worlds for s in stages]
@@ -277,7 +288,8 @@ def main() -> None:
     peak_how = ("torch.cuda.max_memory_allocated" if args.device == "cuda" else
                 "peak bytes of live\n                      tensor storages (FSDPMemTracker)")
     print(f"""
-All sizes MiB per rank, max over ranks.
+All sizes MiB per rank, max over ranks. World 1 runs under torchrun too: FSDP2 over one rank,
+not plain PyTorch (so gathered parameters are a second copy of the weights).
   params/grads/optim  this rank's local shards: parameters, gradients after backward,
                       AdamW state after the step
   peak/rank           peak of the 2nd training step (forward, backward, AdamW): {peak_how}

@@ -97,9 +97,17 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     # never on the device at once
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
-    # A trained root stays gathered from forward to backward: backward needs it at once, and
-    # the critic's values come from the score head's output rather than the root's output,
-    # so FSDP's pre-backward hook on the root output would never re-gather it.
+    # Untied input embeddings are a unit of their own: used first in forward and last in
+    # backward, they need not stay gathered in between (a large share of a model with a big
+    # vocabulary). Tied ones share the output head's weight and stay with the root.
+    inner = hf_model(model)
+    embeddings, head = inner.get_input_embeddings(), inner.get_output_embeddings()
+    if embeddings is not None and (head is None or head.weight is not embeddings.weight):
+        fully_shard(embeddings, **kwargs)
+    # A trained root (output head, score head, final norm) stays gathered from forward to
+    # backward: backward needs it at once, and the critic's values come from the score
+    # head's output rather than the root's output, so FSDP's pre-backward hook on the root
+    # output would never re-gather it.
     fully_shard(hf_model(model), **{**kwargs, "reshard_after_forward": not trainable})
     return model
 
