@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
+from engine.models import byte_tokenizer, load_causal_lm
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,23 @@ def test_two_nodes_rendezvous_like_a_cluster(single, tmp_path):
     assert "node 0 of 2, master 127.0.0.1" in outputs[0][0] and "2 ranks" in outputs[0][0]
     _assert_same_run(tmp_path, single, rtol=1e-5, atol=1e-5, weight_max=1e-6, weight_mean=1e-7,
                      steps=(1,), models=("actor",))
+
+
+def test_bf16_compute_over_fp32_master_weights(single, tmp_path):
+    """FSDP2's mixed precision: bf16 forward/backward, fp32 master weights and reductions.
+    Losses track the fp32 run to bf16 precision; the exported weights are the fp32 master."""
+    _ok(_train(tmp_path, "--step", "1", "engine.procs=2", "engine.dtype=bfloat16"))
+    for got, want in zip(_metrics(tmp_path, 1), _metrics(single, 1), strict=True):
+        if "train/loss" in want:
+            assert got["train/loss"] == pytest.approx(want["train/loss"], rel=2e-2)
+    weights, reference = _weights(tmp_path, "actor"), _weights(single, "actor")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    # what training changed: the same update as in fp32, up to bf16 rounding
+    initial = load_causal_lm("tiny-llama", byte_tokenizer(), seed=1234).state_dict()
+    update, fp32_update = (torch.cat([(w[k] - initial[k]).flatten() for k in reference])
+                           for w in (weights, reference))
+    assert torch.cosine_similarity(update, fp32_update, dim=0) > 0.999
+    assert float(update.norm()) == pytest.approx(float(fp32_update.norm()), rel=1e-2)
 
 
 def test_sharded_run_writes_plain_hf_models(two_ranks):
