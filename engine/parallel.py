@@ -108,7 +108,7 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     # backward: backward needs it at once, and the critic's values come from the score
     # head's output rather than the root's output, so FSDP's pre-backward hook on the root
     # output would never re-gather it.
-    fully_shard(hf_model(model), **{**kwargs, "reshard_after_forward": not trainable})
+    fully_shard(inner, **{**kwargs, "reshard_after_forward": not trainable})
     return model
 
 
@@ -130,10 +130,6 @@ def shard_frozen(model: nn.Module, rt: Runtime, *, sharded: bool, offload: bool)
         model.register_forward_hook(to_cpu)
         return model.to("cpu")
     return model.to(rt.device)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
