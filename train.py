@@ -218,15 +218,15 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     torchrun."""
     import torch
 
+    from engine.errors import UserError
     from engine.launch import Launch, from_hostfile, run_torchrun
 
     lc = cfg.launch
-    if cfg.engine.procs > 1:
-        procs = cfg.engine.procs
-    elif cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available():
-        procs = torch.cuda.device_count()
-    else:
-        procs = 1
+    gpus = torch.cuda.device_count() if cfg.engine.device in ("auto", "cuda") else 0
+    procs = cfg.engine.procs if cfg.engine.procs > 1 else max(gpus, 1)
+    if gpus and procs > gpus:
+        raise UserError(f"engine.procs={procs}, but this node has {gpus} GPU(s): one process "
+                        "per GPU; lower engine.procs or set engine.device=cpu")
     if cfg.deployment_type == "multi_node":
         if lc.hostfile:
             where = from_hostfile(lc.hostfile, lc.node_rank, lc.master_port)
