@@ -170,6 +170,19 @@ def test_bf16_compute_over_fp32_master_weights(single, tmp_path):
     assert float(update.norm()) == pytest.approx(float(fp32_update.norm()), rel=1e-2)
 
 
+@pytest.mark.parametrize("grad_accum, stage", [(3, 3), (2, 0)])
+def test_gradient_accumulation_reduces_only_on_the_last_micro_step(grad_accum, stage):
+    """Counted c10d ops in each micro-step's backward: none until the window's last, then
+    one per FSDP unit (2 blocks, embeddings, root): reduce-scatters at stage 3, all-reduces
+    of the replicas at stage 0."""
+    result = _ok(subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "tests" / "harness" / "count_collectives.py"), str(grad_accum), str(stage)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT))
+    counts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert counts == ([0] * (grad_accum - 1) + [4]) * 2
+
+
 def test_sharded_run_writes_plain_hf_models(two_ranks):
     """The gathered export loads with transformers alone, LoRA merged, no sharding left."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

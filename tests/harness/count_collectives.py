@@ -1,0 +1,56 @@
+"""Under torchrun: how many gradient reductions (reduce-scatters, all-reduces) the backward
+of each micro-step of a TrainEngine with gradient accumulation issues.
+
+    count_collectives.py GRAD_ACCUM ZERO_STAGE
+
+Prints one JSON line (rank 0): a list, one count a micro-step."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from engine.engine import OptimSettings, TrainEngine  # noqa: E402
+from engine.models import byte_tokenizer, load_causal_lm  # noqa: E402
+from engine.parallel import ShardSettings  # noqa: E402
+from engine.runtime import setup_runtime  # noqa: E402
+
+
+class CountGradientReductions(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "reduce_scatter" in str(func) or "allreduce" in str(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main() -> None:
+    rt = setup_runtime("cpu", "float32", seed=0, timeout_s=60)
+    model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=0)
+    engine = TrainEngine(model, OptimSettings(lr=1e-3, grad_accum=int(sys.argv[1])), 10, rt,
+                         ShardSettings(zero_stage=int(sys.argv[2])))
+    counts = []
+    for micro in range(2 * int(sys.argv[1])):
+        ids = torch.randint(4, 200, (2, 8), generator=torch.Generator().manual_seed(micro))
+        with CountGradientReductions() as counter:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        counts.append(counter.count)
+    if rt.is_main:
+        print(json.dumps(counts), flush=True)
+    torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
