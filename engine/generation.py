@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import (
     GenerationConfig,
@@ -85,15 +86,15 @@ class RowSeededSampling(LogitsProcessor):
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              sampling: SamplingSettings, *, eos_token_id: int, pad_token_id: int,
-             row_seeds: torch.Tensor | None = None, synced: bool = False) -> torch.Tensor:
-    """Continue left-padded prompts.
+             row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Continue left-padded prompts. With several ranks, every rank keeps stepping until
+    all have finished (transformers' `synced_gpus`), so the all-gathers of a sharded
+    model's weights always pair up, whatever each rank's answer lengths.
 
     Args:
         input_ids, attention_mask: [B, P], prompts left-padded.
         row_seeds: [B] int seeds for row-seeded sampling (see the module docstring); None
             samples from torch's global generator.
-        synced: several ranks generate with a sharded model: every rank keeps stepping until
-            all have finished, so the all-gathers of the sharded weights always pair up.
     Returns:
         [B, P + N] sequences, N <= max_new_tokens; after a row's EOS come pad tokens.
     """
@@ -112,6 +113,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     model.eval()
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          generation_config=config, logits_processor=processors,
-                         synced_gpus=synced)
+                         synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
     model.train(was_training)
     return out

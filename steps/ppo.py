@@ -167,7 +167,7 @@ def make_experience(actor, ref, critic, score, prompts: dict[str, torch.Tensor],
     t0 = time.perf_counter()
     sequences = generate(actor.module, prompts["input_ids"], prompts["attention_mask"],
                          sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         row_seeds=seeds, synced=rt.world_size > 1)
+                         row_seeds=seeds)
     t1 = time.perf_counter()
     prompt_len = prompts["input_ids"].shape[1]
     actions = answer_mask(sequences[:, prompt_len:], eos_token_id) * weight
@@ -251,7 +251,7 @@ def evaluate_policy(actor_module, scorer: RewardScorer, prompts: list[list[int]]
                           rt.device)
         seqs = generate(actor_module, batch["input_ids"], batch["attention_mask"], sampling,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        row_seeds=row_seeds(seed, 0, mine), synced=rt.world_size > 1)
+                        row_seeds=row_seeds(seed, 0, mine))
         p = batch["input_ids"].shape[1]
         actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
         reward_sum += float(scorer(seqs, torch.cat([batch["attention_mask"],

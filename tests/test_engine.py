@@ -310,7 +310,7 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
     calls = []
 
     def scripted_generate(model, input_ids, attention_mask, sampling, *, eos_token_id,
-                          pad_token_id, row_seeds, synced):
+                          pad_token_id, row_seeds):
         calls.append(model)
         assert torch.equal(input_ids, prompt_ids) and torch.equal(attention_mask, prompt_mask)
         assert (eos_token_id, pad_token_id, sampling.max_new_tokens) == (EOS, PAD, N)
