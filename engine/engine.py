@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import get_scheduler
 
 from engine.lora import is_lora_param
-from engine.parallel import ShardSettings, set_gradient_sync, shard, shard_frozen
+from engine.parallel import ShardSettings, set_gradient_sync, shard
 from engine.runtime import Runtime
 
 
@@ -119,9 +119,3 @@ class TrainEngine:
     def eval(self) -> None:
         self.module.eval()
 
-
-def frozen(model: nn.Module, runtime: Runtime, *, sharded: bool = True,
-           offload: bool = False) -> nn.Module:
-    """A model used for forward passes only (reference, reward): eval mode, no grads,
-    ZeRO-3 sharded or replicated over the ranks, optionally kept on the CPU between uses."""
-    return shard_frozen(model, runtime, sharded=sharded, offload=offload)

@@ -112,10 +112,11 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     return model
 
 
-def shard_frozen(model: nn.Module, rt: Runtime, *, sharded: bool, offload: bool) -> nn.Module:
-    """Place a forward-only model (reference, reward in step 3): ZeRO-3 sharded or a full
-    replica on every rank; with `offload` its weights live on the CPU between uses
-    (DeepSpeed-Chat's --offload_reference_model)."""
+def frozen(model: nn.Module, rt: Runtime, *, sharded: bool = True,
+           offload: bool = False) -> nn.Module:
+    """Place a forward-only model (reference, reward in step 3): eval mode, no grads,
+    ZeRO-3 sharded or a full replica on every rank; with `offload` its weights live on the
+    CPU between uses (DeepSpeed-Chat's --offload_reference_model)."""
     model.eval().requires_grad_(False)
     if rt.distributed and sharded:
         return shard(model, rt, ShardSettings(zero_stage=3, offload=offload), trainable=False)

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from engine.checkpoint import Tensors
-from engine.engine import TrainEngine, frozen
+from engine.engine import TrainEngine
 from engine.errors import UserError
 from engine.export import save_hf
 from engine.generation import SamplingSettings, generate
@@ -36,6 +36,7 @@ from engine.models import (
     sequence_scores,
     token_values,
 )
+from engine.parallel import frozen
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (

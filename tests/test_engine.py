@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import steps.ppo as ppo
-from engine.engine import OptimSettings, TrainEngine, frozen
+from engine.engine import OptimSettings, TrainEngine
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.generation import SamplingSettings
@@ -25,6 +25,7 @@ from engine.models import (
     sequence_scores,
     token_values,
 )
+from engine.parallel import frozen
 from engine.runtime import Runtime
 from steps.data import collate_prompts
 from steps.rlhf import sft_loss
