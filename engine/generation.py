@@ -1,5 +1,5 @@
-"""Sampling answers from a causal LM (Hugging Face generate for now; the hybrid engine
-replaces this path for the sharded actor).
+"""Sampling answers from a causal LM through Hugging Face generate, and the token choice
+rule that the hybrid engine's own decoding loop (engine/inference.py) shares with it.
 
 Sampling is row-seeded: the noise that picks row b's t-th token is a hash of
 (row_seeds[b], t, token id), drawn through the Gumbel-max trick. A row's answer then does
@@ -62,34 +62,65 @@ def row_uniforms(row_seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor
     return (bits.float() + 0.5) / float(1 << 24)
 
 
+def _warpers(sampling: SamplingSettings) -> list[LogitsProcessor]:
+    """Hugging Face's own warpers, in generate's order, so both decoding paths agree."""
+    warpers = [TemperatureLogitsWarper(sampling.temperature)]
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    return warpers
+
+
+def _gumbel_scores(scores: torch.Tensor, row_seeds: torch.Tensor, step: int) -> torch.Tensor:
+    uniforms = row_uniforms(row_seeds.to(scores.device), step, scores.shape[-1])
+    return torch.log_softmax(scores, dim=-1) - torch.log(-torch.log(uniforms))
+
+
 class RowSeededSampling(LogitsProcessor):
     """Temperature / top-k / top-p, then Gumbel noise from `row_uniforms`: the argmax that
     greedy decoding takes is then a sample from the warped distribution."""
 
     def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor, prompt_len: int):
         self.row_seeds, self.prompt_len = row_seeds, prompt_len
-        self.warpers = [TemperatureLogitsWarper(sampling.temperature)]
-        if sampling.top_k > 0:
-            self.warpers.append(TopKLogitsWarper(sampling.top_k))
-        if sampling.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.warpers = _warpers(sampling)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        uniforms = row_uniforms(self.row_seeds.to(scores.device),
-                                input_ids.shape[1] - self.prompt_len, scores.shape[-1])
-        return torch.log_softmax(scores, dim=-1) - torch.log(-torch.log(uniforms))
+        return _gumbel_scores(scores, self.row_seeds, input_ids.shape[1] - self.prompt_len)
+
+
+class TokenChooser:
+    """Each row's next token from fp32 logits [B, V], exactly as Hugging Face `generate`
+    picks it under the same settings: argmax when greedy; with sampling, the warpers, then
+    row-seeded Gumbel-max (`row_seeds` given) or `torch.multinomial` on torch's global
+    generator (same draws as generate's)."""
+
+    def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor | None = None):
+        self.sampling, self.row_seeds = sampling, row_seeds
+        self.warpers = _warpers(sampling)
+
+    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        if not self.sampling.do_sample:
+            return logits.argmax(-1)
+        scores = logits
+        for warp in self.warpers:
+            scores = warp(None, scores)
+        if self.row_seeds is not None:
+            return _gumbel_scores(scores, self.row_seeds, step).argmax(-1)
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
 
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              sampling: SamplingSettings, *, eos_token_id: int, pad_token_id: int,
-             row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+             row_seeds: torch.Tensor | None = None, synced: bool | None = None) -> torch.Tensor:
     """Continue left-padded prompts. With several ranks, every rank keeps stepping until
     all have finished (transformers' `synced_gpus`), so the all-gathers of a sharded
-    model's weights always pair up, whatever each rank's answer lengths.
+    model's weights always pair up, whatever each rank's answer lengths; `synced=False`
+    turns that off for a model every rank holds whole.
 
     Args:
         input_ids, attention_mask: [B, P], prompts left-padded.
@@ -113,6 +144,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     model.eval()
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          generation_config=config, logits_processor=processors,
-                         synced_gpus=dist.is_initialized() and dist.get_world_size() > 1)
+                         synced_gpus=synced if synced is not None
+                         else dist.is_initialized() and dist.get_world_size() > 1)
     model.train(was_training)
     return out

@@ -50,7 +50,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder layers: the modules transformers itself never splits
     (`_no_split_modules`), which is the natural FSDP unit."""
     names = set(hf_model(model)._no_split_modules or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # the MRO also finds them once sharded (FSDP2 subclasses each as FSDP<Block>)
+    blocks = [m for m in model.modules()
+              if any(cls.__name__ in names for cls in type(m).__mro__)]
     if not blocks:
         raise UserError(f"{type(hf_model(model)).__name__}: found no transformer blocks to "
                         "shard (the model class declares no _no_split_modules)")

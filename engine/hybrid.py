@@ -1,0 +1,256 @@
+"""HybridEngine: the step-3 actor, switching between ZeRO-3 training and fast generation.
+
+Training form: the FSDP2-sharded model of TrainEngine. Generating from it directly is slow,
+since every layer of every token waits for an all-gather and all ranks must step together.
+So `generate` switches form:
+
+  1. gather: the FSDP units are all-gathered group by group (`gather_group_size` decoder
+     layers at a time, so at most that many full layers exist beyond the shards), and each
+     group's weights, with LoRA folded in, are copied into the inference model: fused QKV
+     and gate/up projections (engine/inference.py), or for an architecture without
+     inference modules, a plain Hugging Face copy (logged once);
+  2. generate: every rank decodes its own prompts alone, with a static KV cache and no
+     collectives;
+  3. release: the units are resharded; with `pin_parameters=False` the inference weights
+     are freed too, with `release_inference_cache=True` the KV cache (DeepSpeed-Chat's
+     options of the same names: keep both for speed, free them for memory).
+
+The training form is never modified: after a rollout, training continues exactly as if
+generation had run on the sharded model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from engine.engine import OptimSettings, TrainEngine
+from engine.export import _plain_class
+from engine.generation import SamplingSettings, generate
+from engine.inference import InferenceDecoder, Unsupported, fused_shape, plan, weight_bytes
+from engine.lora import is_lora_param
+from engine.parallel import ShardSettings, hf_model, transformer_blocks
+from engine.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    enabled: bool = True                  # False: generate on the sharded training model
+    kernel_injection: bool = True         # False: gather into a plain Hugging Face copy
+    pin_parameters: bool = True           # keep the inference weights between rollouts
+    release_inference_cache: bool = False  # free the KV cache after each rollout
+    gather_group_size: int = 1            # decoder layers all-gathered at once
+    cuda_graphs: bool = True              # capture the decode step (CUDA only)
+
+
+@dataclass
+class GenerationTimes:
+    """Seconds spent since the last `take`: gathering weights, and decoding."""
+
+    gather: float = 0.0
+    generate: float = 0.0
+    calls: int = 0
+
+
+def _base_parameter(model: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor]:
+    """(owning module, attribute, tensor) of HF parameter `name`, looking through peft."""
+    path, attr = name.rsplit(".", 1)
+    owner = model.get_submodule(path)
+    base = owner.get_base_layer() if isinstance(owner, LoraLayer) else owner
+    return owner, attr, getattr(base, attr)
+
+
+def merged_weight(model: nn.Module, name: str) -> torch.Tensor:
+    """Parameter `name` of `model` as the forward pass sees it: for a weight under a peft
+    LoRA layer, base + B @ A * scaling of the active adapters."""
+    owner, attr, value = _base_parameter(model, name)
+    if not isinstance(owner, LoraLayer):
+        return value
+    if attr == "weight" and not owner.merged and not owner.disable_adapters:
+        for adapter in owner.active_adapters:
+            if adapter in owner.lora_A:
+                value = value + owner.get_delta_weight(adapter)
+    return value
+
+
+@contextmanager
+def gathered(units: list[nn.Module]) -> Iterator[None]:
+    """All-gather the FSDP units (together, asynchronously) for the duration; plain
+    modules need nothing."""
+    sharded = [u for u in units if isinstance(u, FSDPModule)]
+    for handle in [u.unshard(async_op=True) for u in sharded]:
+        if handle is not None:
+            handle.wait()
+    try:
+        yield
+    finally:
+        for unit in sharded:
+            unit.reshard()
+
+
+class _Target:
+    """What a gather fills: the inference model or a plain HF copy, and for each of its
+    parameters the source parameters and the gather group they come with."""
+
+    def __init__(self, model: nn.Module, sources: dict[str, list[str]],
+                 group_of: dict[str, int]):
+        self.model, self.sources, self.group_of = model, sources, group_of
+
+
+class HybridEngine(TrainEngine):
+    def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
+                 runtime: Runtime, sharding: ShardSettings | None = None,
+                 hybrid: HybridSettings | None = None):
+        super().__init__(model, optim, total_steps, runtime, sharding)
+        self.hybrid = hybrid or HybridSettings()
+        self.times = GenerationTimes()
+        inner = hf_model(self.module)
+        self._blocks = transformer_blocks(self.module)
+        names = {id(m): n for n, m in inner.named_modules()}
+        self._layer_prefixes = [names[id(b)] for b in self._blocks]
+        self._plan = None
+        self.fallback_reason: str | None = None
+        if self.hybrid.enabled:
+            if self.hybrid.kernel_injection:
+                try:
+                    self._plan = plan(inner, self._layer_prefixes)
+                except Unsupported as why:
+                    self.fallback_reason = str(why)
+            else:
+                self.fallback_reason = "kernel injection is off (engine.hybrid.kernel_injection)"
+            if self.fallback_reason and runtime.is_main:
+                tqdm.write(f"hybrid engine: {type(inner).__name__}: {self.fallback_reason}; "
+                           "generating with the gathered Hugging Face modules")
+        self._target: _Target | None = None
+
+    @property
+    def injected(self) -> bool:
+        """True when generation runs through the inference modules."""
+        return self._plan is not None
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sampling: SamplingSettings, *, eos_token_id: int | list[int],
+                 pad_token_id: int, row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Continue left-padded prompts [B, P] -> [B, P + N] (see engine.generation.generate,
+        whose results this matches). Collective when sharded: every rank calls it."""
+        kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, row_seeds=row_seeds)
+        start = self._now()
+        if not self.hybrid.enabled:
+            out = generate(self.module, input_ids, attention_mask, sampling, **kwargs)
+            self._add_times(start, start, self._now())
+            return out
+        target = self._gather()
+        gathered_at = self._now()
+        try:
+            if isinstance(target.model, InferenceDecoder):
+                out = target.model.generate(
+                    input_ids, attention_mask, sampling, **kwargs,
+                    cuda_graph=self.hybrid.cuda_graphs and self.runtime.device.type == "cuda")
+            else:
+                out = generate(target.model, input_ids, attention_mask, sampling, **kwargs,
+                               synced=False)
+        finally:
+            self._release()
+        self._add_times(start, gathered_at, self._now())
+        return out
+
+    def take_times(self) -> GenerationTimes:
+        times, self.times = self.times, GenerationTimes()
+        return times
+
+    def inference_bytes(self) -> dict[str, int]:
+        """Memory the generation form holds now: weights and KV cache."""
+        if self._target is None:
+            return {"weights": 0, "kv_cache": 0}
+        cache = getattr(self._target.model, "cache", None)
+        return {"weights": weight_bytes(self._target.model),
+                "kv_cache": cache.nbytes if cache is not None else 0}
+
+    # -- switching form ---------------------------------------------------------------
+
+    def _gather(self) -> _Target:
+        """Fill the generation form with the current training weights, one gather group
+        at a time."""
+        inner = hf_model(self.module)
+        if self._target is None:
+            self._target = self._build(inner)
+        target = self._target
+        params = dict(target.model.named_parameters())
+        per_group: dict[int, list[str]] = {}
+        for name, group in target.group_of.items():
+            per_group.setdefault(group, []).append(name)
+        size = max(self.hybrid.gather_group_size, 1)
+        root_units = [m for m in inner.modules()
+                      if isinstance(m, FSDPModule) and m not in self._blocks]
+        with torch.no_grad():
+            for group in sorted(per_group):
+                units = root_units if group < 0 else self._blocks[group * size:(group + 1) * size]
+                with gathered(units):
+                    for name in per_group[group]:
+                        parts = [merged_weight(inner, s) for s in target.sources[name]]
+                        params[name].copy_(parts[0] if len(parts) == 1 else torch.cat(parts))
+        return target
+
+    def _build(self, inner: PreTrainedModel) -> _Target:
+        """Allocate the generation form (weights unset) on this rank's device."""
+        dtype, device = self.runtime.dtype, self.runtime.device
+        if self._plan is not None:
+            model = InferenceDecoder(self._plan)
+            sources = self._plan.sources
+            # a sharded DTensor's shape is the full one
+            model.allocate({name: fused_shape([_base_parameter(inner, s)[2].shape for s in parts])
+                            for name, parts in sources.items()}, dtype, device)
+        else:
+            model = self._plain_copy(inner, dtype, device)
+            sources = {name: [name] for name, _ in model.named_parameters()}
+        group_of = {name: self._group(parts[0]) for name, parts in sources.items()}
+        return _Target(model.eval(), sources, group_of)
+
+    def _plain_copy(self, inner: PreTrainedModel, dtype: torch.dtype,
+                    device: torch.device) -> PreTrainedModel:
+        """An empty plain transformers model like `inner` (without LoRA), its buffers
+        (rotary tables and the like, which FSDP does not shard) copied."""
+        with torch.device("meta"):
+            model = _plain_class(inner)(inner.config)
+        model = model.to_empty(device=device).to(dtype)
+        model.tie_weights()
+        with torch.no_grad():
+            for name, buffer in inner.named_buffers():
+                if not is_lora_param(name):
+                    model.get_buffer(name.replace(".base_layer", "")).copy_(buffer)
+        return model.requires_grad_(False)
+
+    def _group(self, source: str) -> int:
+        """Gather group of HF parameter `source`: -1 for the root units (embeddings, final
+        norm, head), else its decoder layer's index // gather_group_size."""
+        for i, prefix in enumerate(self._layer_prefixes):
+            if source.startswith(prefix + "."):
+                return i // max(self.hybrid.gather_group_size, 1)
+        return -1
+
+    def _release(self) -> None:
+        if self._target is None:
+            return
+        if not self.hybrid.pin_parameters:
+            self._target = None
+        elif self.hybrid.release_inference_cache and self.injected:
+            self._target.model.release_cache()
+
+    def _now(self) -> float:
+        if self.runtime.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _add_times(self, start: float, gathered_at: float, end: float) -> None:
+        self.times.gather += gathered_at - start
+        self.times.generate += end - gathered_at
+        self.times.calls += 1

@@ -1,0 +1,443 @@
+"""The actor's generation form ("kernel injection"): a decoder rebuilt from a Hugging Face
+model's weights into inference modules, with a preallocated static KV cache.
+
+Per layer: one fused QKV projection (one matmul instead of three), attention through
+PyTorch SDPA (flash / memory-efficient kernels on CUDA) over the static cache, a fused
+gate+up projection for gated MLPs, and the model's own norm formula. On CUDA the decode
+step can be captured once as a CUDA graph and replayed for every token, which removes the
+per-kernel launch cost that dominates small-batch decoding.
+
+Supported families: Llama (also Mistral without sliding window, Qwen2) and OPT (pre-norm).
+`plan(model)` says whether a model is supported and, if not, why; the hybrid engine then
+falls back to the Hugging Face modules. Weights are not taken from the model here: the
+plan lists, for every inference parameter, the Hugging Face parameters it is built from
+(concatenated for fused ones), so the hybrid engine can fill it while it gathers one
+FSDP unit at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+
+from engine.generation import SamplingSettings, TokenChooser
+
+
+class Unsupported(Exception):
+    """The model has a feature the inference modules do not implement (the reason)."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Shapes and variants of a decoder-only transformer, as the inference modules see it."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    norm: str                   # "rms" (Llama) | "layer" (OPT)
+    norm_eps: float
+    activation: str             # key of transformers' ACT2FN
+    gated_mlp: bool             # act(gate(x)) * up(x) (Llama) or act(fc1(x)) (OPT)
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    rotary: bool                # rotary positions (Llama) or learned ones (OPT)
+    position_offset: int = 0    # OPT's learned positions start at index 2
+    scale_query_first: bool = False  # OPT scales q before the dot product, as HF does
+    tied_head: bool = False
+
+
+@dataclass
+class Plan:
+    """How to build the inference decoder from a Hugging Face causal LM.
+
+    `sources[name]` lists the HF parameter names (relative to the transformers model) that
+    inference parameter `name` is the concatenation of; `layer_of[name]` is its layer
+    index, or None for the embeddings, final norm and head."""
+
+    spec: DecoderSpec
+    sources: dict[str, list[str]]
+    layer_of: dict[str, int | None]
+    rotary: nn.Module | None    # a copy of the model's rotary-embedding module
+
+
+def plan(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    """The inference plan for `model` (a transformers causal LM, unwrapped), whose decoder
+    layers are at `layer_prefixes`. Raises Unsupported with the reason otherwise."""
+    config = model.config
+    family = _FAMILIES.get(config.model_type)
+    if family is None:
+        raise Unsupported(f"no inference modules for model type {config.model_type!r} "
+                          f"(supported: {', '.join(sorted(_FAMILIES))})")
+    return family(model, layer_prefixes)
+
+
+def _has_bias(model: nn.Module, name: str) -> bool:
+    return getattr(model.get_submodule(name), "bias", None) is not None
+
+
+def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise Unsupported("sliding-window attention")
+    first = layer_prefixes[0]
+    heads = config.num_attention_heads
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
+        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
+        activation=config.hidden_act, gated_mlp=True,
+        qkv_bias=_has_bias(model, f"{first}.self_attn.q_proj"),
+        out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
+        mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
+        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    layer = {"attn_norm.weight": ["input_layernorm.weight"],
+             "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+             "out.weight": ["self_attn.o_proj.weight"],
+             "mlp_norm.weight": ["post_attention_layernorm.weight"],
+             "up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+             "down.weight": ["mlp.down_proj.weight"]}
+    if spec.qkv_bias:
+        layer["qkv.bias"] = [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if spec.out_bias:
+        layer["out.bias"] = ["self_attn.o_proj.bias"]
+    if spec.mlp_bias:
+        layer["up.bias"] = ["mlp.gate_proj.bias", "mlp.up_proj.bias"]
+        layer["down.bias"] = ["mlp.down_proj.bias"]
+    root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not spec.tied_head:
+        root["head.weight"] = ["lm_head.weight"]
+    return _assemble(spec, root, layer, layer_prefixes, copy.deepcopy(model.model.rotary_emb))
+
+
+def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    if not config.do_layer_norm_before:
+        raise Unsupported("post-norm OPT (do_layer_norm_before=False)")
+    if config.word_embed_proj_dim != config.hidden_size:
+        raise Unsupported("OPT with word_embed_proj_dim != hidden_size (project_in/out)")
+    if not config.layer_norm_elementwise_affine or model.model.decoder.final_layer_norm is None:
+        raise Unsupported("OPT without affine layer norms or without a final layer norm")
+    bias = config.enable_bias
+    heads = config.num_attention_heads
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
+        heads=heads, kv_heads=heads, head_dim=config.hidden_size // heads, ffn=config.ffn_dim,
+        norm="layer", norm_eps=1e-5, activation=config.activation_function, gated_mlp=False,
+        qkv_bias=bias, out_bias=bias, mlp_bias=bias, rotary=False, position_offset=2,
+        scale_query_first=True,
+        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    layer = {"attn_norm.weight": ["self_attn_layer_norm.weight"],
+             "attn_norm.bias": ["self_attn_layer_norm.bias"],
+             "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+             "out.weight": ["self_attn.out_proj.weight"],
+             "mlp_norm.weight": ["final_layer_norm.weight"],
+             "mlp_norm.bias": ["final_layer_norm.bias"],
+             "up.weight": ["fc1.weight"], "down.weight": ["fc2.weight"]}
+    if bias:
+        layer |= {"qkv.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
+                  "out.bias": ["self_attn.out_proj.bias"], "up.bias": ["fc1.bias"],
+                  "down.bias": ["fc2.bias"]}
+    root = {"embed.weight": ["model.decoder.embed_tokens.weight"],
+            "positions.weight": ["model.decoder.embed_positions.weight"],
+            "norm.weight": ["model.decoder.final_layer_norm.weight"],
+            "norm.bias": ["model.decoder.final_layer_norm.bias"]}
+    if not spec.tied_head:
+        root["head.weight"] = ["lm_head.weight"]
+    return _assemble(spec, root, layer, layer_prefixes, None)
+
+
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt}
+
+
+def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],
+              layer_prefixes: list[str], rotary: nn.Module | None) -> Plan:
+    sources, layer_of = dict(root), dict.fromkeys(root)
+    for i, prefix in enumerate(layer_prefixes):
+        for name, parts in layer.items():
+            sources[f"layers.{i}.{name}"] = [f"{prefix}.{part}" for part in parts]
+            layer_of[f"layers.{i}.{name}"] = i
+    return Plan(spec, sources, layer_of, rotary)
+
+
+class KVCache:
+    """Preallocated keys and values, [layers, batch, kv_heads, length, head_dim] each.
+    A call may use any batch and length up to the capacity (a view of the front)."""
+
+    def __init__(self, spec: DecoderSpec, batch: int, length: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (spec.layers, batch, spec.kv_heads, length, spec.head_dim)
+        # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    def fits(self, batch: int, length: int) -> bool:
+        return batch <= self.keys.shape[1] and length <= self.keys.shape[3]
+
+    def view(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :batch, :, :length], self.values[:, :batch, :, :length]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+class _Norm(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.rms, self.eps = spec.norm == "rms", spec.norm_eps
+        self.weight = nn.Parameter(torch.empty(spec.hidden), requires_grad=False)
+        self.bias = None if self.rms else nn.Parameter(torch.empty(spec.hidden),
+                                                       requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rms:
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        # Llama's formula: normalise in fp32, scale in the model's dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=bias, device="meta")
+    return layer.requires_grad_(False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.spec = spec
+        q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        self.attn_norm, self.mlp_norm = _Norm(spec), _Norm(spec)
+        self.qkv = _linear(spec.hidden, q + 2 * kv, spec.qkv_bias)
+        self.out = _linear(q, spec.hidden, spec.out_bias)
+        self.up = _linear(spec.hidden, spec.ffn * (2 if spec.gated_mlp else 1), spec.mlp_bias)
+        self.down = _linear(spec.ffn, spec.hidden, spec.mlp_bias)
+        self.act = ACT2FN[spec.activation]
+        self.splits = (q, kv, kv)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor,
+                mask: torch.Tensor, kv_len: int | None) -> torch.Tensor:
+        """x: [B, T, hidden]; keys/values: this layer's cache [B, Hkv, S, d], written at
+        positions `write_at` ([T] long); mask: [B, 1, T, kv_len or S] bool (True = attend);
+        rope: (cos, sin) [B, 1, T, d]. Attends over the first kv_len cache slots (all S
+        when None: static shapes for CUDA graphs)."""
+        spec = self.spec
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.splits, dim=-1)
+        if spec.scale_query_first:
+            q = q * spec.head_dim ** -0.5
+        q = q.view(b, t, spec.heads, spec.head_dim).transpose(1, 2)
+        k = k.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
+        v = v.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        keys.index_copy_(2, write_at, k)
+        values.index_copy_(2, write_at, v)
+        if kv_len is not None:
+            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+        attn = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask,
+            scale=1.0 if spec.scale_query_first else spec.head_dim ** -0.5,
+            enable_gqa=spec.kv_heads != spec.heads)
+        x = x + self.out(attn.transpose(1, 2).reshape(b, t, -1))
+        h = self.up(self.mlp_norm(x))
+        if spec.gated_mlp:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return x + self.down(h)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class InferenceDecoder(nn.Module):
+    """A decoder-only LM in inference form. Its weights start unset (`allocate` gives them
+    storage; the hybrid engine fills them); `generate` decodes with a static KV cache."""
+
+    def __init__(self, plan: Plan):
+        super().__init__()
+        spec = self.spec = plan.spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden, device="meta").requires_grad_(False)
+        self.positions = None
+        if not spec.rotary:
+            self.positions = nn.Embedding(1, spec.hidden, device="meta").requires_grad_(False)
+        self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.layers))
+        self.norm = _Norm(spec)
+        self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
+        self.rotary = plan.rotary
+        self.cache: KVCache | None = None
+        self._steps: dict[tuple[int, int, bool], _StaticDecodeStep] = {}
+
+    def allocate(self, shapes: dict[str, torch.Size], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Give every weight storage of its source's shape (learned positions size from
+        the checkpoint); contents are filled by the caller."""
+        for name, shape in shapes.items():
+            owner, attr = self.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+            setattr(owner, attr, nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                              requires_grad=False))
+        if self.rotary is not None:
+            self.rotary.to(device)
+        self.dtype, self.device = dtype, device
+
+    def release_cache(self) -> None:
+        self.cache, self._steps = None, {}
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """tokens, positions: [B, T] -> hidden [B, T, H], rope (cos, sin) or None."""
+        x = self.embed(tokens)
+        if self.positions is not None:
+            return x + self.positions(positions + self.spec.position_offset), None
+        cos, sin = self.rotary(x, positions)
+        return x, (cos[:, None], sin[:, None])
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
+                mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                kv_len: int | None = None) -> torch.Tensor:
+        """Run tokens [B, T] at `positions` [B, T] through the layers, writing their keys
+        and values into cache slots `write_at` [T]; returns the last token's logits [B, V]
+        in fp32."""
+        x, rope = self._embed(tokens, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, keys[i], values[i], write_at, mask, kv_len)
+        x = self.norm(x[:, -1])
+        head = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(x, head).float()
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sampling: SamplingSettings, *, eos_token_id: int | list[int],
+                 pad_token_id: int, row_seeds: torch.Tensor | None = None,
+                 static: bool = False, cuda_graph: bool = False) -> torch.Tensor:
+        """Continue left-padded prompts as Hugging Face `generate` does (same positions,
+        sampling, EOS and padding rules): [B, P] -> [B, P + N], N <= max_new_tokens, pad
+        after a row's EOS, stopping when every row has ended. Decode steps attend over the
+        filled part of the cache; `static` (implied by `cuda_graph`) over all of it, with
+        fixed shapes, as a CUDA graph needs."""
+        b, p = input_ids.shape
+        n = sampling.max_new_tokens
+        length = p + n
+        if self.cache is None or not self.cache.fits(b, length):
+            self.release_cache()
+            self.cache = KVCache(self.spec, b, length, self.dtype, self.device)
+        keys, values = self.cache.view(b, length)
+        device = input_ids.device
+        prompt_mask = attention_mask.bool()
+        # key slots a query may attend: real prompt tokens, then every answer slot once
+        # written; causality and "a pad token attends to itself" (so that no row of the
+        # softmax is empty) are added per call
+        key_valid = torch.zeros(b, length, dtype=torch.bool, device=device)
+        key_valid[:, :p] = prompt_mask
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions = positions.masked_fill(~prompt_mask, 1)    # as HF generate does
+        slots = torch.arange(p, device=device)
+        causal = slots[None, :] <= slots[:, None]                          # [P, P]
+        mask = (key_valid[:, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=device)
+        logits = self(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
+
+        chooser = TokenChooser(sampling, row_seeds)
+        eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
+                           device=device)
+        out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
+        out[:, :p] = input_ids
+        unfinished = torch.ones(b, dtype=torch.bool, device=device)
+        next_position = attention_mask.long().sum(-1)                   # [B]
+        step = _StaticDecodeStep.get(self, b, length, cuda_graph) if static or cuda_graph \
+            else None
+        for t in range(n):
+            token = chooser(logits, t)
+            token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+            out[:, p + t] = token
+            unfinished &= ~torch.isin(token, eos)
+            if t == n - 1 or not bool(unfinished.any()):
+                return out[:, :p + t + 1]
+            key_valid[:, p + t] = True
+            slot = torch.tensor([p + t], device=device)
+            if step is not None:
+                logits = step(token, next_position + t, slot, key_valid)
+            else:
+                logits = self(token[:, None], (next_position + t)[:, None], slot,
+                              key_valid[:, None, None, :p + t + 1], keys, values,
+                              kv_len=p + t + 1)
+        return out[:, :p]  # max_new_tokens == 0
+
+
+class _StaticDecodeStep:
+    """One decode step with fixed shapes: attention over the whole static cache, inputs
+    copied into fixed buffers. On CUDA it is captured once as a graph and replayed per
+    token; elsewhere it runs eagerly (which is how the CPU tests check what is captured)."""
+
+    def __init__(self, model: InferenceDecoder, batch: int, length: int, capture: bool):
+        device = model.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.key_valid = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
+        keys, values = model.cache.view(batch, length)
+
+        def run() -> torch.Tensor:
+            return model(self.tokens, self.positions, self.slot, self.key_valid, keys, values)
+
+        self.run, self.graph = run, None
+        if capture:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):   # warm-up outside the graph, as capture needs
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = run()
+
+    @staticmethod
+    def get(model: InferenceDecoder, batch: int, length: int, capture: bool
+            ) -> _StaticDecodeStep:
+        """The step for these shapes, kept with the cache (captured graphs read its
+        memory and the weights', so they stay valid while both are kept)."""
+        key = (batch, length, capture)
+        if key not in model._steps:
+            model._steps[key] = _StaticDecodeStep(model, batch, length, capture)
+        return model._steps[key]
+
+    def __call__(self, token: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                 key_valid: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(token[:, None])
+        self.positions.copy_(positions[:, None])
+        self.slot.copy_(slot)
+        self.key_valid.copy_(key_valid[:, None, None])
+        if self.graph is None:
+            return self.run()
+        self.graph.replay()
+        return self.logits.clone()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def fused_shape(shapes: list[torch.Size]) -> torch.Size:
+    """Shape of the concatenation (along dim 0) of parameters of `shapes`."""
+    return torch.Size([sum(s[0] for s in shapes), *shapes[0][1:]])

@@ -1,0 +1,163 @@
+"""The hybrid engine (engine/hybrid.py, engine/inference.py) against Hugging Face `generate`
+on the unsharded model, fp32 on CPU: greedy and sampled answers token for token (OPT and
+Llama, with and without LoRA, ZeRO-3 at one and two ranks, the fallback for an architecture
+without inference modules), and training unchanged by the switch to generation and back.
+The checks themselves are in tests/harness/hybrid_check.py, shared by both world sizes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import OptimSettings
+from engine.generation import SamplingSettings, generate
+from engine.hybrid import HybridEngine, HybridSettings
+from engine.inference import InferenceDecoder, Unsupported, plan
+from engine.models import byte_tokenizer, load_causal_lm
+from engine.runtime import Runtime
+from steps.data import collate_prompts
+from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end, run_cases
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_PROCESS = Runtime(torch.device("cpu"), torch.float32, 0, 1, 0)
+TOK = byte_tokenizer()
+EOS, PAD = TOK.eos_token_id, TOK.pad_token_id
+
+
+def _assert_cases_pass(results: dict) -> None:
+    for case, checks in results.items():
+        failed = [k for k, v in checks.items() if v is False and k != "injected"]
+        assert not failed, f"{case}: {failed} ({checks})"
+        # answers of different lengths: the batch really stops row by row
+        assert checks["greedy_ended_early"] > 0 and checks["greedy_ran_to_max"] > 0, checks
+        assert checks["injected"] == (case != "gpt2-fallback"), checks
+
+
+def test_one_process_matches_hf_generate():
+    _assert_cases_pass(run_cases(ONE_PROCESS))
+
+
+@pytest.mark.slow
+def test_two_ranks_zero3_match_hf_generate():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "tests" / "harness" / "hybrid_check.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    assert results.pop("world_size") == 2
+    _assert_cases_pass(results)
+
+
+def _batch(prompts=PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = collate_prompts([TOK(p)["input_ids"] for p in prompts], PAD)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def _engine(model, **settings) -> HybridEngine:
+    return HybridEngine(model, OptimSettings(lr=1e-3), 10, ONE_PROCESS,
+                        hybrid=HybridSettings(**settings))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_static_decode_step_matches(preset):
+    """The fixed-shape decode step (what CUDA graphs capture) gives the same tokens."""
+    model = model_with_answers_that_end(preset, 0, EOS)
+    reference = copy.deepcopy(model)
+    engine = _engine(model)
+    decoder = engine._gather().model
+    ids, mask = _batch()
+    sampling = SamplingSettings(max_new_tokens=20, do_sample=False)
+    want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+    got = decoder.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD, static=True)
+    assert torch.equal(got, want)
+
+
+def test_seeded_sampling_and_stop_tokens_match_hf_generate():
+    """Sampling from torch's generator draws what generate draws (same seed, same
+    tokens, and again on a second run); a list of stop tokens ends rows like generate."""
+    model = model_with_answers_that_end("tiny-llama", 4, EOS)
+    reference = copy.deepcopy(model)
+    engine = _engine(model)
+    ids, mask = _batch()
+    sampling = SamplingSettings(max_new_tokens=20, temperature=0.7, top_k=50, top_p=0.9)
+    torch.manual_seed(11)
+    free = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+    answers = free[:, ids.shape[1]:]
+    common = answers[(answers != EOS) & (answers != PAD)].mode().values
+    stop = [EOS, int(common)]   # a token the model does sample: rows stop on it
+    runs = []
+    for generator in (lambda **kw: generate(reference, ids, mask, sampling, **kw),
+                      lambda **kw: engine.generate(ids, mask, sampling, **kw),
+                      lambda **kw: engine.generate(ids, mask, sampling, **kw)):
+        torch.manual_seed(11)
+        runs.append(generator(eos_token_id=stop, pad_token_id=PAD))
+    assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
+    answers = runs[0][:, ids.shape[1]:]
+    assert (answers == stop[1]).any(), "the test should exercise the second stop token"
+
+
+def test_pinned_weights_and_cache_are_kept_or_freed_as_configured():
+    ids, mask = _batch()
+    sampling = SamplingSettings(max_new_tokens=8, do_sample=False)
+    kept = _engine(load_causal_lm("tiny-llama", TOK))
+    kept.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+    held = kept.inference_bytes()
+    decoder, cache = kept._target.model, kept._target.model.cache
+    assert held["weights"] > 0 and held["kv_cache"] > 0
+    kept.generate(ids[:4], mask[:4], sampling, eos_token_id=EOS, pad_token_id=PAD)
+    assert kept._target.model is decoder and kept._target.model.cache is cache  # reused
+
+    no_cache = _engine(load_causal_lm("tiny-llama", TOK), release_inference_cache=True)
+    no_cache.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+    assert no_cache.inference_bytes() == {"weights": held["weights"], "kv_cache": 0}
+
+    unpinned = _engine(load_causal_lm("tiny-llama", TOK), pin_parameters=False)
+    unpinned.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+    assert unpinned.inference_bytes() == {"weights": 0, "kv_cache": 0}
+
+
+def test_inference_form_holds_fused_weights_with_lora_merged():
+    """The gathered Llama layer: q, k, v stacked into one projection and gate, up into
+    another, with LoRA's B @ A * scaling folded in; the HF model keeps its adapters."""
+    model = model_with_answers_that_end("tiny-llama", 4, EOS)
+    engine = _engine(model)
+    layer = engine._gather().model.layers[1]
+    attn = model.get_base_model().model.layers[1].self_attn
+    expected = [proj.base_layer.weight + proj.lora_B.default.weight @ proj.lora_A.default.weight
+                * proj.scaling["default"] for proj in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    torch.testing.assert_close(layer.qkv.weight, torch.cat(expected), rtol=0, atol=1e-6)
+    assert layer.qkv.weight.shape == (128 + 2 * 64, 128)   # 4 heads, 2 KV heads of 32
+    assert layer.up.weight.shape == (2 * 512, 128)
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+
+
+def test_unsupported_variants_name_the_reason():
+    opt = load_causal_lm("tiny-opt", TOK)
+    opt.config.do_layer_norm_before = False
+    with pytest.raises(Unsupported, match="post-norm"):
+        plan(opt, ["model.decoder.layers.0", "model.decoder.layers.1"])
+    with pytest.raises(Unsupported, match="gpt_neox"):
+        plan(load_causal_lm("tiny-gpt-neox", TOK), ["gpt_neox.layers.0"])
+    llama = load_causal_lm("tiny-llama", TOK)
+    assert isinstance(InferenceDecoder(plan(llama, ["model.layers.0", "model.layers.1"])),
+                      InferenceDecoder)
+
+
+def test_fallback_is_logged_once(capsys):
+    model = load_causal_lm("tiny-gpt-neox", TOK)
+    engine = _engine(model)
+    ids, mask = _batch(PROMPTS[:2])
+    for _ in range(2):
+        engine.generate(ids, mask, SamplingSettings(max_new_tokens=4, do_sample=False),
+                        eos_token_id=EOS, pad_token_id=PAD)
+    out = capsys.readouterr().out
+    assert out.count("hybrid engine: GPTNeoXForCausalLM: no inference modules") == 1
