@@ -71,6 +71,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", default=None,
                         help="continue the interrupted run in --output-dir (it must hold one); "
                         "by default a run found there is continued anyway")
+    hybrid = parser.add_argument_group("hybrid engine (step 3 generation; engine.hybrid.*)")
+    hybrid.add_argument("--enable-hybrid-engine", action=argparse.BooleanOptionalAction,
+                        default=None, help="generate from a gathered inference form of the "
+                        "actor (default on)")
+    hybrid.add_argument("--unpin-actor-parameters", action="store_true", default=None,
+                        help="free the inference weights after every rollout")
+    hybrid.add_argument("--release-inference-cache", action="store_true", default=None,
+                        help="free the KV cache after every rollout")
+    hybrid.add_argument("--tp-gather-partition-size", type=int, default=None,
+                        help="decoder layers all-gathered at once when switching to "
+                        "generation (default 1)")
     launch = parser.add_argument_group("multi-node rendezvous (torchrun's)")
     launch.add_argument("--nnodes", type=int, default=None)
     launch.add_argument("--node-rank", type=int, default=None)
@@ -131,6 +142,13 @@ def build_config(args: argparse.Namespace) -> DictConfig:
     for key, value in flags.items():
         if value is not None:
             cfg[key] = sorted(set(value)) if key == "steps" else value
+    hybrid = {"enabled": args.enable_hybrid_engine,
+              "pin_parameters": False if args.unpin_actor_parameters else None,
+              "release_inference_cache": args.release_inference_cache,
+              "gather_group_size": args.tp_gather_partition_size}
+    for key, value in hybrid.items():
+        if value is not None:
+            cfg.engine.hybrid[key] = value
     for key in ("nnodes", "node_rank", "master_addr", "master_port", "hostfile"):
         if getattr(args, key) is not None:
             cfg.launch[key] = getattr(args, key)
@@ -152,6 +170,9 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(f"resume={cfg.resume}: choose auto, true or false")
     if cfg.engine.procs < 1:
         raise UserError(f"engine.procs={cfg.engine.procs}: give 1 or more processes")
+    if cfg.engine.hybrid.gather_group_size < 1:
+        raise UserError(f"engine.hybrid.gather_group_size={cfg.engine.hybrid.gather_group_size}"
+                        " (--tp-gather-partition-size): give 1 or more decoder layers")
     if 1 in steps and not cfg.actor_model:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
     if 2 in steps and not cfg.reward_model:

@@ -115,7 +115,7 @@ class TokenChooser:
 
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             sampling: SamplingSettings, *, eos_token_id: int, pad_token_id: int,
+             sampling: SamplingSettings, *, eos_token_id: int | list[int], pad_token_id: int,
              row_seeds: torch.Tensor | None = None, synced: bool | None = None) -> torch.Tensor:
     """Continue left-padded prompts. With several ranks, every rank keeps stepping until
     all have finished (transformers' `synced_gpus`), so the all-gathers of a sharded

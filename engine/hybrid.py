@@ -196,8 +196,11 @@ class HybridEngine(TrainEngine):
                 units = root_units if group < 0 else self._blocks[group * size:(group + 1) * size]
                 with gathered(units):
                     for name in per_group[group]:
-                        parts = [merged_weight(inner, s) for s in target.sources[name]]
-                        params[name].copy_(parts[0] if len(parts) == 1 else torch.cat(parts))
+                        offset = 0   # fused weights: each source fills its rows in place
+                        for source in target.sources[name]:
+                            part = merged_weight(inner, source)
+                            params[name][offset:offset + part.shape[0]].copy_(part)
+                            offset += part.shape[0]
         return target
 
     def _build(self, inner: PreTrainedModel) -> _Target:

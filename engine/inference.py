@@ -184,6 +184,7 @@ class KVCache:
         # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin per position
 
     def fits(self, batch: int, length: int) -> bool:
         return batch <= self.keys.shape[1] and length <= self.keys.shape[3]
@@ -310,8 +311,18 @@ class InferenceDecoder(nn.Module):
         x = self.embed(tokens)
         if self.positions is not None:
             return x + self.positions(positions + self.spec.position_offset), None
-        cos, sin = self.rotary(x, positions)
-        return x, (cos[:, None], sin[:, None])
+        cos, sin = self.cache.rope
+        return x, (cos[positions][:, None], sin[positions][:, None])
+
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [length, head_dim] of positions 0..length-1 from the model's own rotary
+        module (every rope variant it implements), looked up per token instead of
+        recomputed: the same values, elementwise, as computing them per position."""
+        if self.rotary is None:
+            return None
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
+        return cos[0], sin[0]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
                 mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -326,14 +337,22 @@ class InferenceDecoder(nn.Module):
         head = self.embed.weight if self.head is None else self.head.weight
         return F.linear(x, head).float()
 
-    @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 sampling: SamplingSettings, *, eos_token_id: int | list[int],
+                 sampling: SamplingSettings, **kwargs) -> torch.Tensor:
+        """See `_generate`. Decoding runs in inference mode (less bookkeeping per op); the
+        answer is returned as an ordinary tensor, fit for training."""
+        with torch.inference_mode():
+            out = self._generate(input_ids, attention_mask, sampling, **kwargs)
+        return out.clone()
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sampling: SamplingSettings, *, eos_token_id: int | list[int] | None,
                  pad_token_id: int, row_seeds: torch.Tensor | None = None,
                  static: bool = False, cuda_graph: bool = False) -> torch.Tensor:
         """Continue left-padded prompts as Hugging Face `generate` does (same positions,
         sampling, EOS and padding rules): [B, P] -> [B, P + N], N <= max_new_tokens, pad
-        after a row's EOS, stopping when every row has ended. Decode steps attend over the
+        after a row's EOS (one of the ids in a list; None: never stop early), stopping when
+        every row has ended. Decode steps attend over the
         filled part of the cache; `static` (implied by `cuda_graph`) over all of it, with
         fixed shapes, as a CUDA graph needs."""
         b, p = input_ids.shape
@@ -342,6 +361,7 @@ class InferenceDecoder(nn.Module):
         if self.cache is None or not self.cache.fits(b, length):
             self.release_cache()
             self.cache = KVCache(self.spec, b, length, self.dtype, self.device)
+            self.cache.rope = self._rope_tables(length)
         keys, values = self.cache.view(b, length)
         device = input_ids.device
         prompt_mask = attention_mask.bool()
@@ -358,8 +378,9 @@ class InferenceDecoder(nn.Module):
         logits = self(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
 
         chooser = TokenChooser(sampling, row_seeds)
-        eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id,
-                           device=device)
+        stops = [] if eos_token_id is None else [eos_token_id] if isinstance(
+            eos_token_id, int) else eos_token_id
+        eos = torch.tensor(stops, dtype=torch.long, device=device)
         out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
         out[:, :p] = input_ids
         unfinished = torch.ones(b, dtype=torch.bool, device=device)

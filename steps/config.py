@@ -33,6 +33,16 @@ class DataConfig:
 
 
 @dataclass
+class HybridConfig:
+    enabled: bool = MISSING
+    kernel_injection: bool = MISSING
+    pin_parameters: bool = MISSING
+    release_inference_cache: bool = MISSING
+    gather_group_size: int = MISSING
+    cuda_graphs: bool = MISSING
+
+
+@dataclass
 class EngineConfig:
     device: str = MISSING
     dtype: str = MISSING
@@ -45,6 +55,7 @@ class EngineConfig:
     offload_reward_model: bool = MISSING
     checkpoint_every: int = MISSING
     keep_checkpoints: int = MISSING
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
 
 
 @dataclass

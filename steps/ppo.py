@@ -26,7 +26,8 @@ from engine.checkpoint import Tensors
 from engine.engine import TrainEngine
 from engine.errors import UserError
 from engine.export import save_hf
-from engine.generation import SamplingSettings, generate
+from engine.generation import SamplingSettings
+from engine.hybrid import HybridEngine, HybridSettings
 from engine.lora import apply_lora
 from engine.models import (
     load_causal_lm,
@@ -158,18 +159,21 @@ class RewardScorer:
 
 
 @torch.no_grad()
-def make_experience(actor, ref, critic, score, prompts: dict[str, torch.Tensor],
+def make_experience(actor: HybridEngine, ref, critic, score, prompts: dict[str, torch.Tensor],
                     sampling: SamplingSettings, eos_token_id: int, pad_token_id: int,
                     ppo: DictConfig, rt: Runtime, *, seeds: torch.Tensor | None = None,
                     weight: float = 1.0) -> tuple[Experience, dict[str, float]]:
     """Sample answers for this rank's left-padded prompts (row `seeds`, see row_seeds) and
     compute everything PPO needs. Whitening statistics come from all ranks' rows; a rank
-    whose rows are stand-ins passes weight 0, which empties their action masks."""
-    t0 = time.perf_counter()
-    sequences = generate(actor.module, prompts["input_ids"], prompts["attention_mask"],
-                         sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         row_seeds=seeds)
+    whose rows are stand-ins passes weight 0, which empties their action masks.
+    Returns the experience and the seconds spent: gathering the actor for generation,
+    generating, and computing the rest."""
+    actor.take_times()
+    sequences = actor.generate(prompts["input_ids"], prompts["attention_mask"], sampling,
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                               row_seeds=seeds)
     t1 = time.perf_counter()
+    generation = actor.take_times()
     prompt_len = prompts["input_ids"].shape[1]
     actions = answer_mask(sequences[:, prompt_len:], eos_token_id) * weight
     attention_mask = torch.cat([prompts["attention_mask"],
@@ -192,9 +196,8 @@ def make_experience(actor, ref, critic, score, prompts: dict[str, torch.Tensor],
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl)
-    generated = float(actions.sum())
-    return experience, {"time/generate": t1 - t0, "time/experience": t2 - t1,
-                        "time/generate_tokens_per_s": generated / max(t1 - t0, 1e-9)}
+    return experience, {"time/gather": generation.gather, "time/generate": generation.generate,
+                        "time/experience": t2 - t1}
 
 
 def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, ppo: DictConfig,
@@ -239,7 +242,7 @@ def summed(stats: dict[str, float], rt: Runtime) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate_policy(actor_module, scorer: RewardScorer, prompts: list[list[int]],
+def evaluate_policy(actor: HybridEngine, scorer: RewardScorer, prompts: list[list[int]],
                     prompt_texts: list[str], tokenizer, sampling: SamplingSettings,
                     batch_size: int, seed: int, rt: Runtime) -> dict[str, float]:
     """Reward-model score (and the demo's ground truth when it applies) of answers sampled
@@ -250,9 +253,10 @@ def evaluate_policy(actor_module, scorer: RewardScorer, prompts: list[list[int]]
         mine, weight = rank_rows(batch_rows, rt)
         batch = to_device(collate_prompts([prompts[i] for i in mine], tokenizer.pad_token_id),
                           rt.device)
-        seqs = generate(actor_module, batch["input_ids"], batch["attention_mask"], sampling,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        row_seeds=row_seeds(seed, 0, mine))
+        seqs = actor.generate(batch["input_ids"], batch["attention_mask"], sampling,
+                              eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id,
+                              row_seeds=row_seeds(seed, 0, mine))
         p = batch["input_ids"].shape[1]
         actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
         reward_sum += float(scorer(seqs, torch.cat([batch["attention_mask"],
@@ -329,8 +333,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     rounds = num_batches(len(prompts), ppo.rollout_batch_size)
     micro_per_round = num_batches(ppo.rollout_batch_size, ppo.micro_batch_size)
     total = ppo.epochs * rounds * ppo.ppo_epochs * micro_per_round
-    actor = TrainEngine(actor_model, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), total, rt,
-                        shard_settings(cfg, cfg.actor_zero_stage))
+    actor = HybridEngine(actor_model, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), total,
+                         rt, shard_settings(cfg, cfg.actor_zero_stage),
+                         HybridSettings(**engine_cfg.hybrid))
     critic = TrainEngine(critic_model, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
                          total, rt, shard_settings(cfg, cfg.reward_zero_stage))
     # the EMA copy is kept as (sharded) tensors beside the actor's own parameters
@@ -349,7 +354,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                       enabled=rt.is_main, keep_rows=metrics_rows)
 
     def evaluate() -> dict[str, float]:
-        return evaluate_policy(actor.module, scorer, eval_prompts, eval_texts, tokenizer,
+        return evaluate_policy(actor, scorer, eval_prompts, eval_texts, tokenizer,
                                sampling, ppo.rollout_batch_size, seed, rt)
 
     before = position["before"]
@@ -357,6 +362,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         before = evaluate() if eval_prompts else {}
     start = time.perf_counter() - position["seconds"]
     iteration, ptx_batches = position["iteration"], position["ptx_batches"]
+    time_totals: dict[str, float] = {}
     for epoch in range(position["epoch"], ppo.epochs):
         for round_index, prompt_batch in epoch_batches(
                 prompts, ppo.rollout_batch_size, seed=seed + epoch,
@@ -393,13 +399,18 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                                    ppo.ema.beta)
             t2 = time.perf_counter()
             iteration += 1
-            metrics = {**summed(stats, rt), **timing, **_rollout_metrics(exp, eos, rt),
-                       "time/train": t2 - t1, "time/iteration": t2 - t0,
+            metrics = {**summed(stats, rt), **_rollout_metrics(exp, eos, rt),
                        "lr/actor": actor.lr, "lr/critic": critic.lr}
-            metrics["time/train_tokens_per_s"] = \
-                metrics.pop("answer/tokens") * ppo.ppo_epochs / (t2 - t1)
+            tokens = metrics.pop("answer/tokens")
+            times = _time_breakdown({**timing, "time/train": t2 - t1},
+                                    time.perf_counter() - t0, len(prompt_batch), tokens,
+                                    ppo.ppo_epochs)
+            metrics.update(times)
+            time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
             if iteration % ppo.log_every == 0:
                 tracker.log(metrics, iteration)
+                if not cfg.logging.progress:
+                    log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
             epoch_done = round_index == rounds
             ckpt.save_if_due(iteration, {
                 "epoch": epoch + epoch_done, "round": 0 if epoch_done else round_index,
@@ -424,10 +435,34 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                 param.copy_(average)
         save_hf(actor.module, tokenizer, step3 / "actor_ema", rt)
     ckpt.clear()
+    if time_totals:
+        runs = iteration - position["iteration"]
+        log("step 3 mean iteration: " + _breakdown_line({
+            k: v / runs for k, v in time_totals.items()}))
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
     log(f"step 3 (PPO) done: {iteration} iterations, " + (f"{line}, " if line else "")
         + f"{elapsed:.1f}s -> {step3}")
     return summary
+
+
+def _time_breakdown(phases: dict[str, float], seconds: float, samples: int, tokens: float,
+                    ppo_epochs: int) -> dict[str, float]:
+    """One iteration's wall time split as DeepSpeed-Chat's hybrid engine reports it
+    (gather, generate, experience, train, other) and its throughput: samples/s end to end,
+    generated tokens/s (all ranks' tokens over the generation time), trained tokens/s."""
+    other = seconds - sum(phases.values())
+    return {**phases, "time/other": other, "time/iteration": seconds,
+            "time/samples_per_s": samples / seconds,
+            "time/generate_tokens_per_s": tokens / max(phases["time/generate"], 1e-9),
+            "time/train_tokens_per_s": tokens * ppo_epochs / max(phases["time/train"], 1e-9)}
+
+
+def _breakdown_line(times: dict[str, float]) -> str:
+    parts = " + ".join(f"{name} {times[f'time/{name}']:.3f}"
+                       for name in ("gather", "generate", "experience", "train", "other"))
+    return (f"{times['time/iteration']:.3f}s = {parts} | "
+            f"{times['time/samples_per_s']:.1f} samples/s, "
+            f"{times['time/generate_tokens_per_s']:.0f} generated tokens/s")
 
 
 def _rollout_metrics(exp: Experience, eos_token_id: int, rt: Runtime) -> dict[str, float]:

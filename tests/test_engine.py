@@ -14,6 +14,7 @@ from engine.engine import OptimSettings, TrainEngine
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.generation import SamplingSettings
+from engine.hybrid import HybridEngine
 from engine.lora import LoraSettings, apply_lora
 from engine.models import (
     PRESETS,
@@ -295,7 +296,7 @@ N = 5
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])  # rotary / absolute positions
 def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
-    actor = TrainEngine(load_causal_lm(preset, tok, seed=1), OptimSettings(lr=1e-3), 1, CPU)
+    actor = HybridEngine(load_causal_lm(preset, tok, seed=1), OptimSettings(lr=1e-3), 1, CPU)
     ref = frozen(load_causal_lm(preset, tok, seed=2), CPU)
     critic = TrainEngine(load_reward_model(preset, tok, seed=3), OptimSettings(lr=1e-3), 1,
                          CPU)
@@ -310,21 +311,21 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
                             [EOS, PAD, PAD, PAD, PAD]])  # empty answer
     calls = []
 
-    def scripted_generate(model, input_ids, attention_mask, sampling, *, eos_token_id,
+    def scripted_generate(input_ids, attention_mask, sampling, *, eos_token_id,
                           pad_token_id, row_seeds):
-        calls.append(model)
+        calls.append(row_seeds)
         assert torch.equal(input_ids, prompt_ids) and torch.equal(attention_mask, prompt_mask)
         assert (eos_token_id, pad_token_id, sampling.max_new_tokens) == (EOS, PAD, N)
         return torch.cat([input_ids, answers], dim=1)
 
-    monkeypatch.setattr(ppo, "generate", scripted_generate)
+    monkeypatch.setattr(actor, "generate", scripted_generate)
     settings = OmegaConf.create(dict(kl_coef=0.1, score_clip=5.0, gamma=1.0, lam=0.95,
                                      whiten_advantages=True))
     exp, timing = ppo.make_experience(
         actor, ref, critic, scorer, {"input_ids": prompt_ids, "attention_mask": prompt_mask},
         SamplingSettings(max_new_tokens=N), EOS, PAD, settings, CPU)
 
-    assert calls == [actor.module]
+    assert calls == [None]
     assert actor.module.training and critic.module.training  # modes restored
     P = prompt_ids.shape[1]
     assert exp.prompt_len == P

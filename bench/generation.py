@@ -1,0 +1,316 @@
+"""Generation speed of the hybrid engine, side by side in one run (prints tables).
+
+CPU (default; starts 2 gloo ranks through torchrun itself):
+  1. Generation of one rollout batch (global batch 8, i.e. 4 rows per rank, 64 new tokens,
+     row-seeded sampling as in step 3) from a Llama and an OPT of 6 layers, hidden 256,
+     ZeRO-3 sharded over 2 ranks, three ways: Hugging Face `generate` on the sharded
+     model (every layer all-gathered for every token, ranks stepping together), `generate`
+     on an unsharded copy every rank holds (the copy's cost not counted), and the hybrid
+     engine (gather once into fused inference modules, then decode alone; gather counted).
+     All three must produce the same tokens; the bench checks that they do.
+  2. Step-3 (PPO) iteration time on 2 ranks with the same Llama as actor and critic, with
+     the hybrid engine and without it (train.py --step 3, same config otherwise).
+
+GPU (`--gpu`, one CUDA device): an OPT-1.3B-sized model with random weights in bf16,
+256-token prompts and 256 new tokens at batch 1, 8 and 32: Hugging Face `generate` on the
+plain model vs the hybrid engine (fused modules, CUDA-graph decode step); tokens/s,
+ms per decode step, and the fraction of the memory-bandwidth bound (weight bytes per step
+over --bandwidth, 4.8 TB/s for an H200).
+
+Times are medians of --repeats runs after a warm-up; with several ranks each run's time is
+the slowest rank's.
+
+Run:  python bench/generation.py            (about 3 minutes on 2 CPU cores)
+      python bench/generation.py --gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CHILD_TIMEOUT_S = 600
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", action="store_true", help="the single-GPU OPT-1.3B benchmark")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8, help="global batch (CPU)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gather-group-size", type=int, default=1,
+                   help="decoder layers the hybrid engine all-gathers at once")
+    p.add_argument("--no-step3", action="store_true", help="skip the PPO iteration runs")
+    p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (GPU bound)")
+    p.add_argument("--gpu-batches", default="1,8,32")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _config(arch: str, layers: int, hidden: int, vocab: int, tok):
+    from transformers import LlamaConfig, OPTConfig
+
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id)
+    heads = max(hidden // 64, 1)
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=max(heads // 2, 1), tie_word_embeddings=False,
+                           max_position_embeddings=2048, **ids)
+    return OPTConfig(vocab_size=vocab, hidden_size=hidden, ffn_dim=4 * hidden,
+                     num_hidden_layers=layers, num_attention_heads=heads,
+                     word_embed_proj_dim=hidden, max_position_embeddings=2048, dropout=0.0,
+                     attention_dropout=0.0, activation_dropout=0.0, **ids)
+
+
+def _median_time(fn, repeats: int, sync, ranks_max) -> tuple[float, object]:
+    fn()   # warm-up
+    times, out = [], None
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(ranks_max(time.perf_counter() - start))
+    return statistics.median(times), out
+
+
+# -- CPU: generation on 2 ranks -------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> None:
+    """Under torchrun: time the three ways of generating; rank 0 prints a JSON line."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from engine.engine import OptimSettings
+    from engine.generation import SamplingSettings, generate
+    from engine.hybrid import HybridEngine, HybridSettings
+    from engine.models import byte_tokenizer
+    from engine.parallel import ShardSettings
+    from engine.runtime import setup_runtime
+    from steps.data import collate_prompts
+
+    rt = setup_runtime("cpu", "float32", seed=0, timeout_s=300)
+    tok = byte_tokenizer()
+    rows = list(range(rt.rank, args.batch, rt.world_size))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 250, (int(n),), generator=gen).tolist()
+               for n in torch.randint(16, 49, (args.batch,), generator=gen)]
+    batch = collate_prompts([prompts[i] for i in rows], tok.pad_token_id)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    sampling = SamplingSettings(max_new_tokens=args.new_tokens)   # step 3's sampling
+    seeds = torch.tensor(rows) + 7
+    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, row_seeds=seeds)
+
+    def ranks_max(seconds: float) -> float:
+        t = torch.tensor([seconds])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    results = {}
+    for arch in ("llama", "opt"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            _config(arch, args.layers, args.hidden, len(tok), tok))
+        plain = copy.deepcopy(model).eval()
+        optim, sharding = OptimSettings(lr=1e-4), ShardSettings(zero_stage=3)
+        sharded = HybridEngine(copy.deepcopy(model), optim, 1, rt, sharding,
+                               HybridSettings(enabled=False))
+        hybrid = HybridEngine(model, optim, 1, rt, sharding,
+                              HybridSettings(gather_group_size=args.gather_group_size))
+        runs = {
+            "sharded": partial(sharded.generate, ids, mask, sampling, **kwargs),
+            "unsharded": partial(generate, plain, ids, mask, sampling, **kwargs, synced=False),
+            "hybrid": partial(hybrid.generate, ids, mask, sampling, **kwargs),
+        }
+        row, outputs = {}, {}
+        for name, fn in runs.items():
+            hybrid.take_times()
+            row[name], outputs[name] = _median_time(fn, args.repeats, lambda: None, ranks_max)
+            if name == "hybrid":
+                times = hybrid.take_times()
+                row["hybrid_gather"] = ranks_max(times.gather / times.calls)
+        same = all(torch.equal(outputs[n], outputs["sharded"]) for n in outputs)
+        row["identical"] = ranks_max(float(not same)) == 0
+        row["new_tokens"] = outputs["hybrid"].shape[1] - ids.shape[1]
+        row["params"] = sum(p.numel() for p in plain.parameters())
+        results[arch] = row
+    if rt.is_main:
+        print("RESULT " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _torchrun(args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={args.ranks}", str(Path(__file__).resolve()), "--worker",
+           f"--layers={args.layers}", f"--hidden={args.hidden}", f"--batch={args.batch}",
+           f"--new-tokens={args.new_tokens}", f"--repeats={args.repeats}",
+           f"--gather-group-size={args.gather_group_size}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"generation worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# -- CPU: step-3 iterations with and without the hybrid engine ---------------------------------
+
+def _step3(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from engine.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = _config("llama", args.layers, args.hidden, len(tok), tok)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(f"{tmp}/actor")
+        config.num_labels = 1
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(f"{tmp}/reward")
+        for name in ("actor", "reward"):
+            tok.save_pretrained(f"{tmp}/{name}")
+        for label, flag in (("hybrid engine", "--enable-hybrid-engine"),
+                            ("sharded generate", "--no-enable-hybrid-engine")):
+            run_dir = Path(tmp) / label.replace(" ", "_")
+            cmd = [sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir",
+                   str(run_dir), "--actor-zero-stage", "3", "--reward-zero-stage", "3", flag,
+                   f"ppo.actor_path={tmp}/actor", f"ppo.reward_path={tmp}/reward",
+                   "data.path=[demo]", "data.demo_pairs=100", "data.max_prompt_len=64",
+                   f"data.max_answer_len={args.new_tokens}", f"ppo.rollout_batch_size={args.batch}",
+                   f"ppo.micro_batch_size={args.batch}", "ppo.eval_prompts=0",
+                   f"engine.procs={args.ranks}", "engine.device=cpu", "engine.checkpoint_every=0",
+                   "logging.progress=false"]
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=CHILD_TIMEOUT_S)
+            if done.returncode != 0:
+                sys.exit(f"step 3 ({label}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            rows = [json.loads(line) for line in (run_dir / "step3" / "metrics.jsonl").open()]
+            rows = [r for r in rows if "time/iteration" in r][1:]   # the first warms up
+            out[label] = {key: statistics.mean(r[f"time/{key}"] for r in rows) for key in
+                          ("iteration", "gather", "generate", "experience", "train", "other")}
+            out[label]["iterations"] = len(rows)
+    return out
+
+
+def cpu_main(args: argparse.Namespace) -> None:
+    results = _torchrun(args)
+    per_rank = args.batch // args.ranks
+    print(f"\nGeneration, {args.ranks} ranks (gloo, CPU), ZeRO-3, {args.layers} layers, "
+          f"hidden {args.hidden}, global batch {args.batch} ({per_rank} per rank), "
+          f"{args.new_tokens} new tokens, median of {args.repeats}")
+    print(f"{'model':8} {'params':>7} {'sharded generate':>17} {'unsharded copy':>15} "
+          f"{'hybrid engine':>14} {'(gather)':>9} {'vs sharded':>11} {'vs copy':>8} "
+          f"{'tokens/s':>9} {'identical':>9}")
+    for arch, r in results.items():
+        tokens = args.batch * r["new_tokens"]
+        print(f"{arch:8} {r['params'] / 1e6:6.1f}M {r['sharded'] * 1e3:14.0f} ms "
+              f"{r['unsharded'] * 1e3:12.0f} ms {r['hybrid'] * 1e3:11.0f} ms "
+              f"{r['hybrid_gather'] * 1e3:6.1f} ms {r['sharded'] / r['hybrid']:10.1f}x "
+              f"{r['unsharded'] / r['hybrid']:7.2f}x {tokens / r['hybrid']:9.0f} "
+              f"{'yes' if r['identical'] else 'NO':>9}")
+    if args.no_step3:
+        return
+    step3 = _step3(args)
+    print(f"\nStep 3 (PPO) iteration, {args.ranks} ranks, ZeRO-3 actor and critic (the Llama "
+          f"above), rollout batch {args.batch}, {args.new_tokens} new tokens, "
+          f"mean over iterations after the first")
+    print(f"{'generation':17} {'iteration':>9} {'gather':>7} {'generate':>9} "
+          f"{'experience':>10} {'train':>7} {'other':>7} {'iters':>5}")
+    for label, r in step3.items():
+        print(f"{label:17} {r['iteration']:8.2f}s {r['gather']:6.2f}s {r['generate']:8.2f}s "
+              f"{r['experience']:9.2f}s {r['train']:6.2f}s {r['other']:6.2f}s "
+              f"{r['iterations']:5d}")
+    with_he, without = step3["hybrid engine"], step3["sharded generate"]
+    print(f"step-3 iteration speed-up with the hybrid engine: "
+          f"{without['iteration'] / with_he['iteration']:.2f}x")
+
+
+# -- GPU: OPT-1.3B-sized, one device --------------------------------------------------------
+
+def gpu_main(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from engine.engine import OptimSettings
+    from engine.generation import SamplingSettings
+    from engine.hybrid import HybridEngine, HybridSettings
+    from engine.runtime import Runtime
+
+    if not torch.cuda.is_available():
+        sys.exit("--gpu: no CUDA device here")
+    device = torch.device("cuda")
+    config = OPTConfig(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                       num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048,
+                       word_embed_proj_dim=2048, do_layer_norm_before=True, pad_token_id=1,
+                       bos_token_id=2, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    rt = Runtime(device, torch.bfloat16, 0, 1, 0)
+    engine = HybridEngine(copy.deepcopy(model), OptimSettings(lr=1e-5), 1, rt,
+                          hybrid=HybridSettings())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound_ms = weight_bytes / args.bandwidth * 1e3
+    prompt_len = new = 256
+    sampling = SamplingSettings(max_new_tokens=new, do_sample=False)
+    sync = torch.cuda.synchronize
+    print(f"\nOPT-1.3B-sized ({weight_bytes / 1e9:.2f} GB of bf16 weights), "
+          f"{torch.cuda.get_device_name()}, {prompt_len}-token prompts, {new} new tokens, "
+          f"greedy; bandwidth bound {bound_ms:.3f} ms/step at {args.bandwidth / 1e12:.1f} TB/s")
+    print(f"{'batch':>5} {'HF tok/s':>9} {'HF ms/step':>10} {'hybrid tok/s':>12} "
+          f"{'ms/step':>8} {'speed-up':>8} {'of bound':>8} {'gather ms':>9} {'peak GiB':>8}")
+    for batch in (int(b) for b in args.gpu_batches.split(",")):
+        ids = torch.randint(3, config.vocab_size, (batch, prompt_len), device=device)
+        mask = torch.ones_like(ids)
+        # every row runs to `new` tokens in both: HF told not to stop before, ours no EOS
+        hf, _ = _median_time(partial(model.generate, input_ids=ids, attention_mask=mask,
+                                     max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                     pad_token_id=config.pad_token_id),
+                             args.repeats, sync, float)
+        kwargs = dict(eos_token_id=None, pad_token_id=config.pad_token_id)
+        torch.cuda.reset_peak_memory_stats()
+        engine.take_times()
+        ours, _ = _median_time(partial(engine.generate, ids, mask, sampling, **kwargs),
+                               args.repeats, sync, float)
+        times = engine.take_times()
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        step_ms = ours / new * 1e3
+        print(f"{batch:5d} {batch * new / hf:9.0f} {hf / new * 1e3:10.2f} "
+              f"{batch * new / ours:12.0f} {step_ms:8.2f} {hf / ours:7.2f}x "
+              f"{bound_ms / step_ms:7.0%} {times.gather / times.calls * 1e3:9.1f} {peak:8.1f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+    elif args.gpu:
+        gpu_main(args)
+    else:
+        cpu_main(args)
+
+
+if __name__ == "__main__":
+    main()
