@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from engine import kernels
 from engine.engine import OptimSettings, TrainEngine
 from engine.export import _plain_class
 from engine.generation import SamplingSettings, generate
@@ -50,6 +51,7 @@ class HybridSettings:
     release_inference_cache: bool = False  # free the KV cache after each rollout
     gather_group_size: int = 1            # decoder layers all-gathered at once
     cuda_graphs: bool = True              # capture the decode step (CUDA only)
+    fused_kernels: bool = True            # Triton add+norm and SiLU*up (CUDA only)
 
 
 @dataclass
@@ -212,6 +214,8 @@ class HybridEngine(TrainEngine):
             # a sharded DTensor's shape is the full one
             model.allocate({name: fused_shape([_base_parameter(inner, s)[2].shape for s in parts])
                             for name, parts in sources.items()}, dtype, device)
+            model.use_fused_kernels(self.hybrid.fused_kernels and device.type == "cuda"
+                                    and kernels.triton_available())
         else:
             model = self._plain_copy(inner, dtype, device)
             sources = {name: [name] for name, _ in model.named_parameters()}

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
+from engine import kernels
 from engine.generation import SamplingSettings, TokenChooser
 
 
@@ -198,20 +199,22 @@ class KVCache:
 
 
 class _Norm(nn.Module):
+    """RMSNorm (Llama's formula) or LayerNorm, applied together with the residual add that
+    precedes it: `(residual + delta, norm(residual + delta))`, fused into one Triton
+    kernel when `fused` (CUDA), else the PyTorch formula."""
+
     def __init__(self, spec: DecoderSpec):
         super().__init__()
         self.rms, self.eps = spec.norm == "rms", spec.norm_eps
         self.weight = nn.Parameter(torch.empty(spec.hidden), requires_grad=False)
         self.bias = None if self.rms else nn.Parameter(torch.empty(spec.hidden),
                                                        requires_grad=False)
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.rms:
-            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-        # Llama's formula: normalise in fp32, scale in the model's dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, delta: torch.Tensor | None, residual: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        add_norm = kernels.add_norm if self.fused else kernels.add_norm_reference
+        return add_norm(delta, residual, self.weight, self.bias, self.eps, self.rms)
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
@@ -231,17 +234,24 @@ class _Layer(nn.Module):
         self.down = _linear(spec.ffn, spec.hidden, spec.mlp_bias)
         self.act = ACT2FN[spec.activation]
         self.splits = (q, kv, kv)
+        self.fused_silu = False
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor,
-                mask: torch.Tensor, kv_len: int | None) -> torch.Tensor:
-        """x: [B, T, hidden]; keys/values: this layer's cache [B, Hkv, S, d], written at
-        positions `write_at` ([T] long); mask: [B, 1, T, kv_len or S] bool (True = attend);
-        rope: (cos, sin) [B, 1, T, d]. Attends over the first kv_len cache slots (all S
-        when None: static shapes for CUDA graphs)."""
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
+                values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
+                kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pre-norm block on the residual stream, which arrives as `residual` plus the
+        previous block's output `delta` (added here, fused with the norm) and leaves the
+        same way: returns (residual, this block's MLP output).
+
+        residual, delta: [B, T, hidden]; keys/values: this layer's cache [B, Hkv, S, d],
+        written at slots `write_at` ([T] long); mask: [B, 1, T, kv_len or S] bool (True =
+        attend); rope: (cos, sin) [B, 1, T, d]. Attends over the first kv_len cache slots
+        (all S when None: static shapes for CUDA graphs)."""
         spec = self.spec
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(self.splits, dim=-1)
+        b, t, _ = residual.shape
+        residual, h = self.attn_norm(delta, residual)
+        q, k, v = self.qkv(h).split(self.splits, dim=-1)
         if spec.scale_query_first:
             q = q * spec.head_dim ** -0.5
         q = q.view(b, t, spec.heads, spec.head_dim).transpose(1, 2)
@@ -258,14 +268,20 @@ class _Layer(nn.Module):
             q, keys, values, attn_mask=mask,
             scale=1.0 if spec.scale_query_first else spec.head_dim ** -0.5,
             enable_gqa=spec.kv_heads != spec.heads)
-        x = x + self.out(attn.transpose(1, 2).reshape(b, t, -1))
-        h = self.up(self.mlp_norm(x))
-        if spec.gated_mlp:
+        residual, h = self.mlp_norm(self.out(attn.transpose(1, 2).reshape(b, t, -1)), residual)
+        h = self.up(h)
+        if not spec.gated_mlp:
+            h = self.act(h)
+        elif self.fused_silu:
+            h = kernels.silu_mul(h)
+        else:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        return x + self.down(h)
+        return residual, self.down(h)
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        self.attn_norm.fused = self.mlp_norm.fused = enabled
+        self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -330,12 +346,21 @@ class InferenceDecoder(nn.Module):
         """Run tokens [B, T] at `positions` [B, T] through the layers, writing their keys
         and values into cache slots `write_at` [T]; returns the last token's logits [B, V]
         in fp32."""
-        x, rope = self._embed(tokens, positions)
+        residual, rope = self._embed(tokens, positions)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, keys[i], values[i], write_at, mask, kv_len)
-        x = self.norm(x[:, -1])
+            residual, delta = layer(residual, delta, rope, keys[i], values[i], write_at, mask,
+                                    kv_len)
+        _, x = self.norm(delta[:, -1], residual[:, -1])
         head = self.embed.weight if self.head is None else self.head.weight
         return F.linear(x, head).float()
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Triton kernels for add+norm and SiLU*up (CUDA; on CPU only under Triton's
+        interpreter, for tests)."""
+        self.norm.fused = enabled
+        for layer in self.layers:
+            layer.use_fused_kernels(enabled)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  sampling: SamplingSettings, **kwargs) -> torch.Tensor:

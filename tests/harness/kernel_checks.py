@@ -1,0 +1,90 @@
+"""Checks of the Triton kernels (engine/kernels.py) on CPU, under Triton's interpreter;
+tests/test_kernels.py runs this file with pytest in a fresh process with TRITON_INTERPRET=1
+(the interpreter must be on before Triton is first imported).
+
+Each kernel equals the PyTorch formula it replaces: exactly in fp32; in bf16 to within
+2 units in the last place, because the interpreter truncates to bf16 where CUDA rounds to
+nearest. A decoder using the kernels still generates what Hugging Face generate does."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from engine import kernels
+
+pytest.importorskip("triton")
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through tests/test_kernels.py (needs TRITON_INTERPRET=1 from the start)",
+                allow_module_level=True)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: equal to 1e-5 relative. bf16: within 2^-6 of the largest value (two bf16 steps
+    of it), against the formula computed in fp32 from the same bf16 inputs: a kernel
+    rounds to bf16 at most twice, where the formula does, and the interpreter truncates
+    where CUDA rounds to nearest. A wrong formula is off by far more."""
+    assert got.dtype == want.dtype or want.dtype == torch.float32
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        error = (got.float() - want.float()).abs().max()
+        assert error <= 2 ** -6 * want.float().abs().max(), float(error)
+
+
+def _fp32(*tensors):
+    return [None if t is None else t.float() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [True, False])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_norm_equals_the_pytorch_formula(dtype, rms, with_delta):
+    gen = torch.Generator().manual_seed(0)
+    residual = torch.randn(3, 5, 96, generator=gen).to(dtype)   # 96: not a power of 2
+    delta = torch.randn(3, 5, 96, generator=gen).to(dtype) if with_delta else None
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    bias = None if rms else (0.1 * torch.randn(96, generator=gen)).to(dtype)
+    got_sum, got = kernels.add_norm(delta, residual, weight, bias, 1e-5, rms)
+    total = residual if delta is None else (residual.float() + delta.float()).to(dtype)
+    _assert_close(got_sum, total)            # the residual stream, rounded to its dtype
+    _, want = kernels.add_norm_reference(None, *_fp32(total, weight, bias), 1e-5, rms)
+    assert got.dtype == dtype
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_the_pytorch_formula(dtype):
+    gate_up = torch.randn(4, 1, 2 * 1300, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == (4, 1, 1300) and got.dtype == dtype
+    _assert_close(got, kernels.silu_mul_reference(gate_up.float()))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_decoder_with_fused_kernels_matches_hf_generate(preset):
+    from engine.engine import OptimSettings
+    from engine.generation import SamplingSettings, generate
+    from engine.hybrid import HybridEngine
+    from engine.models import byte_tokenizer
+    from engine.runtime import Runtime
+    from steps.data import collate_prompts
+    from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end
+
+    tok = byte_tokenizer()
+    model = model_with_answers_that_end(preset, 0, tok.eos_token_id)
+    reference = copy.deepcopy(model)
+    cpu = Runtime(torch.device("cpu"), torch.float32, 0, 1, 0)
+    decoder = HybridEngine(model, OptimSettings(lr=1e-3), 1, cpu)._gather().model
+    decoder.use_fused_kernels(True)
+    batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
+    sampling = SamplingSettings(max_new_tokens=12, do_sample=False)
+    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    want = generate(reference, batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
+    got = decoder.generate(batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
+    assert torch.equal(got, want)
