@@ -178,9 +178,11 @@ def _torchrun(args: argparse.Namespace) -> dict:
 def _step3(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     from engine.models import byte_tokenizer
 
+    hf_logging.disable_progress_bar()
     tok = byte_tokenizer()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
