@@ -264,11 +264,9 @@ class _Layer(nn.Module):
         values.index_copy_(2, write_at, v)
         if kv_len is not None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        attn = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask,
-            scale=1.0 if spec.scale_query_first else spec.head_dim ** -0.5,
-            enable_gqa=spec.kv_heads != spec.heads)
-        residual, h = self.mlp_norm(self.out(attn.transpose(1, 2).reshape(b, t, -1)), residual)
+        attn = _grouped_attention(q, keys, values, mask,
+                                  1.0 if spec.scale_query_first else spec.head_dim ** -0.5)
+        residual, h = self.mlp_norm(self.out(attn), residual)
         h = self.up(h)
         if not spec.gated_mlp:
             h = self.act(h)
@@ -282,6 +280,23 @@ class _Layer(nn.Module):
     def use_fused_kernels(self, enabled: bool) -> None:
         self.attn_norm.fused = self.mlp_norm.fused = enabled
         self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with grouped KV heads, without repeating the cache: the G query heads that share
+    a KV head become G x T query rows of that head (every SDPA backend takes this, while
+    few take `enable_gqa` together with a mask).
+
+    q: [B, H, T, d]; keys, values: [B, Hkv, S, d]; mask: [B, 1, T, S] -> [B, T, H * d]."""
+    b, heads, t, d = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    if groups > 1:   # query head h reads KV head h // groups, as HF's repeat_kv arranges
+        q = q.reshape(b, kv_heads, groups * t, d)
+        mask = mask.expand(b, 1, t, mask.shape[-1]).repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
