@@ -53,6 +53,15 @@ def test_each_flag_maps_to_its_key():
     assert cfg.reward_zero_stage == 2
 
 
+def test_hybrid_engine_flags_map_to_their_keys():
+    defaults = config("--actor-model", "X").engine.hybrid
+    assert defaults.enabled and defaults.pin_parameters and not defaults.release_inference_cache
+    cfg = config("--actor-model", "X", "--no-enable-hybrid-engine", "--unpin-actor-parameters",
+                 "--release-inference-cache", "--tp-gather-partition-size", "4").engine.hybrid
+    assert not cfg.enabled and not cfg.pin_parameters and cfg.release_inference_cache
+    assert cfg.gather_group_size == 4
+
+
 def test_overrides_apply_and_may_mix_with_flags():
     cfg = config("ppo.kl_coef=0.05", "--actor-model", "X", "--step", "1", "sft.epochs=2",
                  "data.path=[a.jsonl,b.parquet]")
@@ -187,6 +196,11 @@ def test_data_file_without_rejected(capsys, tmp_path):
 def test_no_examples_left_after_filtering(capsys, tmp_path):
     line = refused(capsys, tmp_path / "out", "data.max_prompt_len=1")
     assert "after filtering" in line and "max_prompt_len" in line
+
+
+def test_gather_partition_size_must_be_positive(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "--tp-gather-partition-size", "0")
+    assert "--tp-gather-partition-size" in line and "1 or more" in line
 
 
 def test_step_2_needs_reward_model(capsys, tmp_path):

@@ -65,7 +65,10 @@ SMALL = {**BASE, "data.demo_pairs": 80, "ppo.rollout_batch_size": 16,
 
 MODEL_DIRS = ("actor", "reward", "step3/actor", "step3/critic")
 STEP3_KEYS = ("reward/score", "reward/kl", "answer/length", "train/clip_fraction",
-              "train/value_loss", "time/generate", "time/train", "time/generate_tokens_per_s")
+              "train/value_loss", "time/generate", "time/train", "time/generate_tokens_per_s",
+              "time/gather", "time/experience", "time/other", "time/iteration",
+              "time/samples_per_s")
+PHASES = ("gather", "generate", "experience", "train", "other")
 
 
 @dataclass
@@ -238,8 +241,15 @@ def test_three_steps_write_models_configs_and_metrics(pipeline):
         assert not missing, f"step-3 metrics lack {missing}: {row}"
         assert all(math.isfinite(row[key]) for key in STEP3_KEYS), row
         assert 0 < row["answer/length"] <= 12
+        # the time breakdown adds up to the iteration (each figure rounded to 1e-6)
+        assert sum(row[f"time/{p}"] for p in PHASES) == pytest.approx(
+            row["time/iteration"], abs=1e-5)
     assert {"eval/reward_before", "eval/reward_after"} <= ppo_rows[-1].keys()
     assert "step 3 (PPO) done" in run.stdout
+    assert "step 3 iteration 1: " in run.stdout and "step 3 mean iteration: " in run.stdout
+    # the hybrid engine has inference modules for Llama and OPT, else says so once
+    fallback = run.stdout.count("generating with the gathered Hugging Face modules")
+    assert fallback == (0 if arch in ("tiny-llama", "tiny-opt") else 1), run.stdout
 
 
 # ---------------------------------------------------------------------------------------------
