@@ -252,6 +252,24 @@ def test_three_steps_write_models_configs_and_metrics(pipeline):
     assert fallback == (0 if arch in ("tiny-llama", "tiny-opt") else 1), run.stdout
 
 
+def test_step3_is_the_same_without_the_hybrid_engine(llama_run, tmp_path):
+    """Generating on the training model instead of the inference form changes nothing in
+    step 3 but its speed: the same metrics, the same trained actor."""
+    out, _ = llama_run
+    plain = tmp_path / "plain"
+    run_train("--actor-model", "tiny-llama", "--reward-model", "tiny-llama", "--step", "3",
+              "--output-dir", plain, "--no-enable-hybrid-engine",
+              **{"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward"}).check()
+
+    def without_times(path: Path) -> list[dict]:
+        return [{k: v for k, v in row.items() if not k.startswith("time/")}
+                for row in metrics(path / "step3" / "metrics.jsonl")]
+
+    assert without_times(plain) == without_times(out)
+    got, want = weights(plain / "step3" / "actor"), weights(out / "step3" / "actor")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. The exports are plain Hugging Face directories
 
