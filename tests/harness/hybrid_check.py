@@ -44,6 +44,7 @@ CASES = [
      HybridSettings(gather_group_size=2, pin_parameters=False)),
     ("opt", "tiny-opt", 0, 3, HybridSettings(release_inference_cache=True)),
     ("opt-lora-stage0", "tiny-opt", 4, 0, HybridSettings()),
+    ("llama-stage2", "tiny-llama", 0, 2, HybridSettings(gather_group_size=2)),
     ("gpt2-fallback", "tiny-gpt2", 4, 3, HybridSettings()),
 ]
 
