@@ -7,7 +7,8 @@ gate+up projection for gated MLPs, and the model's own norm formula. On CUDA the
 step can be captured once as a CUDA graph and replayed for every token, which removes the
 per-kernel launch cost that dominates small-batch decoding.
 
-Supported families: Llama (also Mistral without sliding window, Qwen2) and OPT (pre-norm).
+Supported families: Llama (also Mistral without sliding window, Qwen2), OPT (pre-norm) and
+GPT-2.
 `plan(model)` says whether a model is supported and, if not, why; the hybrid engine then
 falls back to the Hugging Face modules. Weights are not taken from the model here: the
 plan lists, for every inference parameter, the Hugging Face parameters it is built from
@@ -70,6 +71,7 @@ class Plan:
     sources: dict[str, list[str]]
     layer_of: dict[str, int | None]
     rotary: nn.Module | None    # a copy of the model's rotary-embedding module
+    transposed: frozenset[str] = frozenset()  # sources stored [in, out] (GPT-2's Conv1D)
 
 
 def plan(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
@@ -162,17 +164,49 @@ def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     return _assemble(spec, root, layer, layer_prefixes, None)
 
 
-_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt}
+def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+        raise Unsupported("GPT-2 attention scaled by layer index or upcast and reordered")
+    if not config.scale_attn_weights:
+        raise Unsupported("GPT-2 without scaled attention weights")
+    heads = config.n_head
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.n_embd, layers=len(layer_prefixes), heads=heads,
+        kv_heads=heads, head_dim=config.n_embd // heads, ffn=config.n_inner or 4 * config.n_embd,
+        norm="layer", norm_eps=config.layer_norm_epsilon,
+        activation=config.activation_function, gated_mlp=False, qkv_bias=True, out_bias=True,
+        mlp_bias=True, rotary=False,
+        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    # Conv1D keeps its weight as [in, out]: these sources are transposed when copied
+    conv = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc",
+            "down": "mlp.c_proj"}
+    layer = {"attn_norm.weight": ["ln_1.weight"], "attn_norm.bias": ["ln_1.bias"],
+             "mlp_norm.weight": ["ln_2.weight"], "mlp_norm.bias": ["ln_2.bias"],
+             **{f"{ours}.{p}": [f"{theirs}.{p}"] for ours, theirs in conv.items()
+                for p in ("weight", "bias")}}
+    root = {"embed.weight": ["transformer.wte.weight"],
+            "positions.weight": ["transformer.wpe.weight"],
+            "norm.weight": ["transformer.ln_f.weight"], "norm.bias": ["transformer.ln_f.bias"]}
+    if not spec.tied_head:
+        root["head.weight"] = ["lm_head.weight"]
+    transposed = frozenset(f"{prefix}.{theirs}.weight" for prefix in layer_prefixes
+                           for theirs in conv.values())
+    return _assemble(spec, root, layer, layer_prefixes, None, transposed)
+
+
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt, "gpt2": _gpt2}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],
-              layer_prefixes: list[str], rotary: nn.Module | None) -> Plan:
+              layer_prefixes: list[str], rotary: nn.Module | None,
+              transposed: frozenset[str] = frozenset()) -> Plan:
     sources, layer_of = dict(root), dict.fromkeys(root)
     for i, prefix in enumerate(layer_prefixes):
         for name, parts in layer.items():
             sources[f"layers.{i}.{name}"] = [f"{prefix}.{part}" for part in parts]
             layer_of[f"layers.{i}.{name}"] = i
-    return Plan(spec, sources, layer_of, rotary)
+    return Plan(spec, sources, layer_of, rotary, transposed)
 
 
 class KVCache:

@@ -1,7 +1,8 @@
 """The hybrid engine (engine/hybrid.py, engine/inference.py) against Hugging Face `generate`
-on the unsharded model, fp32 on CPU: greedy and sampled answers token for token (OPT and
-Llama, with and without LoRA, ZeRO-3 at one and two ranks, the fallback for an architecture
-without inference modules), and training unchanged by the switch to generation and back.
+on the unsharded model, fp32 on CPU: greedy and sampled answers token for token (Llama, OPT
+and GPT-2, with and without LoRA, ZeRO-3 at one and two ranks, the fallback for an
+architecture without inference modules), and training unchanged by the switch to generation
+and back.
 The checks themselves are in tests/harness/hybrid_check.py, shared by both world sizes."""
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _assert_cases_pass(results: dict) -> None:
         assert not failed, f"{case}: {failed} ({checks})"
         # answers of different lengths: the batch really stops row by row
         assert checks["greedy_ended_early"] > 0 and checks["greedy_ran_to_max"] > 0, checks
-        assert checks["injected"] == (case != "gpt2-fallback"), checks
+        assert checks["injected"] == (case != "neox-fallback"), checks
 
 
 def test_one_process_matches_hf_generate():

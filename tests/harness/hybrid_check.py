@@ -45,7 +45,8 @@ CASES = [
     ("opt", "tiny-opt", 0, 3, HybridSettings(release_inference_cache=True)),
     ("opt-lora-stage0", "tiny-opt", 4, 0, HybridSettings()),
     ("llama-stage2", "tiny-llama", 0, 2, HybridSettings(gather_group_size=2)),
-    ("gpt2-fallback", "tiny-gpt2", 4, 3, HybridSettings()),
+    ("gpt2-lora", "tiny-gpt2", 4, 3, HybridSettings()),
+    ("neox-fallback", "tiny-gpt-neox", 4, 3, HybridSettings()),
 ]
 
 
