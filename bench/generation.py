@@ -291,7 +291,7 @@ def gpu_main(args: argparse.Namespace) -> None:
                                      max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                      pad_token_id=config.pad_token_id),
                              args.repeats, sync, float)
-        kwargs = dict(eos_token_id=None, pad_token_id=config.pad_token_id)
+        kwargs = dict(eos_token_id=[], pad_token_id=config.pad_token_id)   # no stop id
         torch.cuda.reset_peak_memory_stats()
         engine.take_times()
         ours, _ = _median_time(partial(engine.generate, ids, mask, sampling, **kwargs),

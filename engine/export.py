@@ -48,7 +48,7 @@ def atomic_directory(final: Path, write) -> Path:
     return final
 
 
-def _plain_class(model: PreTrainedModel) -> type[PreTrainedModel]:
+def plain_class(model: PreTrainedModel) -> type[PreTrainedModel]:
     """The transformers class under FSDP2's generated `FSDP<Model>` subclass."""
     return next(c for c in type(model).__mro__
                 if issubclass(c, PreTrainedModel) and not issubclass(c, FSDPModule))
@@ -63,7 +63,7 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
         return None
     inner = hf_model(model)
     with torch.device("meta"):
-        copy = _plain_class(inner)(inner.config)
+        copy = plain_class(inner)(inner.config)
     if isinstance(model, PeftModel):
         copy = get_peft_model(copy, model.peft_config[model.active_adapter])
     # a replicated model's CPU state shares storage with the live one: copy before merging

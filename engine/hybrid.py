@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from engine import kernels
 from engine.engine import OptimSettings, TrainEngine
-from engine.export import _plain_class
+from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
 from engine.inference import InferenceDecoder, Unsupported, fused_shape, plan, weight_bytes
 from engine.lora import is_lora_param
@@ -233,7 +233,7 @@ class HybridEngine(TrainEngine):
         """An empty plain transformers model like `inner` (without LoRA), its buffers
         (rotary tables and the like, which FSDP does not shard) copied."""
         with torch.device("meta"):
-            model = _plain_class(inner)(inner.config)
+            model = plain_class(inner)(inner.config)
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()
         with torch.no_grad():

@@ -420,13 +420,13 @@ class InferenceDecoder(nn.Module):
         return out.clone()
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 sampling: SamplingSettings, *, eos_token_id: int | list[int] | None,
+                 sampling: SamplingSettings, *, eos_token_id: int | list[int],
                  pad_token_id: int, row_seeds: torch.Tensor | None = None,
                  static: bool = False, cuda_graph: bool = False) -> torch.Tensor:
         """Continue left-padded prompts as Hugging Face `generate` does (same positions,
         sampling, EOS and padding rules): [B, P] -> [B, P + N], N <= max_new_tokens, pad
-        after a row's EOS (one of the ids in a list; None: never stop early), stopping when
-        every row has ended. Decode steps attend over the
+        after a row's EOS (one of the ids in a list; an empty list never stops early),
+        stopping when every row has ended. Decode steps attend over the
         filled part of the cache; `static` (implied by `cuda_graph`) over all of it, with
         fixed shapes, as a CUDA graph needs."""
         b, p = input_ids.shape
@@ -452,8 +452,7 @@ class InferenceDecoder(nn.Module):
         logits = self(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
 
         chooser = TokenChooser(sampling, row_seeds)
-        stops = [] if eos_token_id is None else [eos_token_id] if isinstance(
-            eos_token_id, int) else eos_token_id
+        stops = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         eos = torch.tensor(stops, dtype=torch.long, device=device)
         out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
         out[:, :p] = input_ids
