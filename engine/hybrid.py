@@ -188,7 +188,7 @@ class HybridEngine(TrainEngine):
         target = self._target
         params = dict(target.model.named_parameters())
         per_group: dict[int, list[str]] = {}
-        transposed = self._plan.transposed if self._plan is not None else frozenset()
+        transforms = self._plan.transforms if self._plan is not None else {}
         for name, group in target.group_of.items():
             per_group.setdefault(group, []).append(name)
         size = max(self.hybrid.gather_group_size, 1)
@@ -202,8 +202,8 @@ class HybridEngine(TrainEngine):
                         offset = 0   # fused weights: each source fills its rows in place
                         for source in target.sources[name]:
                             part = merged_weight(inner, source)
-                            if source in transposed:
-                                part = part.t()
+                            if source in transforms:
+                                part = transforms[source](part)
                             params[name][offset:offset + part.shape[0]].copy_(part)
                             offset += part.shape[0]
         return target
@@ -215,8 +215,8 @@ class HybridEngine(TrainEngine):
             model = InferenceDecoder(self._plan)
             sources = self._plan.sources
             def shape(source: str) -> torch.Size:   # a sharded DTensor's shape is the full one
-                full = _base_parameter(inner, source)[2].shape
-                return full[::-1] if source in self._plan.transposed else full
+                full = torch.empty(_base_parameter(inner, source)[2].shape, device="meta")
+                return self._plan.transforms.get(source, lambda w: w)(full).shape
 
             model.allocate({name: fused_shape([shape(s) for s in parts])
                             for name, parts in sources.items()}, dtype, device)

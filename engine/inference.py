@@ -7,8 +7,8 @@ gate+up projection for gated MLPs, and the model's own norm formula. On CUDA the
 step can be captured once as a CUDA graph and replayed for every token, which removes the
 per-kernel launch cost that dominates small-batch decoding.
 
-Supported families: Llama (also Mistral without sliding window, Qwen2), OPT (pre-norm) and
-GPT-2.
+Supported families: Llama (also Mistral without sliding window, Qwen2), OPT (pre-norm),
+GPT-2 and GPT-NeoX (Pythia).
 `plan(model)` says whether a model is supported and, if not, why; the hybrid engine then
 falls back to the Hugging Face modules. Weights are not taken from the model here: the
 plan lists, for every inference parameter, the Hugging Face parameters it is built from
@@ -19,7 +19,8 @@ FSDP unit at a time.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class DecoderSpec:
     out_bias: bool
     mlp_bias: bool
     rotary: bool                # rotary positions (Llama) or learned ones (OPT)
+    rotary_dim: int = 0         # leading dims of a head that rotate (GPT-NeoX: a part)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
     position_offset: int = 0    # OPT's learned positions start at index 2
     scale_query_first: bool = False  # OPT scales q before the dot product, as HF does
     tied_head: bool = False
@@ -71,7 +74,8 @@ class Plan:
     sources: dict[str, list[str]]
     layer_of: dict[str, int | None]
     rotary: nn.Module | None    # a copy of the model's rotary-embedding module
-    transposed: frozenset[str] = frozenset()  # sources stored [in, out] (GPT-2's Conv1D)
+    # sources stored in another layout, and the function that turns them into ours
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
 
 def plan(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
@@ -107,6 +111,7 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         qkv_bias=_has_bias(model, f"{first}.self_attn.q_proj"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
         mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
+        rotary_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
     layer = {"attn_norm.weight": ["input_layernorm.weight"],
              "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
@@ -190,23 +195,72 @@ def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
             "norm.weight": ["transformer.ln_f.weight"], "norm.bias": ["transformer.ln_f.bias"]}
     if not spec.tied_head:
         root["head.weight"] = ["lm_head.weight"]
-    transposed = frozenset(f"{prefix}.{theirs}.weight" for prefix in layer_prefixes
-                           for theirs in conv.values())
-    return _assemble(spec, root, layer, layer_prefixes, None, transposed)
+    transforms = {f"{prefix}.{theirs}.weight": torch.Tensor.t for prefix in layer_prefixes
+                  for theirs in conv.values()}
+    return _assemble(spec, root, layer, layer_prefixes, None, transforms)
 
 
-_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt, "gpt2": _gpt2}
+def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    rope = config.rope_parameters
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
+        heads=heads, kv_heads=heads, head_dim=head_dim, ffn=config.intermediate_size,
+        norm="layer", norm_eps=config.layer_norm_eps, activation=config.hidden_act,
+        gated_mlp=False, qkv_bias=config.attention_bias, out_bias=config.attention_bias,
+        mlp_bias=True, rotary=True,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+        parallel_residual=config.use_parallel_residual,
+        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    layer = {"attn_norm.weight": ["input_layernorm.weight"],
+             "attn_norm.bias": ["input_layernorm.bias"],
+             "mlp_norm.weight": ["post_attention_layernorm.weight"],
+             "mlp_norm.bias": ["post_attention_layernorm.bias"],
+             "qkv.weight": ["attention.query_key_value.weight"],
+             "out.weight": ["attention.dense.weight"],
+             "up.weight": ["mlp.dense_h_to_4h.weight"], "up.bias": ["mlp.dense_h_to_4h.bias"],
+             "down.weight": ["mlp.dense_4h_to_h.weight"],
+             "down.bias": ["mlp.dense_4h_to_h.bias"]}
+    if spec.qkv_bias:
+        layer |= {"qkv.bias": ["attention.query_key_value.bias"],
+                  "out.bias": ["attention.dense.bias"]}
+    root = {"embed.weight": ["gpt_neox.embed_in.weight"],
+            "norm.weight": ["gpt_neox.final_layer_norm.weight"],
+            "norm.bias": ["gpt_neox.final_layer_norm.bias"]}
+    if not spec.tied_head:
+        root["head.weight"] = ["lm_head.weight"]
+    # the fused projection's rows run head by head ([q_h; k_h; v_h] for each head h): put
+    # all q rows first, then k, then v
+    order = torch.arange(3 * config.hidden_size).view(heads, 3, head_dim).transpose(0, 1)
+    order = order.reshape(-1)
+
+    def by_kind(weight: torch.Tensor) -> torch.Tensor:
+        return weight.index_select(0, order.to(weight.device))
+
+    transforms = {f"{prefix}.attention.query_key_value.{p}": by_kind
+                  for prefix in layer_prefixes for p in ("weight", "bias")}
+    return _assemble(spec, root, layer, layer_prefixes,
+                     copy.deepcopy(model.gpt_neox.rotary_emb), transforms)
+
+
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt, "gpt2": _gpt2,
+             "gpt_neox": _gpt_neox}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],
               layer_prefixes: list[str], rotary: nn.Module | None,
-              transposed: frozenset[str] = frozenset()) -> Plan:
+              transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
+              ) -> Plan:
     sources, layer_of = dict(root), dict.fromkeys(root)
     for i, prefix in enumerate(layer_prefixes):
         for name, parts in layer.items():
             sources[f"layers.{i}.{name}"] = [f"{prefix}.{part}" for part in parts]
             layer_of[f"layers.{i}.{name}"] = i
-    return Plan(spec, sources, layer_of, rotary, transposed)
+    return Plan(spec, sources, layer_of, rotary, transforms or {})
 
 
 class KVCache:
@@ -292,24 +346,30 @@ class _Layer(nn.Module):
         k = k.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
         v = v.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
         if rope is not None:
-            cos, sin = rope
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = _rotate(q, rope, spec.rotary_dim), _rotate(k, rope, spec.rotary_dim)
         keys.index_copy_(2, write_at, k)
         values.index_copy_(2, write_at, v)
         if kv_len is not None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
         attn = _grouped_attention(q, keys, values, mask,
                                   1.0 if spec.scale_query_first else spec.head_dim ** -0.5)
-        residual, h = self.mlp_norm(self.out(attn), residual)
+        attn = self.out(attn)
+        if spec.parallel_residual:   # the MLP reads the block's input, not attention's output
+            _, h = self.mlp_norm(None, residual)
+            return residual, attn + self._mlp(h)
+        residual, h = self.mlp_norm(attn, residual)
+        return residual, self._mlp(h)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         h = self.up(h)
-        if not spec.gated_mlp:
+        if not self.spec.gated_mlp:
             h = self.act(h)
         elif self.fused_silu:
             h = kernels.silu_mul(h)
         else:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate) * up
-        return residual, self.down(h)
+        return self.down(h)
 
     def use_fused_kernels(self, enabled: bool) -> None:
         self.attn_norm.fused = self.mlp_norm.fused = enabled
@@ -331,6 +391,16 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         mask = mask.expand(b, 1, t, mask.shape[-1]).repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dims: int
+            ) -> torch.Tensor:
+    """Rotary embedding of the first `dims` of each head's dims (all, except GPT-NeoX)."""
+    cos, sin = rope
+    if dims == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :dims], x[..., dims:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -202,7 +202,7 @@ def _special_ids(tok: PreTrainedTokenizerBase) -> dict[str, int]:
                 eos_token_id=tok.eos_token_id)
 
 
-def _preset_config(spec: str, tok: PreTrainedTokenizerBase) -> PretrainedConfig:
+def preset_config(spec: str, tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     return PRESETS[spec](len(tok), **_special_ids(tok))
 
 
@@ -210,7 +210,7 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
           trust_remote_code: bool, seed: int, **kwargs) -> PreTrainedModel:
     kind = _source(spec, flag)
     if kind == "preset":
-        config = _preset_config(spec, tok)
+        config = preset_config(spec, tok)
         for key, value in kwargs.items():
             setattr(config, key, value)
         with torch.random.fork_rng(devices=[]):

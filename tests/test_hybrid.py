@@ -1,8 +1,8 @@
 """The hybrid engine (engine/hybrid.py, engine/inference.py) against Hugging Face `generate`
-on the unsharded model, fp32 on CPU: greedy and sampled answers token for token (Llama, OPT
-and GPT-2, with and without LoRA, ZeRO-3 at one and two ranks, the fallback for an
-architecture without inference modules), and training unchanged by the switch to generation
-and back.
+on the unsharded model, fp32 on CPU: greedy and sampled answers token for token (Llama, OPT,
+GPT-2 and GPT-NeoX, with and without LoRA, ZeRO-3 at one and two ranks, the fallback for a
+model without inference modules), and training unchanged by the switch to generation and
+back.
 The checks themselves are in tests/harness/hybrid_check.py, shared by both world sizes."""
 
 from __future__ import annotations
@@ -16,15 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import BloomConfig, BloomForCausalLM
 
 from engine.engine import OptimSettings
 from engine.generation import SamplingSettings, generate
 from engine.hybrid import HybridEngine, HybridSettings
-from engine.inference import InferenceDecoder, Unsupported, plan
+from engine.inference import Unsupported, plan
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
 from steps.data import collate_prompts
-from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end, run_cases
+from tests.harness.hybrid_check import (
+    POST_NORM_OPT,
+    PROMPTS,
+    model_with_answers_that_end,
+    run_cases,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_PROCESS = Runtime(torch.device("cpu"), torch.float32, 0, 1, 0)
@@ -38,7 +44,7 @@ def _assert_cases_pass(results: dict) -> None:
         assert not failed, f"{case}: {failed} ({checks})"
         # answers of different lengths: the batch really stops row by row
         assert checks["greedy_ended_early"] > 0 and checks["greedy_ran_to_max"] > 0, checks
-        assert checks["injected"] == (case != "neox-fallback"), checks
+        assert checks["injected"] == (case != "postnorm-opt-fallback"), checks
 
 
 def test_one_process_matches_hf_generate():
@@ -146,19 +152,20 @@ def test_unsupported_variants_name_the_reason():
     opt.config.do_layer_norm_before = False
     with pytest.raises(Unsupported, match="post-norm"):
         plan(opt, ["model.decoder.layers.0", "model.decoder.layers.1"])
-    with pytest.raises(Unsupported, match="gpt_neox"):
-        plan(load_causal_lm("tiny-gpt-neox", TOK), ["gpt_neox.layers.0"])
     llama = load_causal_lm("tiny-llama", TOK)
-    assert isinstance(InferenceDecoder(plan(llama, ["model.layers.0", "model.layers.1"])),
-                      InferenceDecoder)
+    llama.config.sliding_window = 16
+    with pytest.raises(Unsupported, match="sliding-window"):
+        plan(llama, ["model.layers.0", "model.layers.1"])
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=300, hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(Unsupported, match="model type 'bloom'"):
+        plan(bloom, ["transformer.h.0"])
 
 
 def test_fallback_is_logged_once(capsys):
-    model = load_causal_lm("tiny-gpt-neox", TOK)
-    engine = _engine(model)
+    engine = _engine(model_with_answers_that_end(POST_NORM_OPT, 0, EOS))
     ids, mask = _batch(PROMPTS[:2])
     for _ in range(2):
         engine.generate(ids, mask, SamplingSettings(max_new_tokens=4, do_sample=False),
                         eos_token_id=EOS, pad_token_id=PAD)
     out = capsys.readouterr().out
-    assert out.count("hybrid engine: GPTNeoXForCausalLM: no inference modules") == 1
+    assert out.count("hybrid engine: OPTForCausalLM: post-norm OPT") == 1, out

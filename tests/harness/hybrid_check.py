@@ -22,12 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine.engine import OptimSettings  # noqa: E402
 from engine.generation import SamplingSettings, generate  # noqa: E402
 from engine.hybrid import HybridEngine, HybridSettings  # noqa: E402
 from engine.lora import LoraSettings, apply_lora  # noqa: E402
-from engine.models import byte_tokenizer, load_causal_lm  # noqa: E402
+from engine.models import byte_tokenizer, load_causal_lm, preset_config  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import Runtime, setup_runtime  # noqa: E402
 from steps.data import collate_prompts  # noqa: E402
@@ -37,6 +38,8 @@ PROMPTS = ["hello there", "a", "The quick brown fox jumps over", "12+34=", "Why 
 GREEDY = SamplingSettings(max_new_tokens=24, do_sample=False)
 SAMPLED = SamplingSettings(max_new_tokens=24, temperature=0.9, top_k=40, top_p=0.95)
 
+# OPT with the norm after each block (as OPT-350m): no inference modules, the HF fallback
+POST_NORM_OPT = "tiny-opt-post-norm"
 # (name, preset, LoRA rank, ZeRO stage, hybrid settings)
 CASES = [
     ("llama", "tiny-llama", 0, 3, HybridSettings()),
@@ -46,14 +49,21 @@ CASES = [
     ("opt-lora-stage0", "tiny-opt", 4, 0, HybridSettings()),
     ("llama-stage2", "tiny-llama", 0, 2, HybridSettings(gather_group_size=2)),
     ("gpt2-lora", "tiny-gpt2", 4, 3, HybridSettings()),
-    ("neox-fallback", "tiny-gpt-neox", 4, 3, HybridSettings()),
+    ("neox-lora", "tiny-gpt-neox", 4, 3, HybridSettings()),
+    ("postnorm-opt-fallback", POST_NORM_OPT, 4, 3, HybridSettings()),
 ]
 
 
 def model_with_answers_that_end(preset: str, lora: int, eos: int) -> torch.nn.Module:
     """A random model (LoRA B non-zero, so the adapters matter) whose EOS logit is scaled
     up enough that some answers end early and others run to max_new_tokens."""
-    model = load_causal_lm(preset, byte_tokenizer(), seed=3)
+    if preset == POST_NORM_OPT:
+        config = preset_config("tiny-opt", byte_tokenizer())
+        config.do_layer_norm_before = False
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = load_causal_lm(preset, byte_tokenizer(), seed=3)
     with torch.no_grad():
         model.get_output_embeddings().weight[eos] *= 3
     model = apply_lora(model, LoraSettings(dim=lora))
