@@ -148,6 +148,7 @@ def worker(args: argparse.Namespace) -> None:
             if name == "hybrid":
                 times = hybrid.take_times()
                 row["hybrid_gather"] = ranks_max(times.gather / times.calls)
+                row["inference_mib"] = {k: v / 2**20 for k, v in hybrid.inference_bytes().items()}
         same = all(torch.equal(outputs[n], outputs["sharded"]) for n in outputs)
         row["identical"] = ranks_max(float(not same)) == 0
         row["new_tokens"] = outputs["hybrid"].shape[1] - ids.shape[1]
@@ -225,14 +226,15 @@ def cpu_main(args: argparse.Namespace) -> None:
           f"{args.new_tokens} new tokens, median of {args.repeats}")
     print(f"{'model':8} {'params':>7} {'sharded generate':>17} {'unsharded copy':>15} "
           f"{'hybrid engine':>14} {'(gather)':>9} {'vs sharded':>11} {'vs copy':>8} "
-          f"{'tokens/s':>9} {'identical':>9}")
+          f"{'tokens/s':>9} {'identical':>9} {'held: weights + KV cache':>25}")
     for arch, r in results.items():
         tokens = args.batch * r["new_tokens"]
         print(f"{arch:8} {r['params'] / 1e6:6.1f}M {r['sharded'] * 1e3:14.0f} ms "
               f"{r['unsharded'] * 1e3:12.0f} ms {r['hybrid'] * 1e3:11.0f} ms "
               f"{r['hybrid_gather'] * 1e3:6.1f} ms {r['sharded'] / r['hybrid']:10.1f}x "
               f"{r['unsharded'] / r['hybrid']:7.2f}x {tokens / r['hybrid']:9.0f} "
-              f"{'yes' if r['identical'] else 'NO':>9}")
+              f"{'yes' if r['identical'] else 'NO':>9} "
+              f"{r['inference_mib']['weights']:10.1f} + {r['inference_mib']['kv_cache']:4.1f} MiB")
     if args.no_step3:
         return
     step3 = _step3(args)
