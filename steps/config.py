@@ -40,6 +40,7 @@ class HybridConfig:
     release_inference_cache: bool = MISSING
     gather_group_size: int = MISSING
     cuda_graphs: bool = MISSING
+    fused_kernels: bool = MISSING
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """train.py: flags and Hydra overrides -> config, --help, and one-line refusals of bad input
 (nothing is written for a refused run)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import train
+from engine.hybrid import HybridSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 # keep anything that does run tiny and quiet
@@ -60,6 +62,8 @@ def test_hybrid_engine_flags_map_to_their_keys():
                  "--release-inference-cache", "--tp-gather-partition-size", "4").engine.hybrid
     assert not cfg.enabled and not cfg.pin_parameters and cfg.release_inference_cache
     assert cfg.gather_group_size == 4
+    # every HybridSettings field is a config key (and so can be overridden)
+    assert set(cfg) == {f.name for f in dataclasses.fields(HybridSettings)}
 
 
 def test_overrides_apply_and_may_mix_with_flags():
