@@ -99,13 +99,14 @@ def gathered(units: list[nn.Module]) -> Iterator[None]:
             unit.reshard()
 
 
+@dataclass
 class _Target:
     """What a gather fills: the inference model or a plain HF copy, and for each of its
     parameters the source parameters and the gather group they come with."""
 
-    def __init__(self, model: nn.Module, sources: dict[str, list[str]],
-                 group_of: dict[str, int]):
-        self.model, self.sources, self.group_of = model, sources, group_of
+    model: nn.Module
+    sources: dict[str, list[str]]
+    group_of: dict[str, int]
 
 
 class HybridEngine(TrainEngine):
@@ -187,8 +188,8 @@ class HybridEngine(TrainEngine):
             self._target = self._build(inner)
         target = self._target
         params = dict(target.model.named_parameters())
-        per_group: dict[int, list[str]] = {}
         transforms = self._plan.transforms if self._plan is not None else {}
+        per_group: dict[int, list[str]] = {}
         for name, group in target.group_of.items():
             per_group.setdefault(group, []).append(name)
         size = max(self.hybrid.gather_group_size, 1)
@@ -214,6 +215,7 @@ class HybridEngine(TrainEngine):
         if self._plan is not None:
             model = InferenceDecoder(self._plan)
             sources = self._plan.sources
+
             def shape(source: str) -> torch.Size:   # a sharded DTensor's shape is the full one
                 full = torch.empty(_base_parameter(inner, source)[2].shape, device="meta")
                 return self._plan.transforms.get(source, lambda w: w)(full).shape
