@@ -330,12 +330,13 @@ class _Layer(nn.Module):
                 kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pre-norm block on the residual stream, which arrives as `residual` plus the
         previous block's output `delta` (added here, fused with the norm) and leaves the
-        same way: returns (residual, this block's MLP output).
+        same way: returns (residual, this block's output), the output being the MLP's (plus
+        attention's, with a parallel residual).
 
         residual, delta: [B, T, hidden]; keys/values: this layer's cache [B, Hkv, S, d],
         written at slots `write_at` ([T] long); mask: [B, 1, T, kv_len or S] bool (True =
-        attend); rope: (cos, sin) [B, 1, T, d]. Attends over the first kv_len cache slots
-        (all S when None: static shapes for CUDA graphs)."""
+        attend); rope: (cos, sin) [B, 1, T, rotary_dim]. Attends over the first kv_len cache
+        slots (all S when None: static shapes for CUDA graphs)."""
         spec = self.spec
         b, t, _ = residual.shape
         residual, h = self.attn_norm(delta, residual)
