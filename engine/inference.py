@@ -263,6 +263,9 @@ def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, li
     return Plan(spec, sources, layer_of, rotary, transforms or {})
 
 
+CACHE_LENGTH_STEP = 64   # cache lengths are rounded up to a multiple of this
+
+
 class KVCache:
     """Preallocated keys and values, [layers, batch, kv_heads, length, head_dim] each.
     A call may use any batch and length up to the capacity (a view of the front)."""
@@ -505,15 +508,21 @@ class InferenceDecoder(nn.Module):
         length = p + n
         if self.cache is None or not self.cache.fits(b, length):
             self.release_cache()
-            self.cache = KVCache(self.spec, b, length, self.dtype, self.device)
-            self.cache.rope = self._rope_tables(length)
-        keys, values = self.cache.view(b, length)
+            # room to spare, so that rollouts with somewhat longer prompts reuse the cache
+            # (and the decode step captured for it)
+            capacity = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+            self.cache = KVCache(self.spec, b, capacity, self.dtype, self.device)
+            self.cache.rope = self._rope_tables(capacity)
+        static = static or cuda_graph
+        # a static step attends over the whole capacity: its shapes do not change with P
+        width = self.cache.keys.shape[3] if static else length
+        keys, values = self.cache.view(b, width)
         device = input_ids.device
         prompt_mask = attention_mask.bool()
         # key slots a query may attend: real prompt tokens, then every answer slot once
         # written; causality and "a pad token attends to itself" (so that no row of the
         # softmax is empty) are added per call
-        key_valid = torch.zeros(b, length, dtype=torch.bool, device=device)
+        key_valid = torch.zeros(b, width, dtype=torch.bool, device=device)
         key_valid[:, :p] = prompt_mask
         positions = attention_mask.long().cumsum(-1) - 1
         positions = positions.masked_fill(~prompt_mask, 1)    # as HF generate does
@@ -529,8 +538,7 @@ class InferenceDecoder(nn.Module):
         out[:, :p] = input_ids
         unfinished = torch.ones(b, dtype=torch.bool, device=device)
         next_position = attention_mask.long().sum(-1)                   # [B]
-        step = _StaticDecodeStep.get(self, b, length, cuda_graph) if static or cuda_graph \
-            else None
+        step = _StaticDecodeStep.get(self, b, width, cuda_graph) if static else None
         for t in range(n):
             token = chooser(logits, t)
             token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))

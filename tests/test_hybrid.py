@@ -76,16 +76,22 @@ def _engine(model, **settings) -> HybridEngine:
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 def test_static_decode_step_matches(preset):
-    """The fixed-shape decode step (what CUDA graphs capture) gives the same tokens."""
+    """The fixed-shape decode step (what CUDA graphs capture) gives the same tokens, and
+    one step serves batches whose prompts pad to different lengths."""
     model = model_with_answers_that_end(preset, 0, EOS)
     reference = copy.deepcopy(model)
     engine = _engine(model)
     decoder = engine._gather().model
-    ids, mask = _batch()
     sampling = SamplingSettings(max_new_tokens=20, do_sample=False)
-    want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
-    got = decoder.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD, static=True)
-    assert torch.equal(got, want)
+    lengths = set()
+    for prompts in (PROMPTS[:2], PROMPTS[2:4]):   # padded to 12 and 31 tokens
+        ids, mask = _batch(prompts)
+        lengths.add(ids.shape[1])
+        want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+        got = decoder.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
+                               static=True)
+        assert torch.equal(got, want)
+    assert len(lengths) == 2 and len(decoder._steps) == 1
 
 
 def test_seeded_sampling_and_stop_tokens_match_hf_generate():
