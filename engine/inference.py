@@ -529,6 +529,8 @@ class InferenceDecoder(nn.Module):
         slots = torch.arange(p, device=device)
         causal = slots[None, :] <= slots[:, None]                          # [P, P]
         mask = (key_valid[:, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=device)
+        # (a new static step runs warm-ups that write one cache slot: before the prefill)
+        step = _StaticDecodeStep.get(self, b, width, cuda_graph) if static else None
         logits = self(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
 
         chooser = TokenChooser(sampling, row_seeds)
@@ -538,7 +540,6 @@ class InferenceDecoder(nn.Module):
         out[:, :p] = input_ids
         unfinished = torch.ones(b, dtype=torch.bool, device=device)
         next_position = attention_mask.long().sum(-1)                   # [B]
-        step = _StaticDecodeStep.get(self, b, width, cuda_graph) if static else None
         for t in range(n):
             token = chooser(logits, t)
             token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
@@ -566,15 +567,22 @@ class _StaticDecodeStep:
         device = model.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        # warm-ups write the last slot, which no call reads before writing it itself (it is
+        # masked until then)
+        self.slot = torch.full((1,), length - 1, dtype=torch.long, device=device)
+        # the warm-up query sees only itself: a row with nothing to attend would turn its
+        # keys and values into NaN, which even a masked slot passes on (0 * NaN)
         self.key_valid = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
+        self.key_valid[..., length - 1] = True
         keys, values = model.cache.view(batch, length)
 
         def run() -> torch.Tensor:
             return model(self.tokens, self.positions, self.slot, self.key_valid, keys, values)
 
         self.run, self.graph = run, None
-        if capture:
+        if not capture:
+            run()   # the warm-up a capture does, so that CPU tests see its cache writes too
+        else:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):   # warm-up outside the graph, as capture needs
