@@ -93,11 +93,19 @@ def _has_bias(model: nn.Module, name: str) -> bool:
     return getattr(model.get_submodule(name), "bias", None) is not None
 
 
+def _tied_head(model: PreTrainedModel) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def _check_rope(rope: dict) -> None:
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+
+
 def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+    _check_rope(rope)
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise Unsupported("sliding-window attention")
     first = layer_prefixes[0]
@@ -112,7 +120,7 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
         mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
         rotary_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+        tied_head=_tied_head(model))
     layer = {"attn_norm.weight": ["input_layernorm.weight"],
              "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
              "out.weight": ["self_attn.o_proj.weight"],
@@ -127,8 +135,6 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         layer["up.bias"] = ["mlp.gate_proj.bias", "mlp.up_proj.bias"]
         layer["down.bias"] = ["mlp.down_proj.bias"]
     root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
-    if not spec.tied_head:
-        root["head.weight"] = ["lm_head.weight"]
     return _assemble(spec, root, layer, layer_prefixes, copy.deepcopy(model.model.rotary_emb))
 
 
@@ -148,7 +154,7 @@ def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         norm="layer", norm_eps=1e-5, activation=config.activation_function, gated_mlp=False,
         qkv_bias=bias, out_bias=bias, mlp_bias=bias, rotary=False, position_offset=2,
         scale_query_first=True,
-        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+        tied_head=_tied_head(model))
     layer = {"attn_norm.weight": ["self_attn_layer_norm.weight"],
              "attn_norm.bias": ["self_attn_layer_norm.bias"],
              "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
@@ -164,8 +170,6 @@ def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
             "positions.weight": ["model.decoder.embed_positions.weight"],
             "norm.weight": ["model.decoder.final_layer_norm.weight"],
             "norm.bias": ["model.decoder.final_layer_norm.bias"]}
-    if not spec.tied_head:
-        root["head.weight"] = ["lm_head.weight"]
     return _assemble(spec, root, layer, layer_prefixes, None)
 
 
@@ -182,7 +186,7 @@ def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         norm="layer", norm_eps=config.layer_norm_epsilon,
         activation=config.activation_function, gated_mlp=False, qkv_bias=True, out_bias=True,
         mlp_bias=True, rotary=False,
-        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+        tied_head=_tied_head(model))
     # Conv1D keeps its weight as [in, out]: these sources are transposed when copied
     conv = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc",
             "down": "mlp.c_proj"}
@@ -193,8 +197,6 @@ def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     root = {"embed.weight": ["transformer.wte.weight"],
             "positions.weight": ["transformer.wpe.weight"],
             "norm.weight": ["transformer.ln_f.weight"], "norm.bias": ["transformer.ln_f.bias"]}
-    if not spec.tied_head:
-        root["head.weight"] = ["lm_head.weight"]
     transforms = {f"{prefix}.{theirs}.weight": torch.Tensor.t for prefix in layer_prefixes
                   for theirs in conv.values()}
     return _assemble(spec, root, layer, layer_prefixes, None, transforms)
@@ -203,8 +205,7 @@ def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
 def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     config = model.config
     rope = config.rope_parameters
-    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+    _check_rope(rope)
     heads = config.num_attention_heads
     head_dim = config.hidden_size // heads
     spec = DecoderSpec(
@@ -215,7 +216,7 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         mlp_bias=True, rotary=True,
         rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
         parallel_residual=config.use_parallel_residual,
-        tied_head=model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+        tied_head=_tied_head(model))
     layer = {"attn_norm.weight": ["input_layernorm.weight"],
              "attn_norm.bias": ["input_layernorm.bias"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
@@ -231,8 +232,6 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     root = {"embed.weight": ["gpt_neox.embed_in.weight"],
             "norm.weight": ["gpt_neox.final_layer_norm.weight"],
             "norm.bias": ["gpt_neox.final_layer_norm.bias"]}
-    if not spec.tied_head:
-        root["head.weight"] = ["lm_head.weight"]
     # the fused projection's rows run head by head ([q_h; k_h; v_h] for each head h): put
     # all q rows first, then k, then v
     order = torch.arange(3 * config.hidden_size).view(heads, 3, head_dim).transpose(0, 1)
@@ -255,6 +254,8 @@ def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, li
               layer_prefixes: list[str], rotary: nn.Module | None,
               transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
               ) -> Plan:
+    if not spec.tied_head:   # every supported family names an untied head lm_head
+        root = {**root, "head.weight": ["lm_head.weight"]}
     sources, layer_of = dict(root), dict.fromkeys(root)
     for i, prefix in enumerate(layer_prefixes):
         for name, parts in layer.items():
