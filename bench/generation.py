@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -59,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-step3", action="store_true", help="skip the PPO iteration runs")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (GPU bound)")
     p.add_argument("--gpu-batches", default="1,8,32")
+    p.add_argument("--gpu-model", choices=("opt", "llama"), default="opt",
+                   help="--gpu: OPT-1.3B-sized, or a Llama of the same size (GQA, SiLU MLP)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -256,7 +259,7 @@ def cpu_main(args: argparse.Namespace) -> None:
 
 def gpu_main(args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, OPTConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
     from engine.engine import OptimSettings
     from engine.generation import SamplingSettings
@@ -266,10 +269,15 @@ def gpu_main(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         sys.exit("--gpu: no CUDA device here")
     device = torch.device("cuda")
-    config = OPTConfig(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
-                       num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048,
-                       word_embed_proj_dim=2048, do_layer_norm_before=True, pad_token_id=1,
-                       bos_token_id=2, eos_token_id=2)
+    ids = dict(pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    if args.gpu_model == "opt":
+        config = OPTConfig(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192,
+                           num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048,
+                           word_embed_proj_dim=2048, do_layer_norm_before=True, **ids)
+    else:
+        config = LlamaConfig(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632,
+                             num_attention_heads=32, num_key_value_heads=8, vocab_size=50272,
+                             max_position_embeddings=2048, tie_word_embeddings=False, **ids)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
     rt = Runtime(device, torch.bfloat16, 0, 1, 0)
@@ -280,30 +288,48 @@ def gpu_main(args: argparse.Namespace) -> None:
     prompt_len = new = 256
     sampling = SamplingSettings(max_new_tokens=new, do_sample=False)
     sync = torch.cuda.synchronize
-    print(f"\nOPT-1.3B-sized ({weight_bytes / 1e9:.2f} GB of bf16 weights), "
+    print(f"\n{type(model).__name__}, 1.3B-sized ({weight_bytes / 1e9:.2f} GB of bf16 weights), "
           f"{torch.cuda.get_device_name()}, {prompt_len}-token prompts, {new} new tokens, "
           f"greedy; bandwidth bound {bound_ms:.3f} ms/step at {args.bandwidth / 1e12:.1f} TB/s")
     print(f"{'batch':>5} {'HF tok/s':>9} {'HF ms/step':>10} {'hybrid tok/s':>12} "
-          f"{'ms/step':>8} {'speed-up':>8} {'of bound':>8} {'gather ms':>9} {'peak GiB':>8}")
+          f"{'ms/step':>8} {'speed-up':>8} {'of bound':>8} {'no graph':>8} {'no kernels':>10} "
+          f"{'gather ms':>9} {'peak GiB':>8} {'= HF tokens':>11}")
     for batch in (int(b) for b in args.gpu_batches.split(",")):
         ids = torch.randint(3, config.vocab_size, (batch, prompt_len), device=device)
         mask = torch.ones_like(ids)
         # every row runs to `new` tokens in both: HF told not to stop before, ours no EOS
-        hf, _ = _median_time(partial(model.generate, input_ids=ids, attention_mask=mask,
-                                     max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                     pad_token_id=config.pad_token_id),
-                             args.repeats, sync, float)
+        hf, hf_out = _median_time(partial(model.generate, input_ids=ids, attention_mask=mask,
+                                          max_new_tokens=new, min_new_tokens=new,
+                                          do_sample=False, pad_token_id=config.pad_token_id),
+                                  args.repeats, sync, float)
         kwargs = dict(eos_token_id=[], pad_token_id=config.pad_token_id)   # no stop id
+        run = partial(engine.generate, ids, mask, sampling, **kwargs)
         torch.cuda.reset_peak_memory_stats()
         engine.take_times()
-        ours, _ = _median_time(partial(engine.generate, ids, mask, sampling, **kwargs),
-                               args.repeats, sync, float)
+        ours, out = _median_time(run, args.repeats, sync, float)
         times = engine.take_times()
         peak = torch.cuda.max_memory_allocated() / 2**30
+        # the same decode without the CUDA graph, then without the Triton kernels
+        settings = engine.hybrid
+        engine.hybrid = dataclasses.replace(settings, cuda_graphs=False)
+        no_graph, _ = _median_time(run, args.repeats, sync, float)
+        engine._target.model.use_fused_kernels(False)
+        no_kernels, _ = _median_time(run, args.repeats, sync, float)
+        engine._target.model.use_fused_kernels(True)
+        engine.hybrid = settings
+        # bf16 greedy: kernels that sum in another order may flip a near-tie, after which
+        # a row diverges; the share of answer tokens before each row's first difference
+        same = (out[:, prompt_len:] == hf_out[:, prompt_len:]).long().cumprod(-1).sum()
         step_ms = ours / new * 1e3
         print(f"{batch:5d} {batch * new / hf:9.0f} {hf / new * 1e3:10.2f} "
               f"{batch * new / ours:12.0f} {step_ms:8.2f} {hf / ours:7.2f}x "
-              f"{bound_ms / step_ms:7.0%} {times.gather / times.calls * 1e3:9.1f} {peak:8.1f}")
+              f"{bound_ms / step_ms:7.0%} {no_graph / new * 1e3:8.2f} "
+              f"{no_kernels / new * 1e3:10.2f} {times.gather / times.calls * 1e3:9.1f} "
+              f"{peak:8.1f} {float(same) / (batch * new):10.0%}", flush=True)
+    print("ms/step = the hybrid engine's generate time over new tokens (prefill included); "
+          "'no graph', 'no kernels': the same without the CUDA graph, then also without the "
+          "Triton kernels; '= HF tokens': share of answer tokens equal to HF's before a "
+          "row's first difference")
 
 
 def main(argv: list[str] | None = None) -> None:

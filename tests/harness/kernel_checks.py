@@ -19,7 +19,13 @@ from engine import kernels
 pytest.importorskip("triton")
 
 
-if os.environ.get("TRITON_INTERPRET") != "1":
+# CPU tensors under the interpreter; compiled kernels on CUDA (`pytest tests/harness/
+# kernel_checks.py` on a GPU machine)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = torch.device("cpu")
+elif torch.cuda.is_available():
+    DEVICE = torch.device("cuda")
+else:
     pytest.skip("run through tests/test_kernels.py (needs TRITON_INTERPRET=1 from the start)",
                 allow_module_level=True)
 
@@ -46,10 +52,10 @@ def _fp32(*tensors):
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_add_norm_equals_the_pytorch_formula(dtype, rms, with_delta):
     gen = torch.Generator().manual_seed(0)
-    residual = torch.randn(3, 5, 96, generator=gen).to(dtype)   # 96: not a power of 2
-    delta = torch.randn(3, 5, 96, generator=gen).to(dtype) if with_delta else None
-    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
-    bias = None if rms else (0.1 * torch.randn(96, generator=gen)).to(dtype)
+    residual = torch.randn(3, 5, 96, generator=gen).to(DEVICE, dtype)   # 96: not a power of 2
+    delta = torch.randn(3, 5, 96, generator=gen).to(DEVICE, dtype) if with_delta else None
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
+    bias = None if rms else (0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
     got_sum, got = kernels.add_norm(delta, residual, weight, bias, 1e-5, rms)
     total = residual if delta is None else (residual.float() + delta.float()).to(dtype)
     _assert_close(got_sum, total)            # the residual stream, rounded to its dtype
@@ -60,7 +66,8 @@ def test_add_norm_equals_the_pytorch_formula(dtype, rms, with_delta):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_equals_the_pytorch_formula(dtype):
-    gate_up = torch.randn(4, 1, 2 * 1300, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gate_up = torch.randn(4, 1, 2 * 1300, generator=torch.Generator().manual_seed(1))
+    gate_up = gate_up.to(DEVICE, dtype)
     got = kernels.silu_mul(gate_up)
     assert got.shape == (4, 1, 1300) and got.dtype == dtype
     _assert_close(got, kernels.silu_mul_reference(gate_up.float()))
@@ -77,14 +84,19 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end
 
     tok = byte_tokenizer()
-    model = model_with_answers_that_end(preset, 0, tok.eos_token_id)
+    model = model_with_answers_that_end(preset, 0, tok.eos_token_id).to(DEVICE)
     reference = copy.deepcopy(model)
-    cpu = Runtime(torch.device("cpu"), torch.float32, 0, 1, 0)
-    decoder = HybridEngine(model, OptimSettings(lr=1e-3), 1, cpu)._gather().model
+    runtime = Runtime(DEVICE, torch.float32, 0, 1, 0)
+    decoder = HybridEngine(model, OptimSettings(lr=1e-3), 1, runtime)._gather().model
     decoder.use_fused_kernels(True)
     batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
     sampling = SamplingSettings(max_new_tokens=12, do_sample=False)
     kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     want = generate(reference, batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
     got = decoder.generate(batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
     assert torch.equal(got, want)
+    if DEVICE.type == "cuda":   # the decode step captured as a CUDA graph, replayed per token
+        got = decoder.generate(batch["input_ids"], batch["attention_mask"], sampling, **kwargs,
+                               cuda_graph=True)
+        assert torch.equal(got, want)
