@@ -6,8 +6,8 @@
     python train.py --deployment-type single_node --actor-zero-stage 3 ...  # all GPUs here
     python train.py engine.device=cpu engine.procs=4    # 4 CPU processes (gloo)
 
-Flags follow DeepSpeed-Chat; every further `key=value` argument is a Hydra override of
-configs/config.yaml (see --help for all keys).
+Flags follow DeepSpeed-Chat; every further `key=value` argument is a Hydra override of a
+key of steps/config.py (see --help for all keys).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from steps.config import LIST_KEYS, register
+from steps.config import DEFAULTS, LIST_KEYS, as_yaml, listing, register
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
@@ -36,9 +36,56 @@ MODEL_DIRS = {1: ("actor",), 2: ("reward",), 3: ("step3/actor", "step3/critic")}
 register()
 
 
-def _default_config_text() -> str:
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        return OmegaConf.to_yaml(compose("config"))
+def _const(value: object) -> dict:
+    return {"action": "store_const", "const": value}
+
+
+INT, ZERO = {"type": int}, {"type": int, "choices": (0, 1, 2, 3)}
+BOOL = {"action": argparse.BooleanOptionalAction}
+# DeepSpeed-Chat's flags by --help group: (flag, the config key it sets, argparse options,
+# help). A flag given beats an override of its key; --help adds the key and its default.
+FLAGS: dict[str, list[tuple[str, str, dict, str]]] = {"": [
+    ("--actor-model", "actor_model", {}, "actor/SFT model: local HF dir, hub name, or a preset "
+     "(tiny-llama, tiny-opt, tiny-gpt2, tiny-gpt-neox)"),
+    ("--reward-model", "reward_model", {}, "reward-model base: same kinds as --actor-model"),
+    ("--step", "steps", {"type": int, "nargs": "+", "action": "extend", "choices": (1, 2, 3)},
+     "steps to run"),
+    ("--output-dir", "output_dir", {}, "where models, configs and metrics go"),
+    ("--deployment-type", "deployment_type", {"choices": DEPLOYMENTS}, "single_gpu: one "
+     "process; single_node: one process per GPU here, through torchrun; multi_node: the same "
+     "on every node, with --nnodes/--node-rank/--master-addr or --hostfile"),
+    ("--actor-zero-stage", "actor_zero_stage", ZERO, "actor sharding (steps 1, 3): 3 = ZeRO-3, "
+     "1/2 = gradients and optimizer state sharded, 0 = replicated"),
+    ("--reward-zero-stage", "reward_zero_stage", ZERO,
+     "reward model (step 2) and critic (step 3) sharding"),
+    ("--resume", "resume", _const("true"), "continue the interrupted run in --output-dir (it "
+     "must hold one); by default a run found there is continued anyway"),
+    ("--disable-dropout", "ppo.disable_dropout", BOOL,
+     "dropout off in the step-3 actor, critic, reference and reward models"),
+], "hybrid engine (step 3 generation)": [
+    ("--enable-hybrid-engine", "engine.hybrid.enabled", BOOL,
+     "generate from a gathered inference form of the actor"),
+    ("--unpin-actor-parameters", "engine.hybrid.pin_parameters", _const(False),
+     "free the inference weights after every rollout"),
+    ("--release-inference-cache", "engine.hybrid.release_inference_cache", _const(True),
+     "free the KV cache after every rollout"),
+    ("--tp-gather-partition-size", "engine.hybrid.gather_group_size", INT,
+     "decoder layers all-gathered at once when switching to generation"),
+], "multi-node rendezvous (torchrun's)": [
+    ("--nnodes", "launch.nnodes", INT, ""),
+    ("--node-rank", "launch.node_rank", INT, ""),
+    ("--master-addr", "launch.master_addr", {}, ""),
+    ("--master-port", "launch.master_port", INT, ""),
+    ("--hostfile", "launch.hostfile", {}, "DeepSpeed-style `host slots=N` lines: sets the node "
+     "count, the master (first host) and processes per node"),
+]}
+
+
+def _flag_help(key: str, options: dict, text: str) -> str:
+    """`text [key=const; default ...]`, the default from the schema."""
+    const = f"={as_yaml(options['const'])}" if "const" in options else ""
+    default = "" if DEFAULTS[key] is None else f"; default {as_yaml(DEFAULTS[key])}"
+    return f"{text} [{key}{const}{default}]".lstrip()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,50 +95,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "it runs the built-in demo (tiny models, generated data, CPU-friendly).",
         epilog="Hydra overrides: any `key=value` after the flags sets a config key, e.g.\n"
                "  ppo.kl_coef=0.05 sft.epochs=2 'data.path=[a.jsonl,b.parquet]' recipe=demo\n"
-               "Unknown keys are refused. The keys and their defaults (configs/config.yaml):\n\n"
-               + (_default_config_text() if "-h" in (argv or sys.argv) or "--help" in (
-                   argv or sys.argv) else ""),
+               "Unknown keys are refused. With no model flags, recipe=demo "
+               "(configs/recipe/demo.yaml) is applied.\n"
+               "The keys and their defaults (steps/config.py):\n\n" + listing(),
     )
-    parser.add_argument("--actor-model", help="actor/SFT model: local HF dir, hub name, or a "
-                        "preset (tiny-llama, tiny-opt, tiny-gpt2, tiny-gpt-neox)")
-    parser.add_argument("--reward-model", help="reward-model base: same kinds as --actor-model")
-    parser.add_argument("--step", type=int, nargs="+", action="extend", choices=(1, 2, 3),
-                        default=None, help="steps to run (default: 1 2 3)")
-    parser.add_argument("--output-dir", help="where models, configs and metrics go "
-                        "(default ./output)")
-    parser.add_argument("--deployment-type", choices=DEPLOYMENTS, default=None,
-                        help="single_gpu: one process (default); single_node: one process "
-                        "per GPU here, through torchrun; multi_node: the same on every node, "
-                        "with --nnodes/--node-rank/--master-addr or --hostfile")
-    parser.add_argument("--actor-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
-                        help="actor sharding (steps 1, 3): 3 = ZeRO-3, 1/2 = gradients and "
-                        "optimizer state sharded, 0 = replicated")
-    parser.add_argument("--reward-zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
-                        help="reward model (step 2) and critic (step 3) sharding")
-    parser.add_argument("--resume", action="store_true", default=None,
-                        help="continue the interrupted run in --output-dir (it must hold one); "
-                        "by default a run found there is continued anyway")
-    hybrid = parser.add_argument_group("hybrid engine (step 3 generation; engine.hybrid.*)")
-    hybrid.add_argument("--enable-hybrid-engine", action=argparse.BooleanOptionalAction,
-                        default=None, help="generate from a gathered inference form of the "
-                        "actor (default on)")
-    hybrid.add_argument("--unpin-actor-parameters", action="store_true", default=None,
-                        help="free the inference weights after every rollout")
-    hybrid.add_argument("--release-inference-cache", action="store_true", default=None,
-                        help="free the KV cache after every rollout")
-    hybrid.add_argument("--tp-gather-partition-size", type=int, default=None,
-                        help="decoder layers all-gathered at once when switching to "
-                        "generation (default 1)")
-    launch = parser.add_argument_group("multi-node rendezvous (torchrun's)")
-    launch.add_argument("--nnodes", type=int, default=None)
-    launch.add_argument("--node-rank", type=int, default=None)
-    launch.add_argument("--master-addr", default=None)
-    launch.add_argument("--master-port", type=int, default=None)
-    launch.add_argument("--hostfile", default=None,
-                        help="DeepSpeed-style `host slots=N` lines: sets the node count, the "
-                        "master (first host) and processes per node")
+    for title, rows in FLAGS.items():
+        group = parser.add_argument_group(title) if title else parser
+        for flag, key, options, text in rows:
+            group.add_argument(flag, **options, default=None,
+                               help=_flag_help(key, options, text))
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="Hydra overrides of configs/config.yaml")
+                        help="Hydra overrides of the config keys listed below")
     # intermixed: `key=value` overrides may come before, between and after the flags
     return parser.parse_intermixed_args(_inline_steps(sys.argv[1:] if argv is None else argv))
 
@@ -134,24 +148,11 @@ def build_config(args: argparse.Namespace) -> DictConfig:
 
             raise UserError(f"bad override in {' '.join(args.overrides)}: "
                             f"{str(err).splitlines()[0]}") from None
-    flags = {"actor_model": args.actor_model, "reward_model": args.reward_model,
-             "steps": args.step, "output_dir": args.output_dir,
-             "deployment_type": args.deployment_type, "actor_zero_stage": args.actor_zero_stage,
-             "reward_zero_stage": args.reward_zero_stage,
-             "resume": "true" if args.resume else None}
-    for key, value in flags.items():
-        if value is not None:
-            cfg[key] = sorted(set(value)) if key == "steps" else value
-    hybrid = {"enabled": args.enable_hybrid_engine,
-              "pin_parameters": False if args.unpin_actor_parameters else None,
-              "release_inference_cache": args.release_inference_cache,
-              "gather_group_size": args.tp_gather_partition_size}
-    for key, value in hybrid.items():
-        if value is not None:
-            cfg.engine.hybrid[key] = value
-    for key in ("nnodes", "node_rank", "master_addr", "master_port", "hostfile"):
-        if getattr(args, key) is not None:
-            cfg.launch[key] = getattr(args, key)
+    for rows in FLAGS.values():
+        for flag, key, _, _ in rows:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                OmegaConf.update(cfg, key, sorted(set(value)) if key == "steps" else value)
     cfg.resume = str(cfg.resume).lower()
     return cfg
 

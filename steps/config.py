@@ -1,175 +1,241 @@
-"""The schema of a run's config: key names and types. The values (defaults) live in
-configs/config.yaml and configs/recipe/; Hydra merges them onto this schema, so an
-override of an unknown key or of the wrong type (`ppo.kl_coef=abc`) is refused before
-anything runs."""
+"""A run's config: every key, its type, its default and its one-line comment, in one place.
+Defaults follow DeepSpeed-Chat's settings for OPT-1.3B-class actors; configs/recipe/ holds
+override files (`demo`, which train.py picks when given no model, scales them down).
+Hydra composes configs/config.yaml (this schema, then a recipe) and the command line onto
+it, so an unknown key or a value of the wrong type (`ppo.kl_coef=abc`) is refused before
+anything runs; `listing()` is what `train.py --help` prints."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional  # noqa: UP035 - OmegaConf's schema needs typing.Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+
+
+def val(default: Any, help: str = "") -> Any:
+    """A field's default with its comment. A list, or a callable making the value (a
+    section's class), is a default factory, so every config gets its own."""
+    meta = {"help": help}
+    if callable(default):
+        return field(default_factory=default, metadata=meta)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class LoraConfig:
-    dim: int = MISSING                  # rank; 0 = off
-    alpha: float = MISSING
-    dropout: float = MISSING
-    target_modules: Any = MISSING       # "all-linear" or a list of module names
-    only_optimize_lora: bool = MISSING
-    learning_rate: Optional[float] = MISSING  # noqa: UP045
+    dim: int = val(0, "rank; 0 = off")
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Any = val("all-linear", '"all-linear" or a list of module names')
+    only_optimize_lora: bool = False
+    learning_rate: Optional[float] = 5e-4  # noqa: UP045
 
 
 @dataclass
 class DataConfig:
-    path: list[str] = MISSING
-    split: list[float] = MISSING
-    eval_fraction: float = MISSING
-    max_prompt_len: int = MISSING
-    max_answer_len: int = MISSING
-    demo_pairs: int = MISSING
+    path: list[str] = val(["Dahoas/rm-static"], "files (.json .jsonl .jsonl.gz .parquet), "
+                          'dirs, hub names, or "demo"')
+    split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3")
+    eval_fraction: float = val(0.05, "held out of each step's share for evaluation")
+    max_prompt_len: int = val(256, "longer prompts are dropped (and counted)")
+    max_answer_len: int = val(256, "longer answers are truncated")
+    demo_pairs: int = val(4000, "size of the built-in demo data set")
 
 
 @dataclass
 class HybridConfig:
-    enabled: bool = MISSING
-    kernel_injection: bool = MISSING
-    pin_parameters: bool = MISSING
-    release_inference_cache: bool = MISSING
-    gather_group_size: int = MISSING
-    cuda_graphs: bool = MISSING
-    fused_kernels: bool = MISSING
+    enabled: bool = val(True, "false: generate on the sharded training model (slow)")
+    kernel_injection: bool = val(True, "fused inference modules (Llama, OPT families); "
+                                 "false: a gathered HF copy")
+    pin_parameters: bool = val(True, "keep the gathered inference weights between rollouts "
+                               "(false: free them)")
+    release_inference_cache: bool = val(False, "free the KV cache after every rollout")
+    gather_group_size: int = val(1, "decoder layers all-gathered at once (bounds the "
+                                 "gather's extra memory)")
+    cuda_graphs: bool = val(True, "capture the decode step as a CUDA graph (CUDA only)")
+    fused_kernels: bool = val(True, "Triton kernels for add+norm and SiLU*up (CUDA only)")
 
 
 @dataclass
 class EngineConfig:
-    device: str = MISSING
-    dtype: str = MISSING
-    procs: int = MISSING
-    timeout_s: float = MISSING
-    gradient_checkpointing: bool = MISSING
-    offload: bool = MISSING
-    shard_frozen_models: bool = MISSING
-    offload_reference_model: bool = MISSING
-    offload_reward_model: bool = MISSING
-    checkpoint_every: int = MISSING
-    keep_checkpoints: int = MISSING
-    hybrid: HybridConfig = field(default_factory=HybridConfig)
+    device: str = val("auto", "auto | cpu | cuda")
+    dtype: str = val("auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; sharded "
+                     "runs keep fp32 master weights")
+    procs: int = val(1, "processes on this node; >1 starts them through torchrun (gloo on "
+                     "CPU, NCCL on CUDA)")
+    timeout_s: float = val(600.0, "collective timeout: a dead or hung rank stops the job "
+                           "within it")
+    gradient_checkpointing: bool = val(False, "activation checkpointing of the trained models")
+    offload: bool = val(False, "ZeRO-Offload: trained models' params and optimizer state on "
+                        "the CPU (CUDA runs)")
+    shard_frozen_models: bool = val(True, "step 3 reference and reward models: ZeRO-3 "
+                                    "sharded (true) or replicated")
+    offload_reference_model: bool = val(False, "keep the reference model on the CPU between "
+                                        "uses")
+    offload_reward_model: bool = False
+    checkpoint_every: int = val(200, "optimizer steps (steps 1, 2) / PPO iterations (step 3) "
+                                "between checkpoints; 0 = none")
+    keep_checkpoints: int = 1
+    hybrid: HybridConfig = val(HybridConfig, "step 3's actor generates in inference form "
+                               "(engine/hybrid.py)")
 
 
 @dataclass
 class LaunchConfig:
-    nnodes: int = MISSING
-    node_rank: Optional[int] = MISSING  # noqa: UP045
-    master_addr: str = MISSING
-    master_port: int = MISSING
-    hostfile: Optional[str] = MISSING  # noqa: UP045
+    nnodes: int = 1
+    node_rank: Optional[int] = val(None, "this node's rank (default 0, or its place in the "  # noqa: UP045
+                                   "hostfile)")
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    hostfile: Optional[str] = val(None, 'DeepSpeed-style "host slots=N" lines: sets nnodes, '  # noqa: UP045
+                                  "master_addr, procs")
 
 
 @dataclass
 class TrainConfig:
     """Step 1 (SFT) and step 2 (reward model) share this shape."""
 
-    epochs: int = MISSING
-    batch_size: int = MISSING
-    grad_accum: int = MISSING
-    lr: float = MISSING
-    weight_decay: float = MISSING
-    lr_scheduler: str = MISSING
-    warmup_steps: int = MISSING
-    grad_clip: float = MISSING
-    eval_batch_size: int = MISSING
-    log_every: int = MISSING
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    epochs: int = 1
+    batch_size: int = val(8, "examples (step 2: pairs) per micro-batch")
+    grad_accum: int = 1
+    lr: float = 9.65e-6
+    weight_decay: float = 0.0
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    eval_batch_size: int = 16
+    log_every: int = 10
+    lora: LoraConfig = val(LoraConfig)
 
 
 @dataclass
 class EmaConfig:
-    enabled: bool = MISSING
-    beta: float = MISSING
+    enabled: bool = False
+    beta: float = 0.992
 
 
 @dataclass
 class PtxConfig:
-    enabled: bool = MISSING
-    coef: float = MISSING
-    batch_size: int = MISSING
+    enabled: bool = False
+    coef: float = 27.8
+    batch_size: int = 8
 
 
 @dataclass
 class PPOConfig:
-    actor_path: Optional[str] = MISSING  # noqa: UP045
-    reward_path: Optional[str] = MISSING  # noqa: UP045
-    epochs: int = MISSING
-    rollout_batch_size: int = MISSING
-    ppo_epochs: int = MISSING
-    micro_batch_size: int = MISSING
-    actor_lr: float = MISSING
-    critic_lr: float = MISSING
-    weight_decay: float = MISSING
-    lr_scheduler: str = MISSING
-    warmup_steps: int = MISSING
-    grad_clip: float = MISSING
-    kl_coef: float = MISSING
-    score_clip: float = MISSING
-    clip_range: float = MISSING
-    value_clip_range: float = MISSING
-    gamma: float = MISSING
-    lam: float = MISSING
-    whiten_advantages: bool = MISSING
-    temperature: float = MISSING
-    top_p: float = MISSING
-    top_k: int = MISSING
-    max_new_tokens: int = MISSING
-    eval_prompts: int = MISSING
-    log_every: int = MISSING
-    ema: EmaConfig = field(default_factory=EmaConfig)
-    ptx: PtxConfig = field(default_factory=PtxConfig)
-    actor_lora: LoraConfig = field(default_factory=LoraConfig)
-    critic_lora: LoraConfig = field(default_factory=LoraConfig)
+    actor_path: Optional[str] = val(None, "default: <output_dir>/actor (step 1)")  # noqa: UP045
+    reward_path: Optional[str] = val(None, "default: <output_dir>/reward (step 2); the "  # noqa: UP045
+                                     "critic starts from it")
+    epochs: int = val(1, "passes over the step-3 prompts")
+    rollout_batch_size: int = val(8, "prompts per generation round")
+    ppo_epochs: int = val(1, "optimisation passes over each round's experience")
+    micro_batch_size: int = 8
+    actor_lr: float = 9.65e-6
+    critic_lr: float = 5e-6
+    weight_decay: float = 0.0
+    lr_scheduler: str = "linear"
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    kl_coef: float = 0.1
+    score_clip: float = 5.0
+    clip_range: float = 0.2
+    value_clip_range: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = val(True, "normalise advantages over the rollout batch (TRL and "
+                                  "OpenRLHF do; DeepSpeed-Chat does not: set false for its "
+                                  "behaviour)")
+    disable_dropout: bool = val(True, "dropout off in the step-3 actor, critic, reference and "
+                                "reward models (TRL's default, DeepSpeed-Chat's "
+                                "--disable_actor_dropout/--disable_critic_dropout): with "
+                                "dropout on, the first PPO update's ratio is not 1")
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = "${data.max_answer_len}"  # type: ignore[assignment]
+    eval_prompts: int = val(64, "held-out prompts scored before and after PPO")
+    log_every: int = 1
+    ema: EmaConfig = val(EmaConfig)
+    ptx: PtxConfig = val(PtxConfig, "pretraining loss on step-1 data")
+    actor_lora: LoraConfig = val(LoraConfig)
+    critic_lora: LoraConfig = val(LoraConfig)
 
 
 @dataclass
 class WandbConfig:
-    enabled: bool = MISSING
-    mode: str = MISSING
-    project: str = MISSING
-    group: Optional[str] = MISSING  # noqa: UP045
-    run_name: Optional[str] = MISSING  # noqa: UP045
+    enabled: bool = False
+    mode: str = val("auto", "auto (offline without an API key) | online | offline | disabled")
+    project: str = "rlhf"
+    group: Optional[str] = None  # noqa: UP045
+    run_name: Optional[str] = None  # noqa: UP045
 
 
 @dataclass
 class LoggingConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    progress: bool = MISSING
+    wandb: WandbConfig = val(WandbConfig)
+    progress: bool = val(True, "tqdm bars")
 
 
 @dataclass
 class RunConfig:
-    actor_model: Optional[str] = MISSING  # noqa: UP045
-    reward_model: Optional[str] = MISSING  # noqa: UP045
-    tokenizer: Optional[str] = MISSING  # noqa: UP045
-    steps: list[int] = MISSING
-    output_dir: str = MISSING
-    overwrite: bool = MISSING
-    resume: str = MISSING
-    seed: int = MISSING
-    trust_remote_code: bool = MISSING
-    deployment_type: str = MISSING
-    actor_zero_stage: int = MISSING
-    reward_zero_stage: int = MISSING
-    data: DataConfig = field(default_factory=DataConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    sft: TrainConfig = field(default_factory=TrainConfig)
-    rm: TrainConfig = field(default_factory=TrainConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    actor_model: Optional[str] = val(None, "preset (tiny-llama, tiny-opt, tiny-gpt2, "  # noqa: UP045
+                                     "tiny-gpt-neox), HF dir or hub name")
+    reward_model: Optional[str] = val(None, "same kinds; step 2 trains it, step 3 scores "  # noqa: UP045
+                                      "with it")
+    tokenizer: Optional[str] = val(None, "tokenizer dir for presets (default: the built-in "  # noqa: UP045
+                                   "byte tokenizer)")
+    steps: list[int] = val([1, 2, 3])
+    output_dir: str = "./output"
+    overwrite: bool = val(False, "replace a finished step's model in output_dir")
+    resume: str = val("auto", "auto: continue an interrupted run found in output_dir | true: "
+                      "must | false: start over")
+    seed: int = 1234
+    trust_remote_code: bool = False
+    deployment_type: str = val("single_gpu", "single_gpu | single_node (torchrun, one process "
+                               "per GPU) | multi_node")
+    actor_zero_stage: int = 0
+    reward_zero_stage: int = 0
+    data: DataConfig = val(DataConfig)
+    engine: EngineConfig = val(EngineConfig)
+    launch: LaunchConfig = val(LaunchConfig, "torchrun rendezvous for --deployment-type "
+                               "multi_node (flags override)")
+    sft: TrainConfig = val(TrainConfig)
+    rm: TrainConfig = val(lambda: TrainConfig(lr=5e-6, weight_decay=0.1))
+    ppo: PPOConfig = val(PPOConfig)
+    logging: LoggingConfig = val(LoggingConfig)
 
 
-LIST_KEYS = ("steps", "data.path", "data.split")
+def walk(section: Any, prefix: str = ""):
+    """(dotted key, default, comment) of every key and section under `section`, in order."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        yield prefix + f.name, value, f.metadata.get("help")
+        if is_dataclass(value):
+            yield from walk(value, f"{prefix}{f.name}.")
+
+
+DEFAULTS = {key: value for key, value, _ in walk(RunConfig())}  # "ppo.kl_coef": 0.1, ...
+LIST_KEYS = tuple(key for key, value in DEFAULTS.items() if isinstance(value, list))
+
+
+def as_yaml(value: Any) -> str:
+    if isinstance(value, list):
+        return f"[{', '.join(map(as_yaml, value))}]"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def listing() -> str:
+    """Every key with its default and comment, as YAML: what `train.py --help` shows."""
+    lines = []
+    for key, value, note in walk(RunConfig()):
+        line = "  " * key.count(".") + key.rpartition(".")[2] + ":"
+        line += "" if is_dataclass(value) else f" {as_yaml(value)}"
+        lines.append(f"{line:<30}  # {note}" if note else line)
+    return "\n".join(lines)
 
 
 def register() -> None:

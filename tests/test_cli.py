@@ -1,6 +1,7 @@
 """train.py: flags and Hydra overrides -> config, --help, and one-line refusals of bad input
 (nothing is written for a refused run)."""
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -8,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+import steps.config
 import train
 from engine.hybrid import HybridSettings
 
@@ -101,6 +104,7 @@ def test_a_model_flag_keeps_the_standard_recipe():
     assert ppo.ema.beta == 0.992 and ppo.ema.enabled is False
     assert ppo.score_clip == 5
     assert ppo.max_new_tokens == cfg.data.max_answer_len == 256
+    assert ppo.whiten_advantages is True and ppo.disable_dropout is True
 
 
 def test_a_flag_beats_the_same_key_as_override():
@@ -113,15 +117,36 @@ def test_a_flag_beats_the_same_key_as_override():
     assert cfg.actor_zero_stage == 2
 
 
-def test_help_lists_flags_and_config_keys():
+FLAG_ROWS = [row[:3] for rows in train.FLAGS.values() for row in rows]
+
+
+@pytest.mark.parametrize("flag, key, options", FLAG_ROWS, ids=[r[0] for r in FLAG_ROWS])
+def test_each_flag_of_the_table_sets_its_key(flag, key, options):
+    if options.get("action") is argparse.BooleanOptionalAction:
+        cases = {(flag,): True, (f"--no-{flag[2:]}",): False}
+    elif "const" in options:
+        cases = {(flag,): options["const"]}
+    else:
+        raw = str(options.get("choices", ["7"])[-1])
+        value = options.get("type", str)(raw)
+        cases = {(flag, raw): [value] if options.get("nargs") else value}
+    for argv, value in cases.items():
+        assert OmegaConf.select(config(*argv), key) == value, argv
+
+
+def test_help_lists_every_flag_and_every_key_with_its_default_and_comment():
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--actor-model", "--reward-model", "--step", "--output-dir",
-                 "--deployment-type", "--actor-zero-stage", "--reward-zero-stage"):
-        assert flag in proc.stdout
-    for key in ("kl_coef", "max_prompt_len", "clip_range", "demo_pairs", "overwrite"):
-        assert key in proc.stdout
+    for flag, key, _ in FLAG_ROWS:
+        assert flag in proc.stdout and f"[{key}" in proc.stdout
+    listing = proc.stdout.split("(steps/config.py):\n\n")[1]
+    # the listing is the schema's defaults, which are what Hydra composes
+    composed = OmegaConf.to_container(config("recipe=standard"))
+    assert OmegaConf.to_container(OmegaConf.create(listing)) == composed
+    notes = [note for _, _, note in steps.config.walk(steps.config.RunConfig()) if note]
+    assert all(f"# {note}" in listing for note in notes) and len(notes) > 40
+    assert "whiten_advantages: true " in listing and "disable_dropout: true " in listing
 
 
 # ---------------------------------------------------------------------------------------------
