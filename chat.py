@@ -1,9 +1,11 @@
 """
 Chat with a trained model: python chat.py --path output/step3/actor
 
-Works on any Hugging Face causal-LM directory (config.json, weights, tokenizer files), so it only
-needs torch and transformers, not the rest of this project. The conversation uses the same
-Anthropic hh-rlhf format the model was trained on:
+Works on any Hugging Face causal-LM directory (config.json, weights, tokenizer files), or a hub
+name, loaded as train.py loads models (engine/models.py), and generates through the model's
+inference form (engine/inference_form.py: fused inference modules, CUDA graphs on a GPU; Hugging
+Face generate for architectures without them). The conversation uses the same Anthropic hh-rlhf
+format the model was trained on:
 
     \\n\\nHuman: {text}\\n\\nAssistant: {reply}\\n\\nHuman: {text}\\n\\nAssistant:
 
@@ -12,25 +14,21 @@ piped, one user turn is read per line and each reply is printed as "Assistant: <
 """
 
 import argparse
-import os
-import re
-import socket
 import sys
-from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, set_seed
+from transformers import set_seed
 from transformers.utils import logging as hf_logging
+
+from engine.errors import UserError
+from engine.generation import SamplingSettings
+from engine.inference_form import inference_form
+from engine.models import load_causal_lm, load_tokenizer
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
 STOP = HUMAN  # the model starting the next human turn means its reply is over
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-NO_DIR_HINT = "pass the output dir of a trained model, e.g. output/step3/actor"
-
-
-class ChatError(Exception):
-    """A mistake the user can fix: main() prints it as one line and exits 2."""
 
 
 # -----------------------------------------------------------------------------
@@ -110,34 +108,21 @@ def decode_new(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
     return full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids, **kw)
 
 
-class StopOnText(StoppingCriteria):
-    """Stop once the last few generated tokens decode to text containing the stop string."""
-
-    def __init__(self, tokenizer, prompt_len: int):
-        self.tokenizer, self.prompt_len = tokenizer, prompt_len
-
-    def __call__(self, input_ids, scores, **kwargs):
-        tail = input_ids[:, self.prompt_len :][:, -16:]  # "\n\nHuman:" is a handful of tokens
-        texts = self.tokenizer.batch_decode(tail, skip_special_tokens=True)
-        return torch.tensor([STOP in t for t in texts], device=input_ids.device)
-
-
 class ReplyStreamer:
-    """generate() streamer that prints the reply as it grows, exactly as it will finally read."""
+    """Per-token callback of generation: prints the reply as it grows, exactly as it will finally
+    read, and ends generation (returns True) once the model starts the next human turn."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], out=None):
         self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
         self.out = out or sys.stdout  # looked up now, so redirected stdout is honoured
         self.new_ids: list[int] = []
         self.shown = ""
-        self.got_prompt = False
 
-    def put(self, value):
-        if not self.got_prompt:  # generate() hands over the prompt first
-            self.got_prompt = True
-            return
-        self.new_ids.extend(value.flatten().tolist())
-        self._show(stream_safe(decode_new(self.tokenizer, self.prompt_ids, self.new_ids)))
+    def __call__(self, tokens: torch.Tensor) -> bool:
+        self.new_ids.extend(tokens.tolist())  # [1]: the one row's token
+        text = decode_new(self.tokenizer, self.prompt_ids, self.new_ids)
+        self._show(stream_safe(text))
+        return STOP in text
 
     def end(self):
         self._show(
@@ -152,27 +137,29 @@ class ReplyStreamer:
             self.shown = text
 
 
-@torch.inference_mode()
 def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
-    """Generate (and stream to `out`) the assistant's reply; returns its raw text."""
-    device = model.device
-    input_ids = torch.tensor([prompt_ids], device=device)
-    pad_id = tokenizer.pad_token_id
-    gen = dict(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=not args.greedy,
-        pad_token_id=pad_id if pad_id is not None else tokenizer.eos_token_id,
-        eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id,
-    )
-    if not args.greedy:  # passing sampling knobs with do_sample=False only earns warnings
-        gen.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    """Generate (and stream to `out`) the assistant's reply with `model`, an inference form
+    (engine.inference_form); returns its raw text."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    if args.greedy:  # no sampling knobs: unused, they would still be validated (--temperature 0)
+        sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, do_sample=False)
+    else:
+        sampling = SamplingSettings(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+        )
+    streamer = ReplyStreamer(tokenizer, prompt_ids, out)
     out_ids = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        stopping_criteria=[StopOnText(tokenizer, len(prompt_ids))],
-        streamer=ReplyStreamer(tokenizer, prompt_ids, out),
-        **gen,
+        input_ids,
+        torch.ones_like(input_ids),
+        sampling,
+        eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        on_token=streamer,
     )
+    streamer.end()
     new_ids = out_ids[0, len(prompt_ids) :].tolist()
     return cut_reply(decode_new(tokenizer, prompt_ids, new_ids))
 
@@ -181,31 +168,11 @@ def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
 # loading
 
 
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def hub_reachable(timeout: float = 5.0) -> bool:
-    """Quick TCP probe, so an unreachable hub fails in seconds instead of after minutes of retries."""
-    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
-        return True  # a direct probe says nothing behind a proxy; let the download try
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def looks_like_hub_name(path: str) -> bool:
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None
-
-
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise ChatError("--device cuda: no CUDA device available; use --device cpu")
+        raise UserError("--device cuda: no CUDA device available; use --device cpu")
     return torch.device(name)
 
 
@@ -217,40 +184,12 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32  # half precision on CPU is slow and, for some ops, unsupported
 
 
-def load(args, device: torch.device, dtype: torch.dtype):
-    path = args.path
-    # trust_remote_code runs Python shipped with the model, so only when asked for
-    remote = {"trust_remote_code": True} if args.trust_remote_code else {}
-
-    def from_pretrained(**extra):
-        tokenizer = AutoTokenizer.from_pretrained(path, **remote, **extra)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **remote, **extra)
-        return model, tokenizer
-
-    if os.path.isdir(path) or not looks_like_hub_name(path):
-        if not os.path.isdir(path):
-            raise ChatError(f"--path {path}: no such directory; {NO_DIR_HINT}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ChatError(f"--path {path}: no config.json in this directory; {NO_DIR_HINT}")
-        model, tokenizer = from_pretrained()
-    else:  # "org/name": a hub model, which needs no network if it is already cached
-        try:
-            model, tokenizer = from_pretrained(local_files_only=True)
-        except OSError:
-            if hub_offline() or not hub_reachable():
-                raise ChatError(
-                    f"--path {path}: not a local directory and the Hugging Face hub is "
-                    "unreachable (offline); pass a local directory with config.json"
-                ) from None
-            try:
-                model, tokenizer = from_pretrained()
-            except OSError as e:
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise ChatError(
-                    f"--path {path}: could not load it from the hub ({reason}); "
-                    "pass a local directory with config.json"
-                ) from None
-    model.to(device).eval()
+def load(args, dtype: torch.dtype):
+    """The model and its tokenizer, loaded as train.py loads them (so bad paths and an
+    unreachable hub fail in one line)."""
+    remote = args.trust_remote_code  # runs Python shipped with the model: only when asked for
+    tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote)
+    model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype, trust_remote_code=remote)
     return model, tokenizer
 
 
@@ -275,13 +214,13 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
-        raise ChatError("--max-new-tokens must be at least 1")
+        raise UserError("--max-new-tokens must be at least 1")
     if not args.greedy and args.temperature <= 0:
-        raise ChatError("--temperature must be > 0; use --greedy for deterministic replies")
+        raise UserError("--temperature must be > 0; use --greedy for deterministic replies")
     if not 0 < args.top_p <= 1:
-        raise ChatError("--top-p must be in (0, 1]")
+        raise UserError("--top-p must be in (0, 1]")
     if args.top_k < 0:
-        raise ChatError("--top-k must be >= 0 (0 = off)")
+        raise UserError("--top-k must be >= 0 (0 = off)")
     return args
 
 
@@ -293,18 +232,20 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
-        model, tokenizer = load(args, device, dtype)
+        model, tokenizer = load(args, dtype)
         # leave room for the reply inside the model's context window
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         budget = max_pos - args.max_new_tokens if max_pos else None
         if budget is not None and budget < 2:
-            raise ChatError(
+            raise UserError(
                 f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation "
                 f"in the model's context of {max_pos} tokens"
             )
-    except ChatError as e:
+    except UserError as e:
         print(f"chat.py: {e}", file=sys.stderr)
         return 2
+    # the fused form copies the weights onto the device: the loaded model is then dropped
+    model = inference_form(model, device, dtype)
 
     if args.seed is not None:
         set_seed(args.seed)

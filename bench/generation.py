@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     from engine.models import byte_tokenizer
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
-    from steps.data import collate_prompts
+    from steps.tokenize import collate_prompts
 
     rt = setup_runtime("cpu", "float32", seed=0, timeout_s=300)
     tok = byte_tokenizer()

@@ -1,5 +1,5 @@
 """Sampling answers from a causal LM through Hugging Face generate, and the token choice
-rule that the hybrid engine's own decoding loop (engine/inference.py) shares with it.
+rule that the inference decoder's own decoding loop (engine/decode.py) shares with it.
 
 Sampling is row-seeded: the noise that picks row b's t-th token is a hash of
 (row_seeds[b], t, token id), drawn through the Gumbel-max trick. A row's answer then does
@@ -10,6 +10,7 @@ run samples what the uninterrupted one would have.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,16 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+# a per-step callback (streaming): called with the [B] tokens chosen at each step, pad after
+# a row's end; a true return ends generation there
+OnToken = Callable[[torch.Tensor], bool | None]
 
 
 @dataclass(frozen=True)
@@ -113,10 +120,23 @@ class TokenChooser:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
 
 
+class _OnToken(StoppingCriteria):
+    """`OnToken` as a stopping criterion, which generate calls once per step, after
+    appending the step's tokens; a true return stops every row."""
+
+    def __init__(self, on_token: OnToken):
+        self.on_token = on_token
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        stop = bool(self.on_token(input_ids[:, -1]))
+        return torch.full(input_ids.shape[:1], stop, dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              sampling: SamplingSettings, *, eos_token_id: int | list[int], pad_token_id: int,
-             row_seeds: torch.Tensor | None = None, synced: bool | None = None) -> torch.Tensor:
+             row_seeds: torch.Tensor | None = None, synced: bool | None = None,
+             on_token: OnToken | None = None) -> torch.Tensor:
     """Continue left-padded prompts. With several ranks, every rank keeps stepping until
     all have finished (transformers' `synced_gpus`), so the all-gathers of a sharded
     model's weights always pair up, whatever each rank's answer lengths; `synced=False`
@@ -126,6 +146,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         input_ids, attention_mask: [B, P], prompts left-padded.
         row_seeds: [B] int seeds for row-seeded sampling (see the module docstring); None
             samples from torch's global generator.
+        on_token: see `OnToken`.
     Returns:
         [B, P + N] sequences, N <= max_new_tokens; after a row's EOS come pad tokens.
     """
@@ -140,10 +161,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     )
     processors = LogitsProcessorList(
         [RowSeededSampling(sampling, row_seeds, input_ids.shape[1])] if row_seeded else [])
+    stopping = StoppingCriteriaList([_OnToken(on_token)] if on_token is not None else [])
     was_training = model.training
     model.eval()
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          generation_config=config, logits_processor=processors,
+                         stopping_criteria=stopping,
                          synced_gpus=synced if synced is not None
                          else dist.is_initialized() and dist.get_world_size() > 1)
     model.train(was_training)

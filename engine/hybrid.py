@@ -7,7 +7,7 @@ So `generate` switches form:
   1. gather: the FSDP units are all-gathered group by group (`gather_group_size` decoder
      layers at a time, so at most that many full layers exist beyond the shards), and each
      group's weights, with LoRA folded in, are copied into the inference model: fused QKV
-     and gate/up projections (engine/inference.py), or for an architecture without
+     and gate/up projections (engine/inference_modules.py), or for an architecture without
      inference modules, a plain Hugging Face copy (logged once);
   2. generate: every rank decodes its own prompts alone, with a static KV cache and no
      collectives;
@@ -33,11 +33,12 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from engine import kernels
 from engine.engine import OptimSettings, TrainEngine
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
-from engine.inference import InferenceDecoder, Unsupported, fused_shape, plan, weight_bytes
+from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
+from engine.inference_modules import weight_bytes
+from engine.inference_plans import Unsupported, plan
 from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.runtime import Runtime
@@ -118,8 +119,7 @@ class HybridEngine(TrainEngine):
         self.times = GenerationTimes()
         inner = hf_model(self.module)
         self._blocks = transformer_blocks(self.module)
-        names = {id(m): n for n, m in inner.named_modules()}
-        self._layer_prefixes = [names[id(b)] for b in self._blocks]
+        self._layer_prefixes = layer_prefixes(inner, self._blocks)
         self._plan = None
         self.fallback_reason: str | None = None
         if self.hybrid.enabled:
@@ -153,14 +153,11 @@ class HybridEngine(TrainEngine):
             return out
         target = self._gather()
         gathered_at = self._now()
+        device = self.runtime.device
+        form = InferenceForm(target.model, device,
+                             cuda_graph=self.hybrid.cuda_graphs and device.type == "cuda")
         try:
-            if isinstance(target.model, InferenceDecoder):
-                out = target.model.generate(
-                    input_ids, attention_mask, sampling, **kwargs,
-                    cuda_graph=self.hybrid.cuda_graphs and self.runtime.device.type == "cuda")
-            else:
-                out = generate(target.model, input_ids, attention_mask, sampling, **kwargs,
-                               synced=False)
+            out = form.generate(input_ids, attention_mask, sampling, **kwargs)
         finally:
             self._release()
         self._add_times(start, gathered_at, self._now())
@@ -200,30 +197,19 @@ class HybridEngine(TrainEngine):
                 units = root_units if group < 0 else self._blocks[group * size:(group + 1) * size]
                 with gathered(units):
                     for name in per_group[group]:
-                        offset = 0   # fused weights: each source fills its rows in place
-                        for source in target.sources[name]:
-                            part = merged_weight(inner, source)
-                            if source in transforms:
-                                part = transforms[source](part)
-                            params[name][offset:offset + part.shape[0]].copy_(part)
-                            offset += part.shape[0]
+                        copy_sources(params[name], target.sources[name],
+                                     lambda source: merged_weight(inner, source), transforms)
         return target
 
     def _build(self, inner: PreTrainedModel) -> _Target:
         """Allocate the generation form (weights unset) on this rank's device."""
         dtype, device = self.runtime.dtype, self.runtime.device
         if self._plan is not None:
-            model = InferenceDecoder(self._plan)
+            # (a sharded DTensor reports the full shape)
+            model = allocate_decoder(self._plan,
+                                     lambda source: _base_parameter(inner, source)[2].shape,
+                                     dtype, device, self.hybrid.fused_kernels)
             sources = self._plan.sources
-
-            def shape(source: str) -> torch.Size:   # a sharded DTensor's shape is the full one
-                full = torch.empty(_base_parameter(inner, source)[2].shape, device="meta")
-                return self._plan.transforms.get(source, lambda w: w)(full).shape
-
-            model.allocate({name: fused_shape([shape(s) for s in parts])
-                            for name, parts in sources.items()}, dtype, device)
-            model.use_fused_kernels(self.hybrid.fused_kernels and device.type == "cuda"
-                                    and kernels.triton_available())
         else:
             model = self._plain_copy(inner, dtype, device)
             sources = {name: [name] for name, _ in model.named_parameters()}

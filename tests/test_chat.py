@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
@@ -22,6 +23,9 @@ from transformers import (
 )
 
 import chat
+from engine.generation import SamplingSettings
+from engine.inference_form import InferenceForm
+from engine.models import byte_tokenizer, preset_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = ROOT / "chat.py"
@@ -48,6 +52,17 @@ def tiny_model_dir(tokenizer_path, out: Path, arch: str = "opt") -> Path:
         config = LlamaConfig(**common, intermediate_size=64, num_key_value_heads=2)
         model = LlamaForCausalLM(config)
     model.save_pretrained(out)
+    return out
+
+
+def preset_model_dir(preset: str, out: Path, **config) -> Path:
+    """A built-in preset (random weights, seed 0; `config` overrides) with its byte tokenizer."""
+    tokenizer = byte_tokenizer()
+    tokenizer.save_pretrained(out)
+    model_config = preset_config(preset, tokenizer)
+    model_config.update(config)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(model_config).save_pretrained(out)
     return out
 
 
@@ -164,26 +179,23 @@ def test_fit_history_with_real_tokenizer(tokenizer):
 # generation plumbing
 
 
-def test_stop_criterion_fires_on_stop_string(tokenizer):
-    prompt = [2, 100, 200]
-    new = tokenizer(" Hi there\n\nHuman: more", add_special_tokens=False)["input_ids"]
-    stop = chat.StopOnText(tokenizer, len(prompt))
-    fired = [bool(stop(torch.tensor([prompt + new[:i]]), None)[0]) for i in range(1, len(new) + 1)]
-    colon = next(i for i in range(len(new)) if tokenizer.decode(new[: i + 1]).endswith("Human:"))
-    assert fired == [i >= colon for i in range(len(new))]
+def test_streamer_stops_on_stop_string(tokenizer):
     # the prompt's own "\n\nHuman:" does not count
     prompt = tokenizer("\n\nHuman: hi\n\nAssistant:")["input_ids"]
-    assert not stop.__class__(tokenizer, len(prompt))(torch.tensor([prompt]), None)[0]
+    new = tokenizer(" Hi there\n\nHuman: more", add_special_tokens=False)["input_ids"]
+    streamer = chat.ReplyStreamer(tokenizer, prompt, io.StringIO())
+    fired = [streamer(torch.tensor([tok])) for tok in new]
+    colon = next(i for i in range(len(new)) if tokenizer.decode(new[: i + 1]).endswith("Human:"))
+    assert fired == [i >= colon for i in range(len(new))]
 
 
 def test_streamer_prints_only_final_text(tokenizer):
     prompt = tokenizer("\n\nHuman: hi\n\nAssistant:")["input_ids"]
     out = io.StringIO()
     streamer = chat.ReplyStreamer(tokenizer, prompt, out)
-    streamer.put(torch.tensor([prompt]))  # generate() hands over the prompt first
     seen = []
     for tok in tokenizer(" café ☃ ok\n\nHuman: x", add_special_tokens=False)["input_ids"]:
-        streamer.put(torch.tensor([tok]))
+        streamer(torch.tensor([tok]))
         seen.append(out.getvalue())
     streamer.end()
     assert out.getvalue() == "café ☃ ok"
@@ -192,7 +204,7 @@ def test_streamer_prints_only_final_text(tokenizer):
 
 
 class ScriptedModel:
-    """Stands in for a causal LM: 'generates' a fixed text token by token, like generate()."""
+    """Stands in for an inference form: 'generates' a fixed text token by token."""
 
     def __init__(self, tokenizer, text):
         self.script = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -200,16 +212,13 @@ class ScriptedModel:
         self.generation_config = SimpleNamespace(eos_token_id=2)
         self.calls = []
 
-    def generate(self, input_ids, stopping_criteria, streamer, max_new_tokens, **kw):
-        self.calls.append(dict(input_ids=input_ids, max_new_tokens=max_new_tokens, **kw))
-        streamer.put(input_ids)
+    def generate(self, input_ids, attention_mask, sampling, *, on_token, **kw):
+        self.calls.append(dict(input_ids=input_ids, sampling=sampling, **kw))
         ids = input_ids
-        for tok in self.script[:max_new_tokens]:
+        for tok in self.script[: sampling.max_new_tokens]:
             ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-            streamer.put(torch.tensor([tok]))
-            if all(bool(c(ids, None)[0]) for c in stopping_criteria):
+            if on_token(torch.tensor([tok])):
                 break
-        streamer.end()
         return ids
 
 
@@ -220,25 +229,19 @@ def test_reply_cuts_at_next_human_turn(tokenizer, capsys):
     raw = chat.reply(model, tokenizer, prompt, args)
     assert raw == " Fine, thanks."  # raw text keeps its leading space for the history
     assert capsys.readouterr().out == "Fine, thanks."
-    # greedy: no sampling knobs; no pad token would fall back to eos
+    # greedy: no sampling knobs; the model's own stop ids
     call = model.calls[0]
-    assert call["do_sample"] is False and "temperature" not in call
-    assert call["pad_token_id"] == tokenizer.pad_token_id
+    assert call["sampling"] == SamplingSettings(max_new_tokens=50, do_sample=False)
+    assert call["pad_token_id"] == tokenizer.pad_token_id and call["eos_token_id"] == 2
 
 
 def test_reply_sampling_args(tokenizer):
     model = ScriptedModel(tokenizer, " ok")
-    args = SimpleNamespace(max_new_tokens=5, greedy=False, temperature=0.5, top_p=0.8, top_k=0)
-    tokenizer.pad_token = None
+    args = SimpleNamespace(max_new_tokens=5, greedy=False, temperature=0.5, top_p=0.8, top_k=7)
     chat.reply(model, tokenizer, [2], args, out=io.StringIO())
-    call = model.calls[0]
-    assert (call["do_sample"], call["temperature"], call["top_p"], call["top_k"]) == (
-        True,
-        0.5,
-        0.8,
-        0,
+    assert model.calls[0]["sampling"] == SamplingSettings(
+        max_new_tokens=5, temperature=0.5, top_p=0.8, top_k=7, do_sample=True
     )
-    assert call["pad_token_id"] == tokenizer.eos_token_id
 
 
 # -----------------------------------------------------------------------------
@@ -293,6 +296,47 @@ def test_main_truncates_history_to_context(opt_dir, monkeypatch, capsys):
 
 def _count(ids: list[int], sub: list[int]) -> int:
     return sum(ids[i : i + len(sub)] == sub for i in range(len(ids)))
+
+
+@pytest.mark.parametrize(
+    "preset, config, injected",
+    [
+        ("tiny-llama", {}, True),
+        ("tiny-gpt-neox", {}, True),
+        ("tiny-opt", {"do_layer_norm_before": False}, False),  # no inference modules
+    ],
+)
+def test_replies_are_hf_generate_greedy(preset, config, injected, tmp_path, monkeypatch, caplog):
+    """Through the model's inference form (fused modules, or HF generate as the fallback), each
+    reply is what Hugging Face generate picks greedily, token for token."""
+    path = preset_model_dir(preset, tmp_path / preset, **config)
+    calls, real_generate = [], InferenceForm.generate
+
+    def recording_generate(form, input_ids, *args, **kwargs):
+        out = real_generate(form, input_ids, *args, **kwargs)
+        calls.append((form.injected, input_ids[0].tolist(), out[0].tolist()))
+        return out
+
+    monkeypatch.setattr(InferenceForm, "generate", recording_generate)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nhow are you\n"))
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert chat.main(["--path", str(path), "--greedy", "--max-new-tokens", "16"]) == 0
+    shown = replies(out.getvalue())
+    assert len(shown) == len(calls) == 2
+    fallbacks = [r for r in caplog.records if "generating with the Hugging Face modules" in r.msg]
+    assert len(fallbacks) == (0 if injected else 1)
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    for (was_injected, prompt, got), text in zip(calls, shown, strict=True):
+        assert was_injected == injected
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                              do_sample=False, pad_token_id=tok.pad_token_id)[0].tolist()
+        assert got == want[: len(got)]  # shorter only if the reply started a human turn
+        new = want[len(prompt) :]
+        assert text == chat.display_reply(chat.cut_reply(chat.decode_new(tok, prompt, new)))
 
 
 def test_cli_piped_conversation(opt_dir):
@@ -388,8 +432,8 @@ def test_error_context_too_small(opt_dir, capsys):
     assert "context" in capsys.readouterr().err
 
 
-def test_chat_imports_only_torch_and_transformers():
-    """chat.py must run on an exported model without this project's packages installed."""
+def test_chat_imports_only_the_engine():
+    """chat.py loads and generates through engine/ and knows nothing of RLHF (steps/)."""
     tree = ast.parse(CHAT.read_text())
     roots = set()
     for node in ast.walk(tree):
@@ -398,4 +442,4 @@ def test_chat_imports_only_torch_and_transformers():
         elif isinstance(node, ast.ImportFrom):
             roots.add(node.module.split(".")[0])
     third_party = roots - set(sys.stdlib_module_names)
-    assert third_party <= {"torch", "transformers"}, third_party
+    assert third_party <= {"torch", "transformers", "engine"}, third_party

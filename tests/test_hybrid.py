@@ -1,8 +1,9 @@
-"""The hybrid engine (engine/hybrid.py, engine/inference.py) against Hugging Face `generate`
-on the unsharded model, fp32 on CPU: greedy and sampled answers token for token (Llama, OPT,
-GPT-2 and GPT-NeoX, with and without LoRA, ZeRO-3 at one and two ranks, the fallback for a
-model without inference modules), and training unchanged by the switch to generation and
-back.
+"""The hybrid engine (engine/hybrid.py, engine/inference_*.py, engine/decode.py) against
+Hugging Face `generate` on the unsharded model, fp32 on CPU: greedy and sampled answers token
+for token (Llama, OPT, GPT-2 and GPT-NeoX, with and without LoRA, ZeRO-3 at one and two ranks,
+the fallback for a model without inference modules), and training unchanged by the switch to
+generation and back; the same for a plain model's inference form (engine/inference_form.py),
+with its per-token callback.
 The checks themselves are in tests/harness/hybrid_check.py, shared by both world sizes."""
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import pytest
 import torch
 from transformers import BloomConfig, BloomForCausalLM
 
+from engine import decode
 from engine.engine import OptimSettings
 from engine.generation import SamplingSettings, generate
 from engine.hybrid import HybridEngine, HybridSettings
-from engine.inference import Unsupported, plan
+from engine.inference_form import inference_form
+from engine.inference_plans import Unsupported, plan
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
-from steps.data import collate_prompts
+from steps.tokenize import collate_prompts
 from tests.harness.hybrid_check import (
     POST_NORM_OPT,
     PROMPTS,
@@ -88,10 +91,10 @@ def test_static_decode_step_matches(preset):
         ids, mask = _batch(prompts)
         lengths.add(ids.shape[1])
         want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
-        got = decoder.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
-                               static=True)
+        got = decode.generate(decoder, ids, mask, sampling, eos_token_id=EOS,
+                              pad_token_id=PAD, static=True)
         assert torch.equal(got, want)
-    assert len(lengths) == 2 and len(decoder._steps) == 1
+    assert len(lengths) == 2 and len(decoder.cache.static_steps) == 1
 
 
 def test_seeded_sampling_and_stop_tokens_match_hf_generate():
@@ -175,3 +178,29 @@ def test_fallback_is_logged_once(capsys):
                         eos_token_id=EOS, pad_token_id=PAD)
     out = capsys.readouterr().out
     assert out.count("hybrid engine: OPTForCausalLM: post-norm OPT") == 1, out
+
+
+@pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2", POST_NORM_OPT])
+def test_inference_form_matches_hf_generate_and_streams(preset, caplog):
+    """A plain model's inference form (no engine, no optimizer) generates what HF generate
+    does; the callback sees each step's tokens, and its true return stops there. The model
+    is left as it was (a fallback only moves it)."""
+    model = model_with_answers_that_end(preset, 0, EOS)
+    reference = copy.deepcopy(model)
+    form = inference_form(model, torch.device("cpu"), torch.float32)
+    assert form.injected == (preset != POST_NORM_OPT)
+    assert ("post-norm OPT" in caplog.text) == (preset == POST_NORM_OPT)
+    ids, mask = _batch()
+    sampling = SamplingSettings(max_new_tokens=20, do_sample=False)
+    kwargs = dict(eos_token_id=EOS, pad_token_id=PAD)
+    want = generate(reference, ids, mask, sampling, **kwargs)
+    seen = []
+    got = form.generate(ids, mask, sampling, **kwargs, on_token=seen.append)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.stack(seen, 1), want[:, ids.shape[1]:])
+    seen.clear()
+    got = form.generate(ids, mask, sampling, **kwargs,
+                        on_token=lambda tokens: seen.append(tokens) or len(seen) == 3)
+    assert torch.equal(got, want[:, :ids.shape[1] + 3]) and len(seen) == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(),
+                                                 strict=True))

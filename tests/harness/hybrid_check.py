@@ -31,7 +31,7 @@ from engine.lora import LoraSettings, apply_lora  # noqa: E402
 from engine.models import byte_tokenizer, load_causal_lm, preset_config  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import Runtime, setup_runtime  # noqa: E402
-from steps.data import collate_prompts  # noqa: E402
+from steps.tokenize import collate_prompts  # noqa: E402
 
 PROMPTS = ["hello there", "a", "The quick brown fox jumps over", "12+34=", "Why is the sky",
            "ok", "Once upon a time, in a land", "x y z"]

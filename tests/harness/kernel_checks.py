@@ -75,12 +75,13 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 def test_decoder_with_fused_kernels_matches_hf_generate(preset):
+    from engine import decode
     from engine.engine import OptimSettings
     from engine.generation import SamplingSettings, generate
     from engine.hybrid import HybridEngine
     from engine.models import byte_tokenizer
     from engine.runtime import Runtime
-    from steps.data import collate_prompts
+    from steps.tokenize import collate_prompts
     from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end
 
     tok = byte_tokenizer()
@@ -94,9 +95,10 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     sampling = SamplingSettings(max_new_tokens=12, do_sample=False)
     kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     want = generate(reference, batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
-    got = decoder.generate(batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
+    got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
+                          **kwargs)
     assert torch.equal(got, want)
     if DEVICE.type == "cuda":   # the decode step captured as a CUDA graph, replayed per token
-        got = decoder.generate(batch["input_ids"], batch["attention_mask"], sampling, **kwargs,
-                               cuda_graph=True)
+        got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
+                              **kwargs, cuda_graph=True)
         assert torch.equal(got, want)

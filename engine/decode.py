@@ -1,0 +1,143 @@
+"""Decoding with the inference decoder (engine/inference_modules.py): the token-by-token
+loop over its static KV cache, which continues prompts exactly as Hugging Face `generate`
+does, and the fixed-shape decode step that, on CUDA, is captured once as a CUDA graph and
+replayed for every token (removing the per-kernel launch cost that dominates small-batch
+decoding).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.generation import OnToken, SamplingSettings, TokenChooser
+
+if TYPE_CHECKING:
+    from engine.inference_modules import InferenceDecoder
+
+
+def generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+             sampling: SamplingSettings, **kwargs) -> torch.Tensor:
+    """See `_generate`. Decoding runs in inference mode (less bookkeeping per op); the
+    answer is returned as an ordinary tensor, fit for training."""
+    with torch.inference_mode():
+        out = _generate(model, input_ids, attention_mask, sampling, **kwargs)
+    return out.clone()
+
+
+def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              sampling: SamplingSettings, *, eos_token_id: int | list[int], pad_token_id: int,
+              row_seeds: torch.Tensor | None = None, on_token: OnToken | None = None,
+              static: bool = False, cuda_graph: bool = False) -> torch.Tensor:
+    """Continue left-padded prompts as Hugging Face `generate` does (same positions,
+    sampling, EOS and padding rules): [B, P] -> [B, P + N], N <= max_new_tokens, pad
+    after a row's EOS (one of the ids in a list; an empty list never stops early),
+    stopping when every row has ended, or when `on_token` returns true. Decode steps attend
+    over the filled part of the cache; `static` (implied by `cuda_graph`) over all of it,
+    with fixed shapes, as a CUDA graph needs."""
+    b, p = input_ids.shape
+    n = sampling.max_new_tokens
+    length = p + n
+    cache = model.cache_for(b, length)
+    static = static or cuda_graph
+    # a static step attends over the whole capacity: its shapes do not change with P
+    width = cache.keys.shape[3] if static else length
+    keys, values = cache.view(b, width)
+    device = input_ids.device
+    prompt_mask = attention_mask.bool()
+    # key slots a query may attend: real prompt tokens, then every answer slot once
+    # written; causality and "a pad token attends to itself" (so that no row of the
+    # softmax is empty) are added per call
+    key_valid = torch.zeros(b, width, dtype=torch.bool, device=device)
+    key_valid[:, :p] = prompt_mask
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions = positions.masked_fill(~prompt_mask, 1)    # as HF generate does
+    slots = torch.arange(p, device=device)
+    causal = slots[None, :] <= slots[:, None]                          # [P, P]
+    mask = (key_valid[:, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=device)
+    # (a new static step runs warm-ups that write one cache slot: before the prefill)
+    step = _StaticDecodeStep.get(model, b, width, cuda_graph) if static else None
+    logits = model(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
+
+    chooser = TokenChooser(sampling, row_seeds)
+    stops = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    eos = torch.tensor(stops, dtype=torch.long, device=device)
+    out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
+    out[:, :p] = input_ids
+    unfinished = torch.ones(b, dtype=torch.bool, device=device)
+    next_position = attention_mask.long().sum(-1)                   # [B]
+    for t in range(n):
+        token = chooser(logits, t)
+        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+        out[:, p + t] = token
+        unfinished &= ~torch.isin(token, eos)
+        stop = on_token is not None and on_token(token)
+        if stop or t == n - 1 or not bool(unfinished.any()):
+            return out[:, :p + t + 1]
+        key_valid[:, p + t] = True
+        slot = torch.tensor([p + t], device=device)
+        if step is not None:
+            logits = step(token, next_position + t, slot, key_valid)
+        else:
+            logits = model(token[:, None], (next_position + t)[:, None], slot,
+                           key_valid[:, None, None, :p + t + 1], keys, values,
+                           kv_len=p + t + 1)
+    return out[:, :p]  # max_new_tokens == 0
+
+
+class _StaticDecodeStep:
+    """One decode step with fixed shapes: attention over the whole static cache, inputs
+    copied into fixed buffers. On CUDA it is captured once as a graph and replayed per
+    token; elsewhere it runs eagerly (which is how the CPU tests check what is captured)."""
+
+    def __init__(self, model: InferenceDecoder, batch: int, length: int, capture: bool):
+        device = model.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        # warm-ups write the last slot, which no call reads before writing it itself (it is
+        # masked until then)
+        self.slot = torch.full((1,), length - 1, dtype=torch.long, device=device)
+        # the warm-up query sees only itself: a row with nothing to attend would turn its
+        # keys and values into NaN, which even a masked slot passes on (0 * NaN)
+        self.key_valid = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
+        self.key_valid[..., length - 1] = True
+        keys, values = model.cache.view(batch, length)
+
+        def run() -> torch.Tensor:
+            return model(self.tokens, self.positions, self.slot, self.key_valid, keys, values)
+
+        self.run, self.graph = run, None
+        if not capture:
+            run()   # the warm-up a capture does, so that CPU tests see its cache writes too
+        else:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):   # warm-up outside the graph, as capture needs
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = run()
+
+    @staticmethod
+    def get(model: InferenceDecoder, batch: int, length: int, capture: bool
+            ) -> _StaticDecodeStep:
+        """The step for these shapes, kept with the cache (captured graphs read its
+        memory and the weights', so they stay valid while both are kept)."""
+        key, steps = (batch, length, capture), model.cache.static_steps
+        if key not in steps:
+            steps[key] = _StaticDecodeStep(model, batch, length, capture)
+        return steps[key]
+
+    def __call__(self, token: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                 key_valid: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(token[:, None])
+        self.positions.copy_(positions[:, None])
+        self.slot.copy_(slot)
+        self.key_valid.copy_(key_valid[:, None, None])
+        if self.graph is None:
+            return self.run()
+        self.graph.replay()
+        return self.logits.clone()

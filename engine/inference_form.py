@@ -1,0 +1,119 @@
+"""A model's inference form, for one process that holds it whole: the fused inference
+decoder (engine/inference_modules.py) built from a Hugging Face causal LM by its plan
+(engine/inference_plans.py) and decoded by engine/decode.py, or, for an architecture
+without inference modules, the Hugging Face model itself with `generate`.
+
+`inference_form(model, device, dtype)` makes one from a plain model (chat.py); the hybrid
+engine (engine/hybrid.py) builds the same decoder from its sharded model with the helpers
+here, filling it while it gathers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedModel
+
+from engine import decode, generation, kernels
+from engine.errors import UserError
+from engine.generation import OnToken, SamplingSettings
+from engine.inference_modules import InferenceDecoder
+from engine.inference_plans import Plan, Unsupported, fused_shape, plan
+from engine.parallel import transformer_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InferenceForm:
+    """What generates in this process: the inference decoder, or a Hugging Face model."""
+
+    model: nn.Module
+    device: torch.device
+    generation_config: GenerationConfig | None = None   # the source model's (its stop ids)
+    cuda_graph: bool = False                              # capture the decode step (CUDA)
+
+    @property
+    def injected(self) -> bool:
+        """True when generation runs through the inference modules."""
+        return isinstance(self.model, InferenceDecoder)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 sampling: SamplingSettings, *, eos_token_id: int | list[int],
+                 pad_token_id: int, row_seeds: torch.Tensor | None = None,
+                 on_token: OnToken | None = None) -> torch.Tensor:
+        """Continue left-padded prompts [B, P] -> [B, P + N] exactly as
+        engine.generation.generate does; `on_token`: see engine.generation.OnToken."""
+        kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                      row_seeds=row_seeds, on_token=on_token)
+        if self.injected:
+            return decode.generate(self.model, input_ids, attention_mask, sampling,
+                                   cuda_graph=self.cuda_graph, **kwargs)
+        return generation.generate(self.model, input_ids, attention_mask, sampling,
+                                   synced=False, **kwargs)
+
+
+def inference_form(model: PreTrainedModel, device: torch.device, dtype: torch.dtype, *,
+                   cuda_graphs: bool = True, fused_kernels: bool = True) -> InferenceForm:
+    """The inference form of `model`, a plain transformers causal LM, on `device` in
+    `dtype`: the inference decoder with the model's weights copied in (the model is left
+    as it is, so the caller may drop it), decoding with a CUDA graph and Triton kernels on
+    CUDA; or, for an architecture without inference modules, the model itself moved there,
+    the reason logged."""
+    try:
+        the_plan = plan(model, layer_prefixes(model, transformer_blocks(model)))
+    except (Unsupported, UserError) as why:
+        log.warning("%s: %s; generating with the Hugging Face modules",
+                    type(model).__name__, why)
+        return InferenceForm(model.to(device=device, dtype=dtype).eval(), device,
+                             model.generation_config)
+    decoder = allocate_decoder(the_plan, lambda source: model.get_parameter(source).shape,
+                               dtype, device, fused_kernels)
+    params = dict(decoder.named_parameters())
+    with torch.no_grad():
+        for name, sources in the_plan.sources.items():
+            copy_sources(params[name], sources, model.get_parameter, the_plan.transforms)
+    return InferenceForm(decoder, device, model.generation_config,
+                         cuda_graph=cuda_graphs and device.type == "cuda")
+
+
+def layer_prefixes(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
+    """The names in `model` of its decoder layers `blocks`, as plans take them."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(b)] for b in blocks]
+
+
+def allocate_decoder(plan: Plan, source_shape: Callable[[str], torch.Size],
+                     dtype: torch.dtype, device: torch.device, fused_kernels: bool
+                     ) -> InferenceDecoder:
+    """The inference decoder of `plan` on `device`, its weights allocated but unset, each
+    shaped as its sources (`source_shape` of an HF parameter name, through the plan's
+    transforms); Triton kernels when `fused_kernels` and on CUDA."""
+    def shape(source: str) -> torch.Size:
+        full = torch.empty(source_shape(source), device="meta")
+        return plan.transforms.get(source, lambda w: w)(full).shape
+
+    decoder = InferenceDecoder(plan)
+    decoder.allocate({name: fused_shape([shape(s) for s in parts])
+                      for name, parts in plan.sources.items()}, dtype, device)
+    decoder.use_fused_kernels(fused_kernels and device.type == "cuda"
+                              and kernels.triton_available())
+    return decoder.eval()
+
+
+def copy_sources(param: torch.Tensor, sources: list[str],
+                 weight: Callable[[str], torch.Tensor],
+                 transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Fill `param` with the concatenation (along dim 0) of its sources' weights, each
+    through its transform if it has one, in place (no concatenated copy)."""
+    offset = 0
+    for source in sources:
+        part = weight(source)
+        if source in transforms:
+            part = transforms[source](part)
+        param[offset:offset + part.shape[0]].copy_(part)
+        offset += part.shape[0]

@@ -1,0 +1,260 @@
+"""The inference decoder: a decoder-only LM rebuilt from a Hugging Face model's weights
+(as engine/inference_plans.py maps them) into fused modules, with a preallocated static KV
+cache ("kernel injection").
+
+Per layer: one fused QKV projection (one matmul instead of three), attention through
+PyTorch SDPA (flash / memory-efficient kernels on CUDA) over the static cache, a fused
+gate+up projection for gated MLPs, and the model's own norm formula, applied together with
+the residual add before it (Triton kernels on CUDA, engine/kernels.py). How tokens are
+decoded with it is engine/decode.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine import kernels
+from engine.inference_plans import DecoderSpec, Plan
+
+CACHE_LENGTH_STEP = 64   # cache lengths are rounded up to a multiple of this
+
+
+class KVCache:
+    """Preallocated keys and values, [layers, batch, kv_heads, length, head_dim] each.
+    A call may use any batch and length up to the capacity (a view of the front)."""
+
+    def __init__(self, spec: DecoderSpec, batch: int, length: int, dtype: torch.dtype,
+                 device: torch.device):
+        shape = (spec.layers, batch, spec.kv_heads, length, spec.head_dim)
+        # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin per position
+        # decode steps captured over this cache (engine/decode.py): they read its memory,
+        # so they are kept and dropped with it
+        self.static_steps: dict = {}
+
+    def fits(self, batch: int, length: int) -> bool:
+        return batch <= self.keys.shape[1] and length <= self.keys.shape[3]
+
+    def view(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[:, :batch, :, :length], self.values[:, :batch, :, :length]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+class _Norm(nn.Module):
+    """RMSNorm (Llama's formula) or LayerNorm, applied together with the residual add that
+    precedes it: `(residual + delta, norm(residual + delta))`, fused into one Triton
+    kernel when `fused` (CUDA), else the PyTorch formula."""
+
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.rms, self.eps = spec.norm == "rms", spec.norm_eps
+        self.weight = nn.Parameter(torch.empty(spec.hidden), requires_grad=False)
+        self.bias = None if self.rms else nn.Parameter(torch.empty(spec.hidden),
+                                                       requires_grad=False)
+        self.fused = False
+
+    def forward(self, delta: torch.Tensor | None, residual: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        add_norm = kernels.add_norm if self.fused else kernels.add_norm_reference
+        return add_norm(delta, residual, self.weight, self.bias, self.eps, self.rms)
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=bias, device="meta")
+    return layer.requires_grad_(False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec: DecoderSpec):
+        super().__init__()
+        self.spec = spec
+        q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        self.attn_norm, self.mlp_norm = _Norm(spec), _Norm(spec)
+        self.qkv = _linear(spec.hidden, q + 2 * kv, spec.qkv_bias)
+        self.out = _linear(q, spec.hidden, spec.out_bias)
+        self.up = _linear(spec.hidden, spec.ffn * (2 if spec.gated_mlp else 1), spec.mlp_bias)
+        self.down = _linear(spec.ffn, spec.hidden, spec.mlp_bias)
+        self.act = ACT2FN[spec.activation]
+        self.splits = (q, kv, kv)
+        self.fused_silu = False
+
+    def forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
+                values: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
+                kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pre-norm block on the residual stream, which arrives as `residual` plus the
+        previous block's output `delta` (added here, fused with the norm) and leaves the
+        same way: returns (residual, this block's output), the output being the MLP's (plus
+        attention's, with a parallel residual).
+
+        residual, delta: [B, T, hidden]; keys/values: this layer's cache [B, Hkv, S, d],
+        written at slots `write_at` ([T] long); mask: [B, 1, T, kv_len or S] bool (True =
+        attend); rope: (cos, sin) [B, 1, T, rotary_dim]. Attends over the first kv_len cache
+        slots (all S when None: static shapes for CUDA graphs)."""
+        spec = self.spec
+        b, t, _ = residual.shape
+        residual, h = self.attn_norm(delta, residual)
+        q, k, v = self.qkv(h).split(self.splits, dim=-1)
+        if spec.scale_query_first:
+            q = q * spec.head_dim ** -0.5
+        q = q.view(b, t, spec.heads, spec.head_dim).transpose(1, 2)
+        k = k.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
+        v = v.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = _rotate(q, rope, spec.rotary_dim), _rotate(k, rope, spec.rotary_dim)
+        keys.index_copy_(2, write_at, k)
+        values.index_copy_(2, write_at, v)
+        if kv_len is not None:
+            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+        attn = _grouped_attention(q, keys, values, mask,
+                                  1.0 if spec.scale_query_first else spec.head_dim ** -0.5)
+        attn = self.out(attn)
+        if spec.parallel_residual:   # the MLP reads the block's input, not attention's output
+            _, h = self.mlp_norm(None, residual)
+            return residual, attn + self._mlp(h)
+        residual, h = self.mlp_norm(attn, residual)
+        return residual, self._mlp(h)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.up(h)
+        if not self.spec.gated_mlp:
+            h = self.act(h)
+        elif self.fused_silu:
+            h = kernels.silu_mul(h)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return self.down(h)
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        self.attn_norm.fused = self.mlp_norm.fused = enabled
+        self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
+
+
+def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with grouped KV heads, without repeating the cache: the G query heads that share
+    a KV head become G x T query rows of that head (every SDPA backend takes this, while
+    few take `enable_gqa` together with a mask).
+
+    q: [B, H, T, d]; keys, values: [B, Hkv, S, d]; mask: [B, 1, T, S] -> [B, T, H * d]."""
+    b, heads, t, d = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    if groups > 1:   # query head h reads KV head h // groups, as HF's repeat_kv arranges
+        q = q.reshape(b, kv_heads, groups * t, d)
+        mask = mask.expand(b, 1, t, mask.shape[-1]).repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dims: int
+            ) -> torch.Tensor:
+    """Rotary embedding of the first `dims` of each head's dims (all, except GPT-NeoX)."""
+    cos, sin = rope
+    if dims == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, kept = x[..., :dims], x[..., dims:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class InferenceDecoder(nn.Module):
+    """A decoder-only LM in inference form. Its weights start unset (`allocate` gives them
+    storage; the caller fills them); engine.decode.generate decodes with it over the static
+    KV cache it holds (`cache_for`)."""
+
+    def __init__(self, plan: Plan):
+        super().__init__()
+        spec = self.spec = plan.spec
+        self.embed = nn.Embedding(spec.vocab, spec.hidden, device="meta").requires_grad_(False)
+        self.positions = None
+        if not spec.rotary:
+            self.positions = nn.Embedding(1, spec.hidden, device="meta").requires_grad_(False)
+        self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.layers))
+        self.norm = _Norm(spec)
+        self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
+        self.rotary = plan.rotary
+        self.cache: KVCache | None = None
+
+    def allocate(self, shapes: dict[str, torch.Size], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """Give every weight storage of its source's shape (learned positions size from
+        the checkpoint); contents are filled by the caller."""
+        for name, shape in shapes.items():
+            owner, attr = self.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+            setattr(owner, attr, nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                              requires_grad=False))
+        if self.rotary is not None:
+            self.rotary.to(device)
+        self.dtype, self.device = dtype, device
+
+    def cache_for(self, batch: int, length: int) -> KVCache:
+        """A cache with room for `batch` rows of `length` tokens: the current one when it
+        fits, else a new one with room to spare, so that rollouts with somewhat longer
+        prompts reuse it (and the decode steps captured over it)."""
+        if self.cache is None or not self.cache.fits(batch, length):
+            self.release_cache()
+            capacity = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+            self.cache = KVCache(self.spec, batch, capacity, self.dtype, self.device)
+            self.cache.rope = self._rope_tables(capacity)
+        return self.cache
+
+    def release_cache(self) -> None:
+        self.cache = None
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """tokens, positions: [B, T] -> hidden [B, T, H], rope (cos, sin) or None."""
+        x = self.embed(tokens)
+        if self.positions is not None:
+            return x + self.positions(positions + self.spec.position_offset), None
+        cos, sin = self.cache.rope
+        return x, (cos[positions][:, None], sin[positions][:, None])
+
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [length, head_dim] of positions 0..length-1 from the model's own rotary
+        module (every rope variant it implements), looked up per token instead of
+        recomputed: the same values, elementwise, as computing them per position."""
+        if self.rotary is None:
+            return None
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
+        return cos[0], sin[0]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
+                mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                kv_len: int | None = None) -> torch.Tensor:
+        """Run tokens [B, T] at `positions` [B, T] through the layers, writing their keys
+        and values into cache slots `write_at` [T]; returns the last token's logits [B, V]
+        in fp32."""
+        residual, rope = self._embed(tokens, positions)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            residual, delta = layer(residual, delta, rope, keys[i], values[i], write_at, mask,
+                                    kv_len)
+        _, x = self.norm(delta[:, -1], residual[:, -1])
+        head = self.embed.weight if self.head is None else self.head.weight
+        return F.linear(x, head).float()
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Triton kernels for add+norm and SiLU*up (CUDA; on CPU only under Triton's
+        interpreter, for tests)."""
+        self.norm.fused = enabled
+        for layer in self.layers:
+            layer.use_fused_kernels(enabled)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,257 @@
+"""Inference plans: which Hugging Face parameters fill which parameters of the inference
+decoder (engine/inference_modules.py), per architecture, or why an architecture or variant
+has no inference modules (`Unsupported`).
+
+Supported families: Llama (also Mistral without sliding window, Qwen2), OPT (pre-norm),
+GPT-2 and GPT-NeoX (Pythia).
+Weights are not taken from the model here: the plan lists, for every inference parameter,
+the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
+engine can fill it while it gathers one FSDP unit at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+
+class Unsupported(Exception):
+    """The model has a feature the inference modules do not implement (the reason)."""
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Shapes and variants of a decoder-only transformer, as the inference modules see it."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    norm: str                   # "rms" (Llama) | "layer" (OPT)
+    norm_eps: float
+    activation: str             # key of transformers' ACT2FN
+    gated_mlp: bool             # act(gate(x)) * up(x) (Llama) or act(fc1(x)) (OPT)
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    rotary: bool                # rotary positions (Llama) or learned ones (OPT)
+    rotary_dim: int = 0         # leading dims of a head that rotate (GPT-NeoX: a part)
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX)
+    position_offset: int = 0    # OPT's learned positions start at index 2
+    scale_query_first: bool = False  # OPT scales q before the dot product, as HF does
+    tied_head: bool = False
+
+
+@dataclass
+class Plan:
+    """How to build the inference decoder from a Hugging Face causal LM.
+
+    `sources[name]` lists the HF parameter names (relative to the transformers model) that
+    inference parameter `name` is the concatenation of; `layer_of[name]` is its layer
+    index, or None for the embeddings, final norm and head."""
+
+    spec: DecoderSpec
+    sources: dict[str, list[str]]
+    layer_of: dict[str, int | None]
+    rotary: nn.Module | None    # a copy of the model's rotary-embedding module
+    # sources stored in another layout, and the function that turns them into ours
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+
+
+def plan(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    """The inference plan for `model` (a transformers causal LM, unwrapped), whose decoder
+    layers are at `layer_prefixes`. Raises Unsupported with the reason otherwise."""
+    config = model.config
+    family = _FAMILIES.get(config.model_type)
+    if family is None:
+        raise Unsupported(f"no inference modules for model type {config.model_type!r} "
+                          f"(supported: {', '.join(sorted(_FAMILIES))})")
+    return family(model, layer_prefixes)
+
+
+def _has_bias(model: nn.Module, name: str) -> bool:
+    return getattr(model.get_submodule(name), "bias", None) is not None
+
+
+def _tied_head(model: PreTrainedModel) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def _check_rope(rope: dict) -> None:
+    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+
+
+def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    _check_rope(rope)
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise Unsupported("sliding-window attention")
+    first = layer_prefixes[0]
+    heads = config.num_attention_heads
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
+        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
+        activation=config.hidden_act, gated_mlp=True,
+        qkv_bias=_has_bias(model, f"{first}.self_attn.q_proj"),
+        out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
+        mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
+        rotary_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        tied_head=_tied_head(model))
+    layer = {"attn_norm.weight": ["input_layernorm.weight"],
+             "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+             "out.weight": ["self_attn.o_proj.weight"],
+             "mlp_norm.weight": ["post_attention_layernorm.weight"],
+             "up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+             "down.weight": ["mlp.down_proj.weight"]}
+    if spec.qkv_bias:
+        layer["qkv.bias"] = [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if spec.out_bias:
+        layer["out.bias"] = ["self_attn.o_proj.bias"]
+    if spec.mlp_bias:
+        layer["up.bias"] = ["mlp.gate_proj.bias", "mlp.up_proj.bias"]
+        layer["down.bias"] = ["mlp.down_proj.bias"]
+    root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    return _assemble(spec, root, layer, layer_prefixes, copy.deepcopy(model.model.rotary_emb))
+
+
+def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    if not config.do_layer_norm_before:
+        raise Unsupported("post-norm OPT (do_layer_norm_before=False)")
+    if config.word_embed_proj_dim != config.hidden_size:
+        raise Unsupported("OPT with word_embed_proj_dim != hidden_size (project_in/out)")
+    if not config.layer_norm_elementwise_affine or model.model.decoder.final_layer_norm is None:
+        raise Unsupported("OPT without affine layer norms or without a final layer norm")
+    bias = config.enable_bias
+    heads = config.num_attention_heads
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
+        heads=heads, kv_heads=heads, head_dim=config.hidden_size // heads, ffn=config.ffn_dim,
+        norm="layer", norm_eps=1e-5, activation=config.activation_function, gated_mlp=False,
+        qkv_bias=bias, out_bias=bias, mlp_bias=bias, rotary=False, position_offset=2,
+        scale_query_first=True,
+        tied_head=_tied_head(model))
+    layer = {"attn_norm.weight": ["self_attn_layer_norm.weight"],
+             "attn_norm.bias": ["self_attn_layer_norm.bias"],
+             "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+             "out.weight": ["self_attn.out_proj.weight"],
+             "mlp_norm.weight": ["final_layer_norm.weight"],
+             "mlp_norm.bias": ["final_layer_norm.bias"],
+             "up.weight": ["fc1.weight"], "down.weight": ["fc2.weight"]}
+    if bias:
+        layer |= {"qkv.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
+                  "out.bias": ["self_attn.out_proj.bias"], "up.bias": ["fc1.bias"],
+                  "down.bias": ["fc2.bias"]}
+    root = {"embed.weight": ["model.decoder.embed_tokens.weight"],
+            "positions.weight": ["model.decoder.embed_positions.weight"],
+            "norm.weight": ["model.decoder.final_layer_norm.weight"],
+            "norm.bias": ["model.decoder.final_layer_norm.bias"]}
+    return _assemble(spec, root, layer, layer_prefixes, None)
+
+
+def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+        raise Unsupported("GPT-2 attention scaled by layer index or upcast and reordered")
+    if not config.scale_attn_weights:
+        raise Unsupported("GPT-2 without scaled attention weights")
+    heads = config.n_head
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.n_embd, layers=len(layer_prefixes), heads=heads,
+        kv_heads=heads, head_dim=config.n_embd // heads, ffn=config.n_inner or 4 * config.n_embd,
+        norm="layer", norm_eps=config.layer_norm_epsilon,
+        activation=config.activation_function, gated_mlp=False, qkv_bias=True, out_bias=True,
+        mlp_bias=True, rotary=False,
+        tied_head=_tied_head(model))
+    # Conv1D keeps its weight as [in, out]: these sources are transposed when copied
+    conv = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc",
+            "down": "mlp.c_proj"}
+    layer = {"attn_norm.weight": ["ln_1.weight"], "attn_norm.bias": ["ln_1.bias"],
+             "mlp_norm.weight": ["ln_2.weight"], "mlp_norm.bias": ["ln_2.bias"],
+             **{f"{ours}.{p}": [f"{theirs}.{p}"] for ours, theirs in conv.items()
+                for p in ("weight", "bias")}}
+    root = {"embed.weight": ["transformer.wte.weight"],
+            "positions.weight": ["transformer.wpe.weight"],
+            "norm.weight": ["transformer.ln_f.weight"], "norm.bias": ["transformer.ln_f.bias"]}
+    transforms = {f"{prefix}.{theirs}.weight": torch.Tensor.t for prefix in layer_prefixes
+                  for theirs in conv.values()}
+    return _assemble(spec, root, layer, layer_prefixes, None, transforms)
+
+
+def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    config = model.config
+    rope = config.rope_parameters
+    _check_rope(rope)
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    spec = DecoderSpec(
+        vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
+        heads=heads, kv_heads=heads, head_dim=head_dim, ffn=config.intermediate_size,
+        norm="layer", norm_eps=config.layer_norm_eps, activation=config.hidden_act,
+        gated_mlp=False, qkv_bias=config.attention_bias, out_bias=config.attention_bias,
+        mlp_bias=True, rotary=True,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+        parallel_residual=config.use_parallel_residual,
+        tied_head=_tied_head(model))
+    layer = {"attn_norm.weight": ["input_layernorm.weight"],
+             "attn_norm.bias": ["input_layernorm.bias"],
+             "mlp_norm.weight": ["post_attention_layernorm.weight"],
+             "mlp_norm.bias": ["post_attention_layernorm.bias"],
+             "qkv.weight": ["attention.query_key_value.weight"],
+             "out.weight": ["attention.dense.weight"],
+             "up.weight": ["mlp.dense_h_to_4h.weight"], "up.bias": ["mlp.dense_h_to_4h.bias"],
+             "down.weight": ["mlp.dense_4h_to_h.weight"],
+             "down.bias": ["mlp.dense_4h_to_h.bias"]}
+    if spec.qkv_bias:
+        layer |= {"qkv.bias": ["attention.query_key_value.bias"],
+                  "out.bias": ["attention.dense.bias"]}
+    root = {"embed.weight": ["gpt_neox.embed_in.weight"],
+            "norm.weight": ["gpt_neox.final_layer_norm.weight"],
+            "norm.bias": ["gpt_neox.final_layer_norm.bias"]}
+    # the fused projection's rows run head by head ([q_h; k_h; v_h] for each head h): put
+    # all q rows first, then k, then v
+    order = torch.arange(3 * config.hidden_size).view(heads, 3, head_dim).transpose(0, 1)
+    order = order.reshape(-1)
+
+    def by_kind(weight: torch.Tensor) -> torch.Tensor:
+        return weight.index_select(0, order.to(weight.device))
+
+    transforms = {f"{prefix}.attention.query_key_value.{p}": by_kind
+                  for prefix in layer_prefixes for p in ("weight", "bias")}
+    return _assemble(spec, root, layer, layer_prefixes,
+                     copy.deepcopy(model.gpt_neox.rotary_emb), transforms)
+
+
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt, "gpt2": _gpt2,
+             "gpt_neox": _gpt_neox}
+
+
+def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],
+              layer_prefixes: list[str], rotary: nn.Module | None,
+              transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
+              ) -> Plan:
+    if not spec.tied_head:   # every supported family names an untied head lm_head
+        root = {**root, "head.weight": ["lm_head.weight"]}
+    sources, layer_of = dict(root), dict.fromkeys(root)
+    for i, prefix in enumerate(layer_prefixes):
+        for name, parts in layer.items():
+            sources[f"layers.{i}.{name}"] = [f"{prefix}.{part}" for part in parts]
+            layer_of[f"layers.{i}.{name}"] = i
+    return Plan(spec, sources, layer_of, rotary, transforms or {})
+
+
+def fused_shape(shapes: list[torch.Size]) -> torch.Size:
+    """Shape of the concatenation (along dim 0) of parameters of `shapes`."""
+    return torch.Size([sum(s[0] for s in shapes), *shapes[0][1:]])
