@@ -11,20 +11,22 @@ import torch
 
 from steps.data import (
     DataError,
-    PairExample,
     PreferencePair,
+    load_blend,
+    load_pairs,
+    split_indices,
+    train_eval_split,
+)
+from steps.tokenize import (
+    PairExample,
     SFTExample,
     TokenizeStats,
     collate_pairs,
     collate_prompts,
     collate_sft,
-    load_blend,
-    load_pairs,
-    split_indices,
     tokenize_pairs,
     tokenize_prompts,
     tokenize_sft,
-    train_eval_split,
 )
 
 PROMPT_RECORDS = [

@@ -9,7 +9,7 @@ import torch
 
 from engine.generation import RowSeededSampling, SamplingSettings, generate, row_uniforms
 from engine.models import byte_tokenizer, load_causal_lm
-from steps.data import collate_prompts
+from steps.tokenize import collate_prompts
 
 
 def test_uniforms_are_a_pure_function_of_seed_step_and_token():

@@ -1,0 +1,192 @@
+"""Preference pairs to token ids and padded batches.
+
+`tokenize_sft` / `tokenize_pairs` / `tokenize_prompts` make token-id lists (the prompt with
+the tokenizer's special tokens, the answer + EOS), counting what they drop or cut; the
+`collate_*` functions pad them into tensors (right padding for training, left padding for
+generation prompts). The reward model scores `prompt + answer + EOS`: the convention
+`tokenize_pairs` trains it on, and step 3 scores rollouts the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from steps.data import DataError, PreferencePair
+
+IGNORE_INDEX = -100
+
+
+class SFTExample(NamedTuple):
+    """input_ids: prompt + answer token ids; labels: same length, -100 over the prompt."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+class PairExample(NamedTuple):
+    """Token ids of prompt + chosen answer and of prompt + rejected answer."""
+
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+class TokenizeStats(NamedTuple):
+    """kept: examples returned; dropped_long_prompt: examples dropped because the prompt is
+    longer than max_prompt_len; truncated_answer: kept examples with at least one answer cut
+    to max_answer_len tokens."""
+
+    kept: int
+    dropped_long_prompt: int
+    truncated_answer: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+def _eos_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise DataError(
+            f"tokenizer {name} has no eos_token_id; answers need an end-of-sequence token "
+            "(set tokenizer.eos_token)"
+        )
+    return int(eos)
+
+
+def _prompt_ids(pairs: Sequence[PreferencePair], tokenizer: Any) -> list[list[int]]:
+    """Token ids of every prompt, with the tokenizer's special tokens (e.g. BOS)."""
+    if not pairs:
+        return []
+    return tokenizer([p.prompt for p in pairs])["input_ids"]
+
+
+def _answer_ids(
+    answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int
+) -> tuple[list[list[int]], list[bool]]:
+    """answer ids + [eos], cut to max_answer_len tokens; returns (ids, was_truncated)."""
+    if not answers:
+        return [], []
+    ids = [a + [eos_id] for a in tokenizer(answers, add_special_tokens=False)["input_ids"]]
+    return [a[:max_answer_len] for a in ids], [len(a) > max_answer_len for a in ids]
+
+
+def _check_lengths(max_prompt_len: int, max_answer_len: int = 1) -> None:
+    if max_prompt_len < 1 or max_answer_len < 1:
+        raise ValueError(
+            f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
+            f"{max_answer_len}"
+        )
+
+
+def tokenize_sft(
+    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int, max_answer_len: int
+) -> tuple[list[SFTExample], TokenizeStats]:
+    """SFT examples from the chosen answers: input_ids = prompt ids + answer ids (+ EOS),
+    labels = -100 over the prompt and the answer ids over the answer. Prompts longer than
+    max_prompt_len are dropped; answers are cut to max_answer_len tokens."""
+    _check_lengths(max_prompt_len, max_answer_len)
+    eos = _eos_id(tokenizer)
+    prompts = _prompt_ids(pairs, tokenizer)
+    answers, cut = _answer_ids([p.chosen for p in pairs], tokenizer, eos, max_answer_len)
+    examples = []
+    dropped = truncated = 0
+    for prompt, answer, was_cut in zip(prompts, answers, cut, strict=True):
+        if len(prompt) > max_prompt_len:
+            dropped += 1
+            continue
+        truncated += was_cut
+        examples.append(SFTExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+    return examples, TokenizeStats(len(examples), dropped, truncated)
+
+
+def tokenize_pairs(
+    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int, max_answer_len: int
+) -> tuple[list[PairExample], TokenizeStats]:
+    """Reward-model examples: chosen_ids = prompt ids + chosen answer ids (+ EOS), rejected_ids
+    likewise. Prompts longer than max_prompt_len are dropped; answers are cut to max_answer_len
+    tokens (truncated_answer counts pairs with either answer cut)."""
+    _check_lengths(max_prompt_len, max_answer_len)
+    eos = _eos_id(tokenizer)
+    prompts = _prompt_ids(pairs, tokenizer)
+    chosen, chosen_cut = _answer_ids([p.chosen for p in pairs], tokenizer, eos, max_answer_len)
+    rejected, rejected_cut = _answer_ids(
+        [p.rejected for p in pairs], tokenizer, eos, max_answer_len
+    )
+    examples = []
+    dropped = truncated = 0
+    for prompt, c, r, c_cut, r_cut in zip(
+        prompts, chosen, rejected, chosen_cut, rejected_cut, strict=True
+    ):
+        if len(prompt) > max_prompt_len:
+            dropped += 1
+            continue
+        truncated += c_cut or r_cut
+        examples.append(PairExample(prompt + c, prompt + r))
+    return examples, TokenizeStats(len(examples), dropped, truncated)
+
+
+def tokenize_prompts(
+    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
+) -> tuple[list[list[int]], TokenizeStats]:
+    """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
+    max_prompt_len tokens; longer prompts are dropped and counted."""
+    _check_lengths(max_prompt_len)
+    _eos_id(tokenizer)  # generation needs an EOS to stop on
+    kept = [p for p in _prompt_ids(pairs, tokenizer) if len(p) <= max_prompt_len]
+    return kept, TokenizeStats(len(kept), len(pairs) - len(kept), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collating
+
+
+def _pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> Tensor:
+    """Stack int lists into a LongTensor [len(rows), max_len], padding with `value`."""
+    if not rows:
+        raise ValueError("cannot collate an empty batch")
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            if left:
+                out[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            else:
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def _mask(rows: Sequence[Sequence[int]], left: bool = False) -> Tensor:
+    """attention_mask [len(rows), max_len]: 1 on real tokens, 0 on padding."""
+    return _pad([[1] * len(r) for r in rows], 0, left=left)
+
+
+def collate_sft(batch: list[SFTExample], pad_token_id: int) -> dict[str, Tensor]:
+    """Right-padded input_ids [B,T], attention_mask [B,T], labels [B,T] (-100 on padding)."""
+    ids = [ex.input_ids for ex in batch]
+    return {
+        "input_ids": _pad(ids, pad_token_id),
+        "attention_mask": _mask(ids),
+        "labels": _pad([ex.labels for ex in batch], IGNORE_INDEX),
+    }
+
+
+def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tensor]:
+    """input_ids [2B,T] = all chosen rows then all rejected rows, right padded to the longest of
+    either; attention_mask [2B,T]."""
+    ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
+    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids)}
+
+
+def collate_prompts(batch: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
+    """LEFT-padded input_ids [B,P] and attention_mask [B,P] (prompts end at the last column,
+    ready for generation)."""
+    return {
+        "input_ids": _pad(batch, pad_token_id, left=True),
+        "attention_mask": _mask(batch, left=True),
+    }
