@@ -9,14 +9,19 @@ whole batch, however the batch was split."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
+from engine.checkpoint import Tensors
+from engine.export import save_hf
 from engine.lora import is_lora_param
+from engine.models import sequence_scores, token_values
 from engine.parallel import ShardSettings, set_gradient_sync, shard
 from engine.runtime import Runtime
 
@@ -115,6 +120,40 @@ class TrainEngine:
 
     def train(self) -> None:
         self.module.train()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This process's parameters (its shards, when sharded)."""
+        return self.module.parameters()
+
+    def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                     ) -> torch.Tensor:
+        """[B, T] per-token outputs of a one-label scorer (see engine.models.token_values)."""
+        return token_values(self.module, input_ids, attention_mask)
+
+    def sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                        ) -> torch.Tensor:
+        """[B] a scorer's output at each sequence's last real token."""
+        return sequence_scores(self.module, input_ids, attention_mask)
+
+    def copy_weights(self) -> Tensors:
+        """A detached copy of the parameters, sharded as they are (e.g. an EMA)."""
+        return Tensors({name: p.detach().clone() for name, p in self.module.named_parameters()})
+
+    def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None) -> Path:
+        """Write the model (LoRA merged) as a plain Hugging Face directory; with `weights`
+        (a `copy_weights` of it, e.g. its EMA) those weights instead of the live ones, which
+        are left as they were. Collective: every process calls it."""
+        if weights is None:
+            return save_hf(self.module, tokenizer, out_dir, self.runtime)
+        live = self.copy_weights()
+        with torch.no_grad():
+            for param, value in zip(self.parameters(), weights.tensors.values(), strict=True):
+                param.copy_(value)
+            try:
+                return save_hf(self.module, tokenizer, out_dir, self.runtime)
+            finally:
+                for param, value in zip(self.parameters(), live.tensors.values(), strict=True):
+                    param.copy_(value)
 
     def eval(self) -> None:
         self.module.eval()

@@ -112,8 +112,9 @@ def _source(spec: str, flag: str, files: tuple[str, ...] = _MODEL_FILES) -> str:
                             f"Hugging Face {what}")
         return "local"
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise UserError(f"{flag} {spec}: no such model directory; pass a local Hugging Face "
-                        f"directory, a hub name or a preset ({', '.join(PRESETS)})")
+        raise UserError(f"{flag} {spec}: no such directory; pass a Hugging Face model "
+                        "directory (e.g. output/step3/actor), a hub name or a preset "
+                        f"({', '.join(PRESETS)})")
     return "hub"
 
 
@@ -122,9 +123,11 @@ def _hub_offline() -> bool:
     Checked up front because the hub client retries for most of a minute otherwise."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
         return True
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return False   # a direct probe says nothing behind a proxy: let the download try
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        socket.create_connection((host, 443), timeout=3).close()
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
         return False
     except OSError:
         return True
@@ -146,7 +149,7 @@ def _hub_local_only(spec: str, flag: str) -> bool:
     if not _hub_offline():
         return False
     if not _in_hub_cache(spec):
-        raise _hub_error(spec, flag, "offline, and not in the local cache")
+        raise _hub_error(spec, flag, "unreachable or offline, and not in the local cache")
     return True
 
 
@@ -285,3 +288,21 @@ def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,
     """[B] reward-model score at the last real token of each sequence."""
     values = token_values(model, input_ids, attention_mask)
     return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Turn every dropout of `model` off in place, its config left as it is (so an export
+    keeps the checkpoint's values): `nn.Dropout` modules, and the float rates that
+    transformers' modules pass to functional dropout themselves (OPT's `dropout`, Llama's
+    `attention_dropout`, ...). Returns how many were non-zero."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p > 0
+            module.p = 0.0
+            continue
+        for name, value in vars(module).items():
+            if "dropout" in name and isinstance(value, float):
+                changed += value > 0
+                setattr(module, name, 0.0)
+    return changed

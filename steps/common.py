@@ -1,6 +1,5 @@
 """What the three steps share: step directories, config snapshots, progress bars,
-batching (and each rank's share of a batch), checkpoint settings, and the demo's
-ground-truth evaluation."""
+batching, checkpoint settings, model placement, and the demo's ground-truth evaluation."""
 
 from __future__ import annotations
 
@@ -14,13 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
+from engine.data_parallel import DataParallel
 from engine.engine import OptimSettings, TrainEngine
 from engine.lora import LoraSettings
-from engine.parallel import ShardSettings
+from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps import demo
-from steps.data import DataError, TokenizeStats
+from steps.data import DataError
+from steps.tokenize import TokenizeStats
 
 
 def step_dir(cfg: DictConfig, step: int) -> Path:
@@ -28,18 +29,20 @@ def step_dir(cfg: DictConfig, step: int) -> Path:
     return Path(cfg.output_dir) / f"step{step}"
 
 
-def start_step(cfg: DictConfig, step: int, rt: Runtime, *, resume: bool) -> Path:
+def start_step(cfg: DictConfig, step: int, dp: DataParallel, *, resume: bool) -> Path:
     """The step's directory with its config snapshot; a fresh start also drops the metrics
     and checkpoints of an earlier attempt."""
     directory = step_dir(cfg, step)
     if not resume:
-        checkpointer(cfg, step, rt).clear()
-    if rt.is_main:
+        checkpointer(cfg, step, dp.runtime).clear()
+
+    def write() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         if not resume:
             (directory / "metrics.jsonl").unlink(missing_ok=True)
         (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    rt.barrier()
+
+    dp.write_once(write)
     return directory
 
 
@@ -82,9 +85,10 @@ class StepCheckpoints:
         self.checkpointer.clear()
 
 
-def shard_settings(cfg: DictConfig, zero_stage: int) -> ShardSettings:
-    return ShardSettings(zero_stage=zero_stage, offload=cfg.engine.offload,
-                         activation_checkpointing=cfg.engine.gradient_checkpointing)
+def placement(cfg: DictConfig, rt: Runtime) -> Placement:
+    """Where this run's models live: the engine reads its own config group."""
+    return Placement.from_config(cfg.engine, rt, actor_zero_stage=cfg.actor_zero_stage,
+                                 reward_zero_stage=cfg.reward_zero_stage)
 
 
 def log(message: str) -> None:
@@ -117,15 +121,6 @@ def progress(iterable: Iterable, *, desc: str, total: int | None = None,
              enabled: bool = True) -> Iterator:
     return iter(tqdm(iterable, desc=desc, total=total, disable=not enabled,
                      leave=False, dynamic_ncols=True))
-
-
-def rank_rows(rows: Sequence, rt: Runtime) -> tuple[list, float]:
-    """This rank's share of a global batch (every world_size-th row, from its rank on) and
-    its weight: 1, or 0 when the batch has fewer rows than there are ranks and this one got
-    none. It then runs the batch's first row as a stand-in, weighted 0, because every rank
-    must take part in the same forward and backward passes."""
-    mine = list(rows[rt.rank::rt.world_size])
-    return (mine, 1.0) if mine else (list(rows[:1]), 0.0)
 
 
 def batches(items: Sequence, batch_size: int, *, shuffle: bool, seed: int) -> Iterator[list]:

@@ -16,6 +16,7 @@ rank that samples it.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,21 +24,14 @@ import torch
 from omegaconf import DictConfig
 
 from engine.checkpoint import Tensors
+from engine.data_parallel import DataParallel, Share
 from engine.engine import TrainEngine
 from engine.errors import UserError
-from engine.export import save_hf
 from engine.generation import SamplingSettings
-from engine.hybrid import HybridEngine, HybridSettings
+from engine.hybrid import HybridEngine
 from engine.lora import apply_lora
-from engine.models import (
-    load_causal_lm,
-    load_reward_model,
-    load_tokenizer,
-    position_ids,
-    sequence_scores,
-    token_values,
-)
-from engine.parallel import frozen
+from engine.models import disable_dropout, load_tokenizer, position_ids, sequence_scores
+from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps.common import (
@@ -49,21 +43,13 @@ from steps.common import (
     lora_settings,
     num_batches,
     optim_settings,
-    rank_rows,
+    placement,
     report_tokenized,
     require_examples,
-    shard_settings,
     start_step,
     to_device,
 )
-from steps.data import (
-    PreferencePair,
-    collate_prompts,
-    collate_sft,
-    tokenize_prompts,
-    tokenize_sft,
-    train_eval_split,
-)
+from steps.data import PreferencePair, train_eval_split
 from steps.rlhf import (
     answer_mask,
     ema_update,
@@ -77,6 +63,7 @@ from steps.rlhf import (
     whiten,
 )
 from steps.sft import trained_tokens
+from steps.tokenize import SFTExample, collate_prompts, collate_sft, tokenize_prompts, tokenize_sft
 
 
 class Experience(NamedTuple):
@@ -112,16 +99,6 @@ def row_seeds(seed: int, stream: int, rows: list[int]) -> torch.Tensor:
     return (torch.tensor(rows, dtype=torch.long) + (stream << 20)) + ((seed % (1 << 23)) << 40)
 
 
-def global_moments(x: torch.Tensor, mask: torch.Tensor, rt: Runtime
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, unbiased variance) of the masked entries of `x` over all ranks' rows."""
-    total, count = rt.all_sum(torch.stack([masked_sum(x, mask), mask.sum()]))
-    mean = total / count.clamp(min=1)
-    squares = rt.all_sum(masked_sum((x - mean) ** 2, mask)[None])[0]
-    var = squares / count.clamp(min=1)
-    return mean, torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
-
-
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int) -> torch.Tensor:
     """[B, N] log-probability of each answer token under `model`."""
@@ -130,10 +107,10 @@ def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return logprobs_of_tokens(logits[:, prompt_len - 1:-1], sequences[:, prompt_len:])
 
 
-def answer_values(critic, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
                   prompt_len: int) -> torch.Tensor:
     """[B, N] critic value of the state before each answer token."""
-    return token_values(critic, sequences, attention_mask)[:, prompt_len - 1:-1]
+    return critic.token_values(sequences, attention_mask)[:, prompt_len - 1:-1]
 
 
 class RewardScorer:
@@ -159,13 +136,14 @@ class RewardScorer:
 
 
 @torch.no_grad()
-def make_experience(actor: HybridEngine, ref, critic, score, prompts: dict[str, torch.Tensor],
-                    sampling: SamplingSettings, eos_token_id: int, pad_token_id: int,
-                    ppo: DictConfig, rt: Runtime, *, seeds: torch.Tensor | None = None,
-                    weight: float = 1.0) -> tuple[Experience, dict[str, float]]:
-    """Sample answers for this rank's left-padded prompts (row `seeds`, see row_seeds) and
-    compute everything PPO needs. Whitening statistics come from all ranks' rows; a rank
-    whose rows are stand-ins passes weight 0, which empties their action masks.
+def make_experience(actor: HybridEngine, ref, critic: TrainEngine, score,
+                    prompts: dict[str, torch.Tensor], sampling: SamplingSettings,
+                    eos_token_id: int, pad_token_id: int, ppo: DictConfig, dp: DataParallel,
+                    *, seeds: torch.Tensor | None = None, weight: float = 1.0
+                    ) -> tuple[Experience, dict[str, float]]:
+    """Sample answers for left-padded prompts (row `seeds`, see row_seeds) and compute
+    everything PPO needs. The prompts are this process's share of the rollout batch, of
+    `weight` (0 empties the action masks of a stand-in); whitening uses the whole batch.
     Returns the experience and the seconds spent: gathering the actor for generation,
     generating, and computing the rest."""
     actor.take_times()
@@ -184,7 +162,7 @@ def make_experience(actor: HybridEngine, ref, critic, score, prompts: dict[str, 
     actor.train()
     ref_logprobs = answer_logprobs(ref, sequences, attention_mask, prompt_len)
     critic.eval()
-    values = answer_values(critic.module, sequences, attention_mask, prompt_len) * actions
+    values = answer_values(critic, sequences, attention_mask, prompt_len) * actions
     critic.train()
     scores = score(sequences, attention_mask)
 
@@ -192,7 +170,7 @@ def make_experience(actor: HybridEngine, ref, critic, score, prompts: dict[str, 
                                        ppo.kl_coef, ppo.score_clip)
     advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
-        advantages = whiten(advantages, actions, moments=global_moments(advantages, actions, rt))
+        advantages = whiten(advantages, actions, moments=dp.masked_moments(advantages, actions))
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl)
@@ -201,12 +179,10 @@ def make_experience(actor: HybridEngine, ref, critic, score, prompts: dict[str, 
 
 
 def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, ppo: DictConfig,
-             num_actions: float, ptx: tuple[dict[str, torch.Tensor], int, float] | None
-             ) -> dict[str, float]:
-    """One optimisation step of actor and critic on this rank's rows of a micro-batch.
-    `num_actions`: the micro-batch's action count over all ranks; `ptx`: this rank's PTX
-    rows, the global batch's token count, and this rank's weight. Returns this rank's
-    shares of the statistics (they sum to the micro-batch's values over the ranks)."""
+             num_actions: float, ptx: PtxRows | None) -> dict[str, float]:
+    """One optimisation step of actor and critic on this process's rows of a micro-batch.
+    `num_actions`: the micro-batch's action count over all processes. Returns this
+    process's shares of the statistics (their sums over processes are the micro-batch's)."""
     exp, prompt_len = experience, experience.prompt_len
     logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len)
     actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
@@ -214,17 +190,16 @@ def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, pp
     loss = actor_out.loss
     stats = {}
     if ptx is not None:
-        ptx_batch, ptx_tokens, ptx_weight = ptx
-        logits = actor(input_ids=ptx_batch["input_ids"],
-                       attention_mask=ptx_batch["attention_mask"],
-                       position_ids=position_ids(ptx_batch["attention_mask"])).logits
-        ptx_loss = sft_loss(logits, ptx_batch["labels"], num_tokens=ptx_tokens) * ptx_weight
+        logits = actor(input_ids=ptx.batch["input_ids"],
+                       attention_mask=ptx.batch["attention_mask"],
+                       position_ids=position_ids(ptx.batch["attention_mask"])).logits
+        ptx_loss = sft_loss(logits, ptx.batch["labels"], num_tokens=ptx.tokens) * ptx.weight
         loss = loss + ppo.ptx.coef * ptx_loss
         stats["train/ptx_loss"] = ptx_loss.item()
     actor.backward(loss)
     actor.step()
 
-    values = answer_values(critic.module, exp.sequences, exp.attention_mask, prompt_len)
+    values = answer_values(critic, exp.sequences, exp.attention_mask, prompt_len)
     critic_out = value_loss(values, exp.values, exp.returns, exp.action_mask,
                             ppo.value_clip_range, num_actions)
     critic.backward(critic_out.loss)
@@ -232,42 +207,92 @@ def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, pp
     return {**stats, "train/policy_loss": actor_out.loss.item(),
             "train/clip_fraction": float(actor_out.clip_fraction),
             "train/approx_kl": float(actor_out.approx_kl),
+            "train/ratio": float(actor_out.ratio_mean),
             "train/value_loss": critic_out.loss.item(),
             "train/value_clip_fraction": float(critic_out.clip_fraction)}
 
 
-def summed(stats: dict[str, float], rt: Runtime) -> dict[str, float]:
-    """Per-rank shares of statistics -> their totals over the ranks (one all-reduce)."""
-    return dict(zip(stats, rt.total(*stats.values()), strict=True))
+class PtxRows(NamedTuple):
+    """This process's share of a pretraining (PTX) batch."""
+
+    batch: dict[str, torch.Tensor]
+    tokens: int       # trained tokens of the whole batch (the loss's divisor)
+    weight: float
+
+
+def ptx_rows(examples: list[SFTExample], index: int, batch_size: int, seed: int,
+             pad_token_id: int, dp: DataParallel) -> PtxRows:
+    """The `index`-th PTX batch: passes over the step-1 data, each in a fresh seeded order,
+    so the stream's position is one counter (which a checkpoint stores)."""
+    per_pass = num_batches(len(examples), batch_size)
+    epoch, offset = divmod(index, per_pass)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(
+        seed + 7919 * (epoch + 1))).tolist()
+    batch = [examples[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
+    share = dp.share(batch)
+    return PtxRows(to_device(collate_sft(share.rows, pad_token_id), dp.device),
+                   trained_tokens(batch), share.weight)
+
+
+def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: DictConfig,
+           dp: DataParallel, ptx: list[SFTExample], ptx_batches: int, ema: Tensors | None,
+           seed: int, iteration: int) -> tuple[dict[str, float], int]:
+    """`ppo.ppo_epochs` passes over one round's experience (this process's `share` of its
+    `batch_size` rows) in micro-batches, each one optimizer step of actor and critic (and
+    a PTX batch, an EMA update). Returns the statistics' means over the updates and the
+    PTX stream's new position."""
+    sums: dict[str, float] = {}
+    updates = 0
+    for ppo_epoch in range(ppo.ppo_epochs):
+        order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(
+            seed + iteration * 131 + ppo_epoch))
+        for micro in order.split(ppo.micro_batch_size):
+            index, weight = dp.pick(share, micro)
+            rows = exp.rows(index) if weight else exp.rows(index).without_actions()
+            num_actions = dp.sum(float(rows.action_mask.sum()))[0]
+            ptx_batch = None
+            if ptx:
+                ptx_batch = ptx_rows(ptx, ptx_batches, ppo.ptx.batch_size, seed,
+                                     models.tokenizer.pad_token_id, dp)
+                ptx_batches += 1
+            for name, value in train_on(rows, models.actor, models.critic, ppo, num_actions,
+                                        ptx_batch).items():
+                sums[name] = sums.get(name, 0.0) + value
+            updates += 1
+            if ema is not None:
+                ema_update(ema.tensors.values(), models.actor.parameters(), ppo.ema.beta)
+    totals = dp.sum(*sums.values())
+    return {name: total / updates for name, total in zip(sums, totals, strict=True)}, ptx_batches
 
 
 @torch.no_grad()
-def evaluate_policy(actor: HybridEngine, scorer: RewardScorer, prompts: list[list[int]],
-                    prompt_texts: list[str], tokenizer, sampling: SamplingSettings,
-                    batch_size: int, seed: int, rt: Runtime) -> dict[str, float]:
+def evaluate_policy(models: Models, prompts: Prompts, sampling: SamplingSettings,
+                    batch_size: int, seed: int, dp: DataParallel) -> dict[str, float]:
     """Reward-model score (and the demo's ground truth when it applies) of answers sampled
     for held-out prompts, with fixed row seeds so before/after compare like with like."""
+    if not prompts.eval:
+        return {}
+    tokenizer = models.tokenizer
     reward_sum = truth_sum = truth_count = 0.0
-    rows = list(range(len(prompts)))
-    for batch_rows in batches(rows, batch_size, shuffle=False, seed=0):
-        mine, weight = rank_rows(batch_rows, rt)
-        batch = to_device(collate_prompts([prompts[i] for i in mine], tokenizer.pad_token_id),
-                          rt.device)
-        seqs = actor.generate(batch["input_ids"], batch["attention_mask"], sampling,
-                              eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id,
-                              row_seeds=row_seeds(seed, 0, mine))
+    for batch_rows in batches(range(len(prompts.eval)), batch_size, shuffle=False, seed=0):
+        share = dp.share(batch_rows)
+        batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
+                                          tokenizer.pad_token_id), dp.device)
+        seqs = models.actor.generate(batch["input_ids"], batch["attention_mask"], sampling,
+                                     eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id,
+                                     row_seeds=row_seeds(seed, 0, share.rows))
         p = batch["input_ids"].shape[1]
         actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
-        reward_sum += float(scorer(seqs, torch.cat([batch["attention_mask"],
-                                                     actions.long()], 1)).sum()) * weight
+        scores = models.scorer(seqs, torch.cat([batch["attention_mask"], actions.long()], 1))
+        reward_sum += float(scores.sum()) * share.weight
         # generate pads after EOS, so the special tokens are all that must go
         answers = tokenizer.batch_decode(seqs[:, p:], skip_special_tokens=True)
-        truth = ground_truth([prompt_texts[i] for i in mine], answers)
-        if truth is not None and weight:
+        truth = ground_truth([prompts.eval_texts[i] for i in share.rows], answers)
+        if truth is not None and share.weight:
             truth_sum, truth_count = truth_sum + truth[0], truth_count + truth[1]
-    reward_sum, truth_sum, truth_count = rt.total(reward_sum, truth_sum, truth_count)
-    metrics = {"reward": reward_sum / len(prompts)}
+    reward_sum, truth_sum, truth_count = dp.sum(reward_sum, truth_sum, truth_count)
+    metrics = {"reward": reward_sum / len(prompts.eval)}
     if truth_count:
         metrics["ground_truth"] = truth_sum / truth_count
     return metrics
@@ -285,164 +310,171 @@ def _paths(cfg: DictConfig) -> tuple[str, str]:
     return actor_path, reward_path
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
-        rt: Runtime, resume: bool = False) -> dict:
-    actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
-    out = start_step(cfg, 3, rt, resume=resume)
-    ppo, data, engine_cfg = cfg.ppo, cfg.data, cfg.engine
-    trc = cfg.trust_remote_code
-    tokenizer = load_tokenizer(actor_path, trust_remote_code=trc)
-    reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path", trust_remote_code=trc)
+class Prompts(NamedTuple):
+    train: list[list[int]]      # token ids of the rollout prompts
+    eval: list[list[int]]       # held-out prompts (before/after evaluation)
+    eval_texts: list[str]
+    ptx: list[SFTExample]       # step-1 examples for the PTX loss ([] when off)
 
+
+def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
+                 ptx_pairs: list[PreferencePair]) -> Prompts:
+    data = cfg.data
     train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
     require_examples(3, "prompts", stats, data.max_prompt_len)
-    eval_pairs = eval_pairs[:ppo.eval_prompts]
-    eval_prompts, _ = tokenize_prompts(eval_pairs, tokenizer, data.max_prompt_len)
-    eval_texts = tokenizer.batch_decode(eval_prompts, skip_special_tokens=True)
-    ptx_examples = []
-    if ppo.ptx.enabled:
-        ptx_examples, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
-                                               data.max_answer_len)
+    eval_prompts, _ = tokenize_prompts(eval_pairs[:cfg.ppo.eval_prompts], tokenizer,
+                                       data.max_prompt_len)
+    ptx = []
+    if cfg.ppo.ptx.enabled:
+        ptx, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
+                                      data.max_answer_len)
         report_tokenized("step 3 PTX", ptx_stats, data.max_prompt_len, data.max_answer_len)
+    return Prompts(prompts, eval_prompts,
+                   tokenizer.batch_decode(eval_prompts, skip_special_tokens=True), ptx)
 
-    dtype, master, seed = rt.dtype, rt.master_dtype, cfg.seed
-    actor_model = apply_lora(load_causal_lm(actor_path, tokenizer, dtype=master,
-                                            trust_remote_code=trc), lora_settings(ppo.actor_lora))
-    ref = frozen(load_causal_lm(actor_path, tokenizer, dtype=dtype, trust_remote_code=trc), rt,
-                 sharded=engine_cfg.shard_frozen_models,
-                 offload=engine_cfg.offload_reference_model)
-    reward = frozen(load_reward_model(reward_path, reward_tokenizer, flag="ppo.reward_path",
-                                      dtype=dtype, trust_remote_code=trc), rt,
-                    sharded=engine_cfg.shard_frozen_models,
-                    offload=engine_cfg.offload_reward_model)
-    scorer = RewardScorer(reward, tokenizer, reward_tokenizer, rt.device)
+
+class Models(NamedTuple):
+    """Step 3's models, placed (engine/placement.py)."""
+
+    actor: HybridEngine          # trained; generates through the hybrid engine
+    critic: TrainEngine          # trained; per-token values
+    reference: torch.nn.Module   # frozen step-1 actor: the KL anchor
+    scorer: RewardScorer         # the frozen reward model
+    tokenizer: object            # the actor's (and the reference's)
+    critic_tokenizer: object
+
+
+def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
+                 reward_path: str, updates: int) -> Models:
+    ppo, trc = cfg.ppo, cfg.trust_remote_code
+    reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path", trust_remote_code=trc)
+    reference = place.frozen(place.causal_lm(actor_path, tokenizer, trained=False,
+                                             trust_remote_code=trc), role="reference")
+    reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
+                                             flag="ppo.reward_path", trust_remote_code=trc),
+                          role="reward")
+    scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
     if scorer.same_tokenizer:
-        critic_model = load_reward_model(reward_path, tokenizer, flag="ppo.reward_path",
-                                         dtype=master, trust_remote_code=trc)
+        critic = place.reward_model(reward_path, tokenizer, trained=True,
+                                    flag="ppo.reward_path", trust_remote_code=trc)
         critic_tokenizer = reward_tokenizer
     else:  # the critic must read the actor's tokens: start it from the actor instead
         log("step 3: reward model and actor tokenizers differ; the critic starts from the "
             "actor with a new value head, and rewards are scored on re-tokenized text")
-        critic_model = load_reward_model(actor_path, tokenizer, flag="ppo.actor_path",
-                                         dtype=master, trust_remote_code=trc, seed=seed)
+        critic = place.reward_model(actor_path, tokenizer, trained=True, flag="ppo.actor_path",
+                                    trust_remote_code=trc, seed=cfg.seed)
         critic_tokenizer = tokenizer
-    critic_model = apply_lora(critic_model, lora_settings(ppo.critic_lora))
+    actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc)
+    if ppo.disable_dropout:   # else old and new log-probs differ before any update
+        disable_dropout(actor)
+        disable_dropout(critic)
+    actor = place.rollout_actor(apply_lora(actor, lora_settings(ppo.actor_lora)),
+                                optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
+    critic = place.trainer(apply_lora(critic, lora_settings(ppo.critic_lora)),
+                           optim_settings(ppo, ppo.critic_lr, ppo.critic_lora), updates,
+                           role="reward")
+    return Models(actor, critic, reference, scorer, tokenizer, critic_tokenizer)
 
-    rounds = num_batches(len(prompts), ppo.rollout_batch_size)
-    micro_per_round = num_batches(ppo.rollout_batch_size, ppo.micro_batch_size)
-    total = ppo.epochs * rounds * ppo.ppo_epochs * micro_per_round
-    actor = HybridEngine(actor_model, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), total,
-                         rt, shard_settings(cfg, cfg.actor_zero_stage),
-                         HybridSettings(**engine_cfg.hybrid))
-    critic = TrainEngine(critic_model, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
-                         total, rt, shard_settings(cfg, cfg.reward_zero_stage))
-    # the EMA copy is kept as (sharded) tensors beside the actor's own parameters
-    ema = Tensors({name: p.detach().clone() for name, p in actor.module.named_parameters()}) \
-        if ppo.ema.enabled else None
-    sampling = SamplingSettings(max_new_tokens=ppo.max_new_tokens, temperature=ppo.temperature,
-                                top_p=ppo.top_p, top_k=ppo.top_k, do_sample=True)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    ckpt = StepCheckpoints(cfg, 3, rt, {"actor": actor, "critic": critic},
+def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
+        rt: Runtime, resume: bool = False) -> dict:
+    actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
+    dp, place = DataParallel(rt), placement(cfg, rt)
+    out = start_step(cfg, 3, dp, resume=resume)
+    ppo, seed = cfg.ppo, cfg.seed
+    tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.trust_remote_code)
+    prompts = load_prompts(cfg, tokenizer, pairs, ptx_pairs)
+    rounds = num_batches(len(prompts.train), ppo.rollout_batch_size)
+    updates = ppo.epochs * rounds * ppo.ppo_epochs * num_batches(ppo.rollout_batch_size,
+                                                                 ppo.micro_batch_size)
+    models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
+    ema = models.actor.copy_weights() if ppo.ema.enabled else None
+    sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
+    ckpt = StepCheckpoints(cfg, 3, rt, {"actor": models.actor, "critic": models.critic},
                            extra={"ema": ema} if ema else None)
-    position, metrics_rows = ckpt.restore(
-        {"epoch": 0, "round": 0, "iteration": 0, "ptx_batches": 0, "seconds": 0.0,
-         "before": None}, resume)
+    position, metrics_rows = ckpt.restore({"epoch": 0, "round": 0, "iteration": 0,
+                                           "ptx_batches": 0, "seconds": 0.0, "before": None},
+                                          resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
-                      enabled=rt.is_main, keep_rows=metrics_rows)
-
-    def evaluate() -> dict[str, float]:
-        return evaluate_policy(actor, scorer, eval_prompts, eval_texts, tokenizer,
-                               sampling, ppo.rollout_batch_size, seed, rt)
-
-    before = position["before"]
-    if before is None:
-        before = evaluate() if eval_prompts else {}
+                      enabled=dp.reports, keep_rows=metrics_rows)
+    evaluate = partial(evaluate_policy, models, prompts, sampling, ppo.rollout_batch_size,
+                       seed, dp)
+    before = evaluate() if position["before"] is None else position["before"]
     start = time.perf_counter() - position["seconds"]
     iteration, ptx_batches = position["iteration"], position["ptx_batches"]
     time_totals: dict[str, float] = {}
     for epoch in range(position["epoch"], ppo.epochs):
         for round_index, prompt_batch in epoch_batches(
-                prompts, ppo.rollout_batch_size, seed=seed + epoch,
+                prompts.train, ppo.rollout_batch_size, seed=seed + epoch,
                 skip=position["round"] if epoch == position["epoch"] else 0,
-                desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and rt.is_main):
-            t0 = time.perf_counter()
-            mine, weight = rank_rows(range(len(prompt_batch)), rt)
-            batch = to_device(collate_prompts([prompt_batch[i] for i in mine], pad), rt.device)
-            exp, timing = make_experience(actor, ref, critic, scorer, batch, sampling, eos, pad,
-                                          ppo, rt, seeds=row_seeds(seed, iteration + 1, mine),
-                                          weight=weight)
-            t1 = time.perf_counter()
-            global_rows = torch.tensor(mine)
-            stats: dict[str, float] = {}
-            for ppo_epoch in range(ppo.ppo_epochs):
-                order = torch.randperm(len(prompt_batch), generator=torch.Generator().manual_seed(
-                    seed + iteration * 131 + ppo_epoch))
-                for micro in order.split(ppo.micro_batch_size):
-                    local = torch.isin(global_rows, micro).nonzero().flatten()
-                    rows = exp.rows(local) if len(local) else \
-                        exp.rows(torch.tensor([0])).without_actions()
-                    num_actions = rt.total(float(rows.action_mask.sum()))[0]
-                    ptx = None
-                    if ptx_examples:
-                        ptx_global = _ptx_batch(ptx_examples, ptx_batches, ppo.ptx.batch_size,
-                                                seed)
-                        ptx_batches += 1
-                        ptx_rows, ptx_weight = rank_rows(ptx_global, rt)
-                        ptx = (to_device(collate_sft(ptx_rows, pad), rt.device),
-                               trained_tokens(ptx_global), ptx_weight)
-                    stats = train_on(rows, actor, critic, ppo, num_actions, ptx)
-                    if ema is not None:
-                        ema_update(ema.tensors.values(), actor.module.parameters(),
-                                   ppo.ema.beta)
-            t2 = time.perf_counter()
+                desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports):
+            times, ptx_batches = iterate(cfg, models, prompts, prompt_batch, sampling, ema,
+                                         dp, tracker, iteration, ptx_batches)
             iteration += 1
-            metrics = {**summed(stats, rt), **_rollout_metrics(exp, eos, rt),
-                       "lr/actor": actor.lr, "lr/critic": critic.lr}
-            tokens = metrics.pop("answer/tokens")
-            times = _time_breakdown({**timing, "time/train": t2 - t1},
-                                    time.perf_counter() - t0, len(prompt_batch), tokens,
-                                    ppo.ppo_epochs)
-            metrics.update(times)
             time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
-            if iteration % ppo.log_every == 0:
-                tracker.log(metrics, iteration)
-                if not cfg.logging.progress:
-                    log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
             epoch_done = round_index == rounds
             ckpt.save_if_due(iteration, {
                 "epoch": epoch + epoch_done, "round": 0 if epoch_done else round_index,
                 "iteration": iteration, "ptx_batches": ptx_batches,
                 "seconds": time.perf_counter() - start, "before": before}, tracker)
 
-    actor.eval()
-    after = evaluate() if eval_prompts else {}
+    models.actor.eval()
+    after = evaluate()
     elapsed = time.perf_counter() - start
     summary = {**{f"eval/{k}_before": v for k, v in before.items()},
                **{f"eval/{k}_after": v for k, v in after.items()},
                "time/seconds": elapsed, "iterations": iteration}
     tracker.log(summary, iteration)
     tracker.close()
-    step3 = Path(cfg.output_dir) / "step3"
-    save_hf(actor.module, tokenizer, step3 / "actor", rt)
-    save_hf(critic.module, critic_tokenizer, step3 / "critic", rt)
-    if ema is not None:  # export the EMA weights through the actor's own structure
-        with torch.no_grad():
-            for param, average in zip(actor.module.parameters(), ema.tensors.values(),
-                                      strict=True):
-                param.copy_(average)
-        save_hf(actor.module, tokenizer, step3 / "actor_ema", rt)
+    step3 = export(cfg, models, ema)
     ckpt.clear()
     if time_totals:
         runs = iteration - position["iteration"]
-        log("step 3 mean iteration: " + _breakdown_line({
-            k: v / runs for k, v in time_totals.items()}))
+        log("step 3 mean iteration: "
+            + _breakdown_line({k: v / runs for k, v in time_totals.items()}))
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
     log(f"step 3 (PPO) done: {iteration} iterations, " + (f"{line}, " if line else "")
         + f"{elapsed:.1f}s -> {step3}")
     return summary
+
+
+def iterate(cfg: DictConfig, models: Models, prompts: Prompts, prompt_batch: list[list[int]],
+            sampling: SamplingSettings, ema: Tensors | None, dp: DataParallel,
+            tracker: Tracker, iteration: int, ptx_batches: int) -> tuple[dict, int]:
+    """One PPO iteration: rollouts for a batch of prompts, then updates, then metrics.
+    Returns its time breakdown and the PTX stream's new position."""
+    t0 = time.perf_counter()
+    eos, pad = models.tokenizer.eos_token_id, models.tokenizer.pad_token_id
+    share = dp.share(prompt_batch)
+    batch = to_device(collate_prompts(share.rows, pad), dp.device)
+    exp, timing = make_experience(
+        models.actor, models.reference, models.critic, models.scorer, batch, sampling, eos,
+        pad, cfg.ppo, dp, seeds=row_seeds(cfg.seed, iteration + 1, share.index),
+        weight=share.weight)
+    t1 = time.perf_counter()
+    stats, ptx_batches = update(exp, share, len(prompt_batch), models, cfg.ppo, dp, prompts.ptx,
+                                ptx_batches, ema, cfg.seed, iteration)
+    t2 = time.perf_counter()
+    metrics = {**stats, **_rollout_metrics(exp, eos, dp)}
+    times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
+                            len(prompt_batch), metrics.pop("answer/tokens"), cfg.ppo.ppo_epochs)
+    if (iteration + 1) % cfg.ppo.log_every == 0:
+        tracker.log({**metrics, "lr/actor": models.actor.lr, "lr/critic": models.critic.lr,
+                     **times}, iteration + 1)
+        if not cfg.logging.progress:
+            log(f"step 3 iteration {iteration + 1}: " + _breakdown_line(times))
+    return times, ptx_batches
+
+
+def export(cfg: DictConfig, models: Models, ema: Tensors | None) -> Path:
+    step3 = Path(cfg.output_dir) / "step3"
+    models.actor.export(models.tokenizer, step3 / "actor")
+    models.critic.export(models.critic_tokenizer, step3 / "critic")
+    if ema is not None:
+        models.actor.export(models.tokenizer, step3 / "actor_ema", weights=ema)
+    return step3
 
 
 def _time_breakdown(phases: dict[str, float], seconds: float, samples: int, tokens: float,
@@ -465,12 +497,13 @@ def _breakdown_line(times: dict[str, float]) -> str:
             f"{times['time/generate_tokens_per_s']:.0f} generated tokens/s")
 
 
-def _rollout_metrics(exp: Experience, eos_token_id: int, rt: Runtime) -> dict[str, float]:
-    """Means over all ranks' real rows (rows with at least one action)."""
+def _rollout_metrics(exp: Experience, eos_token_id: int, dp: DataParallel
+                     ) -> dict[str, float]:
+    """Means over the whole batch's real rows (rows with at least one action)."""
     real = (exp.action_mask.sum(1) > 0).float()
     lengths = exp.action_mask.sum(1)
     ended = ((exp.sequences[:, exp.prompt_len:] == eos_token_id) & (exp.action_mask > 0)).any(1)
-    sums = rt.total(
+    sums = dp.sum(
         float(real.sum()), float((exp.scores * real).sum()),
         float((exp.kl * exp.action_mask).sum()), float(exp.rewards.sum()),
         float(lengths.sum()), float(ended.float().sum()),
@@ -480,13 +513,3 @@ def _rollout_metrics(exp: Experience, eos_token_id: int, rt: Runtime) -> dict[st
     return {"reward/score": score / rows, "reward/kl": kl / rows, "reward/total": reward / rows,
             "answer/length": tokens / rows, "answer/ended_with_eos": ended / rows,
             "value/mean": values / max(tokens, 1), "answer/tokens": tokens}
-
-
-def _ptx_batch(examples: list, index: int, batch_size: int, seed: int) -> list:
-    """The `index`-th PTX batch: passes over the step-1 data, each in a fresh seeded order,
-    so the stream's position is one counter (which a checkpoint stores)."""
-    per_pass = num_batches(len(examples), batch_size)
-    epoch, offset = divmod(index, per_pass)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(
-        seed + 7919 * (epoch + 1))).tolist()
-    return [examples[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]

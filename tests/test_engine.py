@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import steps.ppo as ppo
+from engine.data_parallel import DataParallel
 from engine.engine import OptimSettings, TrainEngine
 from engine.errors import UserError
 from engine.export import atomic_directory
@@ -28,8 +29,8 @@ from engine.models import (
 )
 from engine.parallel import frozen
 from engine.runtime import Runtime
-from steps.data import collate_prompts
 from steps.rlhf import sft_loss
+from steps.tokenize import collate_prompts
 
 pytestmark = [  # library noise: peft on transformers 5, peft's GPT-2 Conv1D notice
     pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
@@ -323,7 +324,7 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
                                      whiten_advantages=True))
     exp, timing = ppo.make_experience(
         actor, ref, critic, scorer, {"input_ids": prompt_ids, "attention_mask": prompt_mask},
-        SamplingSettings(max_new_tokens=N), EOS, PAD, settings, CPU)
+        SamplingSettings(max_new_tokens=N), EOS, PAD, settings, DataParallel(CPU))
 
     assert calls == [None]
     assert actor.module.training and critic.module.training  # modes restored

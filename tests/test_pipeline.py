@@ -539,3 +539,93 @@ def test_step3_alone_in_empty_dir_fails_cleanly(tmp_path):
     assert len(lines) == 1 and "ppo.actor_path" in lines[0], run.stderr
     assert lines[0].startswith("train.py: ")
     assert not (out / "step3").exists(), "a refused step 3 should leave nothing behind"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Step-3 and logging defects that must stay fixed
+
+
+def dropout_opt_dirs(root: Path) -> tuple[Path, Path]:
+    """A tiny OPT actor and reward model with OPT's real dropout rates (0.1), saved as
+    plain HF directories."""
+    from transformers import AutoModelForSequenceClassification
+
+    from engine.models import preset_config
+
+    tok = byte_tokenizer()
+    config = preset_config("tiny-opt", tok)
+    config.dropout = config.attention_dropout = config.activation_dropout = 0.1
+    torch.manual_seed(0)
+    dirs = root / "actor", root / "reward"
+    for cls, d in zip((AutoModelForCausalLM, AutoModelForSequenceClassification), dirs,
+                      strict=True):
+        config.num_labels = 1
+        cls.from_config(config).save_pretrained(d)
+        tok.save_pretrained(d)
+    return dirs
+
+
+@pytest.mark.parametrize("disable", ["true", "false"])
+def test_first_ppo_update_has_ratio_one_despite_dropout(tmp_path, disable):
+    """Old log-probs (rollout) and new ones (first update, same weights, same rows) agree
+    exactly when dropout is off in step 3, as by default; with OPT's dropout left on they
+    do not, which is the defect ppo.disable_dropout fixes."""
+    actor, reward = dropout_opt_dirs(tmp_path)
+    run_train("--actor-model", "tiny-opt", "--reward-model", "tiny-opt", "--step", "3",
+              "--output-dir", tmp_path / "out", settings=SMALL,
+              **{"ppo.actor_path": actor, "ppo.reward_path": reward, "ppo.log_every": 1,
+                 "ppo.micro_batch_size": SMALL["ppo.rollout_batch_size"],
+                 "ppo.disable_dropout": disable}).check()
+    first = next(r for r in metrics(tmp_path / "out" / "step3" / "metrics.jsonl")
+                 if "train/ratio" in r)
+    if disable == "true":
+        assert first["train/ratio"] == 1.0
+        assert first["train/approx_kl"] == 0.0 and first["train/clip_fraction"] == 0.0
+    else:
+        assert first["train/ratio"] != 1.0 and first["train/approx_kl"] > 0
+
+
+def test_logged_losses_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch):
+    """Step 3 logs each statistic as its mean over the iteration's updates (2 PPO epochs x
+    2 micro-batches), and step 1 its loss as the mean over an accumulation window's
+    batches, not the last micro-batch's."""
+    from steps import ppo, sft
+
+    seen_ppo, seen_sft = [], []
+
+    def recording_train_on(*args, **kwargs):
+        stats = train_on(*args, **kwargs)
+        seen_ppo.append(stats)
+        return stats
+
+    def recording_loss(*args, **kwargs):
+        loss, stats = batch_loss(*args, **kwargs)
+        seen_sft.append(float(loss.detach()))
+        return loss, stats
+
+    train_on, batch_loss = ppo.train_on, sft.batch_loss
+    monkeypatch.setattr(ppo, "train_on", recording_train_on)
+    monkeypatch.setattr(sft, "batch_loss", recording_loss)
+    out = tmp_path / "out"
+    run_train("--actor-model", "tiny-llama", "--reward-model", "tiny-llama", "--step", "1", "2",
+              "3", "--output-dir", out, settings=SMALL,
+              **{"ppo.ppo_epochs": 2, "ppo.log_every": 1, "sft.grad_accum": 2,
+                 "sft.batch_size": 4, "sft.log_every": 1}).check()
+
+    rows = [r for r in metrics(out / "step1" / "metrics.jsonl") if "train/grad_norm" in r]
+    assert len(rows) >= 2
+    for i, row in enumerate(rows):
+        window = seen_sft[2 * i:2 * i + 2]
+        # (metrics.jsonl rounds)
+        assert row["train/loss"] == pytest.approx(sum(window) / 2, rel=1e-6, abs=1e-6)
+        assert row["train/loss"] != pytest.approx(window[-1], rel=1e-4)
+
+    rows = [r for r in metrics(out / "step3" / "metrics.jsonl") if "train/policy_loss" in r]
+    assert len(rows) >= 2 and len(seen_ppo) == 4 * len(rows)
+    for i, row in enumerate(rows):
+        updates = seen_ppo[4 * i:4 * i + 4]
+        for name in ("train/policy_loss", "train/value_loss", "train/ratio"):
+            assert row[name] == pytest.approx(sum(u[name] for u in updates) / 4,
+                                                rel=1e-6, abs=1e-6)
+        assert row["train/value_loss"] != pytest.approx(updates[-1]["train/value_loss"],
+                                                        rel=1e-4)

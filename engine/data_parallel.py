@@ -1,0 +1,81 @@
+"""Data parallelism as the steps see it: this process's share of a global batch, and sums
+over all processes. steps/ writes single-process math against this object; whether there
+is one process or many, and how rows are dealt to them, is decided here.
+
+Rows are dealt round robin (process r of W takes rows r, r+W, ...). A process that a small
+batch leaves without rows still takes part, with the batch's first row as a stand-in of
+weight 0, because every process must run the same forward and backward passes (the
+sharded weights' collectives pair up across processes). Means over a global batch are
+sums of every share divided by the global count: see `TrainEngine`'s loss contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from engine.runtime import Runtime
+
+
+class Share(NamedTuple):
+    """This process's rows of a global batch."""
+
+    rows: list          # its rows (the batch's first row as a stand-in when it has none)
+    index: list[int]    # their positions in the global batch
+    weight: float       # 1.0, or 0.0 for a stand-in: multiply its contributions by it
+
+
+class DataParallel:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def reports(self) -> bool:
+        """Whether this process prints, logs metrics and writes files (one process does)."""
+        return self.runtime.is_main
+
+    def share(self, batch: Sequence) -> Share:
+        rt = self.runtime
+        index = list(range(rt.rank, len(batch), rt.world_size))
+        if not index:
+            return Share([batch[0]], [0], 0.0)
+        return Share([batch[i] for i in index], index, 1.0)
+
+    def pick(self, share: Share, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Where the global batch positions `rows` sit in this process's `share`, and the
+        weight of what it then holds: ([positions], 1.0), or ([0], 0.0) as a stand-in when
+        it holds none of them."""
+        held = torch.isin(torch.tensor(share.index), rows).nonzero().flatten()
+        if share.weight == 0 or not len(held):
+            return torch.tensor([0]), 0.0
+        return held, 1.0
+
+    def sum(self, *numbers: float) -> list[float]:
+        """Each number summed over all processes (one collective for all of them)."""
+        return self.runtime.total(*numbers)
+
+    def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        return self.runtime.all_sum(values)
+
+    def masked_moments(self, x: torch.Tensor, mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, unbiased variance) of the entries of `x` where `mask` is set, over all
+        processes' rows."""
+        total, count = self.sum_tensor(torch.stack([(x * mask).sum(), mask.sum()]))
+        mean = total / count.clamp(min=1)
+        squares = self.sum_tensor((((x - mean) ** 2) * mask).sum()[None])[0]
+        var = squares / count.clamp(min=1)
+        return mean, torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
+
+    def write_once(self, write: Callable[[], None]) -> None:
+        """Run `write` (files every process reads) on the reporting process; the others
+        wait until it is done."""
+        if self.reports:
+            write()
+        self.runtime.barrier()

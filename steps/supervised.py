@@ -1,0 +1,119 @@
+"""The supervised loop shared by step 1 (SFT) and step 2 (reward model): epochs of shuffled
+batches, a loss per batch, an optimizer step per accumulation window, metrics, checkpoints,
+then evaluation and export. A step passes what differs as a `Task`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from omegaconf import DictConfig
+
+from engine.data_parallel import DataParallel
+from engine.engine import TrainEngine
+from engine.placement import Placement
+from engine.tracking import Tracker
+from steps.common import (
+    StepCheckpoints,
+    epoch_batches,
+    log,
+    num_batches,
+    optim_settings,
+    start_step,
+    to_device,
+)
+
+# (engine, this process's collated rows, the whole batch's examples) -> (the loss, and
+# statistics to log), each this process's share: sums over processes give the batch's value
+LossFn = Callable[[TrainEngine, dict[str, torch.Tensor], list],
+                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class Task(NamedTuple):
+    step: int                    # 1 or 2
+    role: str                    # the trained model's placement role: "actor" or "reward"
+    section: DictConfig          # cfg.sft or cfg.rm
+    examples: list               # tokenized training examples
+    collate: Callable[[list], dict[str, torch.Tensor]]
+    loss: LossFn
+    tokens: Callable[[list], int]                         # tokens in a batch of examples
+    evaluate: Callable[[TrainEngine], dict[str, float]]   # held-out metrics (eval mode)
+    tokenizer: object
+    export_dir: Path
+
+
+def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
+        place: Placement, resume: bool) -> tuple[dict, TrainEngine]:
+    """Train `model` on the task's examples, evaluate it and export it; returns the
+    summary metrics (also logged) and the engine."""
+    out = start_step(cfg, task.step, dp, resume=resume)
+    section = task.section
+    steps_per_epoch = num_batches(len(task.examples), section.batch_size)
+    engine = place.trainer(model, optim_settings(section, section.lr, section.lora),
+                           section.epochs * steps_per_epoch // section.grad_accum,
+                           role=task.role)
+    ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
+    position, metrics_rows = ckpt.restore(
+        {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
+    tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=task.step),
+                      enabled=dp.reports, keep_rows=metrics_rows)
+    position = _train(cfg, task, engine, dp, ckpt, tracker, position)
+
+    engine.eval()
+    metrics = task.evaluate(engine)
+    elapsed = position["seconds"]
+    summary = {**metrics, "train/loss": position["loss"], "time/seconds": elapsed,
+               "time/tokens_per_s": position["tokens"] / elapsed}
+    tracker.log(summary, engine.steps)
+    tracker.close()
+    engine.export(task.tokenizer, task.export_dir)
+    ckpt.clear()
+    return summary, engine
+
+
+def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
+           ckpt: StepCheckpoints, tracker: Tracker, position: dict) -> dict:
+    """The epochs from `position` on; returns the final position. Logged statistics are
+    those of a whole optimizer step: the mean over its accumulation window's batches."""
+    section = task.section
+    steps_per_epoch = num_batches(len(task.examples), section.batch_size)
+    start = time.perf_counter() - position["seconds"]
+    tokens, loss = position["tokens"], position["loss"]
+    window: dict[str, float] = {}   # this process's sums over the window's batches
+    for epoch in range(position["epoch"], section.epochs):
+        for index, examples in epoch_batches(
+                task.examples, section.batch_size, seed=cfg.seed + epoch,
+                skip=position["batch"] if epoch == position["epoch"] else 0,
+                desc=f"step {task.step} epoch {epoch + 1}/{section.epochs}",
+                enabled=cfg.logging.progress and dp.reports):
+            share = dp.share(examples)
+            batch = to_device(task.collate(share.rows), dp.device)
+            batch_loss, stats = task.loss(engine, batch, examples)
+            engine.backward(batch_loss * share.weight)
+            tokens += task.tokens(examples)
+            for name, value in {"train/loss": batch_loss, **stats}.items():
+                window[name] = window.get(name, 0.0) + float(value.detach()) * share.weight
+            grad_norm = engine.step()
+            if grad_norm is None:
+                continue
+            means = {name: total / section.grad_accum
+                     for name, total in zip(window, dp.sum(*window.values()), strict=True)}
+            window, loss = {}, means["train/loss"]
+            if engine.steps % section.log_every == 0:
+                tracker.log({**means, "train/lr": engine.lr, "train/grad_norm": grad_norm,
+                             "epoch": epoch}, engine.steps)
+            epoch_done = index == steps_per_epoch
+            ckpt.save_if_due(engine.steps, {
+                "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
+                "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start},
+                tracker)
+    return {"tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start}
+
+
+def done_line(task: Task, name: str, engine: TrainEngine, summary: dict, results: str) -> None:
+    log(f"step {task.step} ({name}) done: {engine.steps} steps, final loss "
+        f"{summary['train/loss']:.4f}, {results}, {summary['time/seconds']:.1f}s -> "
+        f"{task.export_dir}")
