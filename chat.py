@@ -60,12 +60,10 @@ def split_turns(history: str) -> list[str]:
 
 
 def fit_history(history: str, encode, budget: int) -> tuple[str, list[int]]:
-    """
-    Make the tokenized history fit in `budget` tokens: drop the oldest exchanges first, and if the
-    newest one alone is still too long, keep its last tokens (after the BOS-like prefix).
-    `encode` maps text to token ids with the tokenizer's special tokens. Returns the (possibly
-    shortened) history and its token ids.
-    """
+    """Make the tokenized history fit in `budget` tokens: drop the oldest exchanges first, and
+    if the newest one alone is still too long, keep its last tokens (after the BOS-like
+    prefix). `encode` maps text to token ids with the tokenizer's special tokens. Returns the
+    (possibly shortened) history and its token ids."""
     turns = split_turns(history)
     ids = encode(history)
     while len(ids) > budget and len(turns) > 1:
@@ -81,11 +79,9 @@ def fit_history(history: str, encode, budget: int) -> tuple[str, list[int]]:
 
 
 def stream_safe(text: str) -> str:
-    """
-    The part of a partial reply that is safe to print now: hold back an incomplete UTF-8
-    character (decoded as U+FFFD), anything that may still become the stop string, and trailing
-    whitespace (display_reply strips it at the end).
-    """
+    """The part of a partial reply that is safe to print now: hold back an incomplete UTF-8
+    character (decoded as U+FFFD), anything that may still become the stop string, and
+    trailing whitespace (display_reply strips it at the end)."""
     text = cut_reply(text).rstrip("\ufffd")
     for k in range(len(STOP) - 1, 0, -1):
         if text.endswith(STOP[:k]):
@@ -125,9 +121,8 @@ class ReplyStreamer:
         return STOP in text
 
     def end(self):
-        self._show(
-            display_reply(cut_reply(decode_new(self.tokenizer, self.prompt_ids, self.new_ids)))
-        )
+        self._show(display_reply(cut_reply(decode_new(self.tokenizer, self.prompt_ids,
+                                                      self.new_ids))))
 
     def _show(self, text: str):
         # only ever append; if decoding rewrote earlier text, wait for the final version
@@ -144,21 +139,12 @@ def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
     if args.greedy:  # no sampling knobs: unused, they would still be validated (--temperature 0)
         sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, do_sample=False)
     else:
-        sampling = SamplingSettings(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-        )
+        sampling = SamplingSettings(args.max_new_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, top_k=args.top_k)
     streamer = ReplyStreamer(tokenizer, prompt_ids, out)
-    out_ids = model.generate(
-        input_ids,
-        torch.ones_like(input_ids),
-        sampling,
-        eos_token_id=model.generation_config.eos_token_id or tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        on_token=streamer,
-    )
+    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    out_ids = model.generate(input_ids, torch.ones_like(input_ids), sampling, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id, on_token=streamer)
     streamer.end()
     new_ids = out_ids[0, len(prompt_ids) :].tolist()
     return cut_reply(decode_new(tokenizer, prompt_ids, new_ids))
@@ -184,15 +170,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32  # half precision on CPU is slow and, for some ops, unsupported
 
 
-def load(args, dtype: torch.dtype):
-    """The model and its tokenizer, loaded as train.py loads them (so bad paths and an
-    unreachable hub fail in one line)."""
-    remote = args.trust_remote_code  # runs Python shipped with the model: only when asked for
-    tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote)
-    model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype, trust_remote_code=remote)
-    return model, tokenizer
-
-
 # -----------------------------------------------------------------------------
 
 
@@ -207,11 +184,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow custom model code from the model directory",
-    )
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow custom model code from the model directory")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
@@ -232,15 +206,17 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
-        model, tokenizer = load(args, dtype)
+        # loaded as train.py loads them, so bad paths and an unreachable hub fail in one line
+        remote = args.trust_remote_code  # runs Python shipped with the model: only when asked
+        tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote)
+        model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype,
+                               trust_remote_code=remote)
         # leave room for the reply inside the model's context window
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         budget = max_pos - args.max_new_tokens if max_pos else None
         if budget is not None and budget < 2:
-            raise UserError(
-                f"--max-new-tokens {args.max_new_tokens} leaves no room for the conversation "
-                f"in the model's context of {max_pos} tokens"
-            )
+            raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the "
+                            f"conversation in the model's context of {max_pos} tokens")
     except UserError as e:
         print(f"chat.py: {e}", file=sys.stderr)
         return 2
@@ -254,10 +230,8 @@ def main(argv=None) -> int:
             import readline  # noqa: F401
         except ImportError:
             pass
-        print(
-            f"chat.py: {args.path} on {device} ({dtype}); type 'clear' to reset, 'quit' to exit",
-            file=sys.stderr,
-        )
+        print(f"chat.py: {args.path} on {device} ({dtype}); type 'clear' to reset, 'quit' to exit",
+              file=sys.stderr)
 
     def encode(text: str) -> list[int]:
         return tokenizer(text)["input_ids"]  # default special tokens, as in training (BOS)

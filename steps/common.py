@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
 from steps import demo
-from steps.data import DataError
+from steps.data import DataError, permutation, train_eval_split
 from steps.tokenize import TokenizeStats
 
 
@@ -117,17 +117,22 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
                         f"data.max_prompt_len={max_prompt_len} tokens; add data or raise it")
 
 
-def progress(iterable: Iterable, *, desc: str, total: int | None = None,
-             enabled: bool = True) -> Iterator:
-    return iter(tqdm(iterable, desc=desc, total=total, disable=not enabled,
-                     leave=False, dynamic_ncols=True))
+def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, tokenizer,
+                        tokenize: Callable) -> tuple[list, list]:
+    """`pairs` split by data.eval_fraction, then tokenized by `tokenize` (tokenize_sft or
+    tokenize_pairs): (train, eval) examples; the training ones reported and checked."""
+    data = cfg.data
+    train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
+    train, stats = tokenize(train_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
+    report_tokenized(f"step {step} train", stats, data.max_prompt_len, data.max_answer_len)
+    evals, _ = tokenize(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
+    require_examples(step, what, stats, data.max_prompt_len)
+    return train, evals
 
 
 def batches(items: Sequence, batch_size: int, *, shuffle: bool, seed: int) -> Iterator[list]:
     """Consecutive batches of `items`, in a seeded order when shuffling."""
-    order = list(range(len(items)))
-    if shuffle:
-        order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = permutation(len(items), seed) if shuffle else list(range(len(items)))
     for start in range(0, len(order), batch_size):
         yield [items[i] for i in order[start:start + batch_size]]
 
@@ -137,8 +142,9 @@ def epoch_batches(items: Sequence, batch_size: int, *, seed: int, skip: int, des
     """(number, batch) of one epoch's shuffled batches, numbered from 1, after the first
     `skip` (those a resumed run had done), with a progress bar."""
     rest = itertools.islice(batches(items, batch_size, shuffle=True, seed=seed), skip, None)
-    total = num_batches(len(items), batch_size) - skip
-    return enumerate(progress(rest, desc=desc, total=total, enabled=enabled), start=skip + 1)
+    bar = tqdm(rest, desc=desc, total=num_batches(len(items), batch_size) - skip,
+               disable=not enabled, leave=False, dynamic_ncols=True)
+    return enumerate(bar, start=skip + 1)
 
 
 def num_batches(n: int, batch_size: int) -> int:
@@ -150,16 +156,14 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 
 def optim_settings(section: DictConfig, lr: float, lora: DictConfig) -> OptimSettings:
-    return OptimSettings(
-        lr=lr, weight_decay=section.weight_decay, lr_scheduler=section.lr_scheduler,
-        warmup_steps=section.warmup_steps, grad_clip=section.grad_clip,
-        grad_accum=section.get("grad_accum", 1), lora_lr=lora.learning_rate,
-    )
+    return OptimSettings(lr=lr, weight_decay=section.weight_decay,
+                         lr_scheduler=section.lr_scheduler, warmup_steps=section.warmup_steps,
+                         grad_clip=section.grad_clip, grad_accum=section.get("grad_accum", 1),
+                         lora_lr=lora.learning_rate)
 
 
 def lora_settings(lora: DictConfig) -> LoraSettings:
-    values = OmegaConf.to_container(lora, resolve=True)
-    return LoraSettings(**values)
+    return LoraSettings(**OmegaConf.to_container(lora, resolve=True))
 
 
 def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> tuple[float, int] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import json
 import logging
 import tempfile
@@ -34,13 +35,8 @@ ASSISTANT_TAG = "\n\nAssistant:"
 DEMO_SOURCE = "demo"
 
 # suffix -> `datasets` builder name
-_DATA_SUFFIXES = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".json.gz": "json",
-    ".jsonl.gz": "json",
-    ".parquet": "parquet",
-}
+_DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
+                  ".parquet": "parquet"}
 _FORMAT_HINT = "preference data needs prompt/chosen/rejected or hh-rlhf chosen/rejected transcripts"
 
 
@@ -61,37 +57,26 @@ class DataError(ValueError):
 
 
 def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
-    """Read one source; returns (pairs, n_skipped).
-
-    `source` is a local data file, a directory of data files, or a hub dataset name (used only
-    when no such local path exists and the name has no data-file extension). Records whose
-    chosen/rejected answer is empty, or hh-rlhf transcripts whose `rejected` does not share
-    the prompt of `chosen`, are skipped and counted. Raises DataError for everything else
-    (missing file, unreadable file, missing columns, non-text fields, no usable pairs).
-    """
+    """Read one source; returns (pairs, n_skipped). A hub name is tried only when no such
+    local path exists and the name has no data-file extension. Records with an empty answer,
+    or hh-rlhf transcripts whose `rejected` does not share the prompt of `chosen`, are
+    skipped and counted; anything else wrong raises DataError."""
     path = Path(source).expanduser()
     if source == DEMO_SOURCE and not path.exists():
         raise DataError("data source 'demo' is the built-in demo task, not a file; use load_blend")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and _data_suffix(p))
         if not files:
-            raise DataError(
-                f"data directory {source} has no .json/.jsonl/.jsonl.gz/.parquet files; "
-                "put the preference data there or pass a file path in data.path"
-            )
-        pairs: list[PreferencePair] = []
-        skipped = 0
-        for file in files:
-            file_pairs, file_skipped = _pairs_from_columns(_read_file(file), f"data file {file}")
-            pairs += file_pairs
-            skipped += file_skipped
+            raise DataError(f"data directory {source} has no .json/.jsonl/.jsonl.gz/.parquet "
+                            "files; put the preference data there or pass a file path in data.path")
+        results = [_pairs_from_columns(_read_file(f), f"data file {f}") for f in files]
+        pairs = [pair for file_pairs, _ in results for pair in file_pairs]
+        skipped = sum(file_skipped for _, file_skipped in results)
         label = f"data directory {source}"
     elif path.exists():
         if not _data_suffix(path):
-            raise DataError(
-                f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
-                ".json.gz or .parquet"
-            )
+            raise DataError(f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
+                            ".json.gz or .parquet")
         label = f"data file {source}"
         pairs, skipped = _pairs_from_columns(_read_file(path), label)
     elif _data_suffix(path):
@@ -103,21 +88,17 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     if not pairs and not skipped:
         raise DataError(f"{label}: no records; check the data")
     if not pairs:
-        raise DataError(
-            f"{label}: no usable preference pairs (all {skipped} records skipped for an empty "
-            "answer or a rejected transcript that does not share the chosen prompt); "
-            "check the data"
-        )
+        raise DataError(f"{label}: no usable preference pairs (all {skipped} records skipped for "
+                        "an empty answer or a rejected transcript that does not share the chosen "
+                        "prompt); check the data")
     return pairs, skipped
 
 
 def _data_suffix(path: Path) -> str | None:
     """The known data suffix of `path` ('.jsonl.gz', '.parquet', ...) or None."""
     name = path.name.lower()
-    for suffix in sorted(_DATA_SUFFIXES, key=len, reverse=True):
-        if name.endswith(suffix):
-            return suffix
-    return None
+    return next((s for s in sorted(_DATA_SUFFIXES, key=len, reverse=True) if name.endswith(s)),
+                None)
 
 
 @contextlib.contextmanager
@@ -149,36 +130,26 @@ def _short(exc: BaseException) -> str:
 
 
 def _read_file(path: Path) -> dict[str, list[Any]]:
-    """Read a local data file into columns {name: [value per record]} with `datasets`.
-
-    The Arrow cache lives in a temporary directory that is removed afterwards, so nothing is
-    written under the user's home.
-    """
+    """Read a local data file into columns {name: [value per record]} with `datasets`, its
+    Arrow cache in a temporary directory (nothing is written under the user's home)."""
     import datasets
 
     builder = _DATA_SUFFIXES[_data_suffix(path) or ""]
     try:
         with tempfile.TemporaryDirectory(prefix="rlhf-data-") as cache_dir, _quiet_datasets():
-            ds = datasets.load_dataset(
-                builder,
-                data_files=str(path),
-                split="train",
-                cache_dir=cache_dir,
-                keep_in_memory=True,
-            )
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train",
+                                       cache_dir=cache_dir, keep_in_memory=True)
             columns = ds.to_dict()
-            mixed = [
-                name for name, feature in ds.features.items() if type(feature).__name__ == "Json"
-            ]
+            mixed = [name for name, feature in ds.features.items()
+                     if type(feature).__name__ == "Json"]
     except Exception as exc:
-        if isinstance(exc, ValueError) and "corresponds to no data" in str(exc):
-            return {}
-        if isinstance(exc, StopIteration):  # empty JSON-lines file
+        # an empty file: StopIteration for JSON lines, "corresponds to no data" otherwise
+        if isinstance(exc, StopIteration) or (
+                isinstance(exc, ValueError) and "corresponds to no data" in str(exc)):
             return {}
         kind = "Parquet" if builder == "parquet" else "JSON (an array of records or JSON lines)"
-        raise DataError(
-            f"cannot read data file {path}: {_short(exc)}; check that it is valid {kind}"
-        ) from exc
+        raise DataError(f"cannot read data file {path}: {_short(exc)}; check that it is valid "
+                        f"{kind}") from exc
     if mixed and builder == "json":
         # `datasets` stores a JSON column of mixed types as text and decodes it lossily
         # (" 4" and 4 both come back as 4); re-read those columns exactly from the file.
@@ -189,11 +160,8 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
 
 
 def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
-    """Exact Python values of columns `names` of a JSON array / JSON-lines file (maybe .gz).
-
-    Only used for columns whose values have mixed types, i.e. for malformed records, so that
-    errors name the right record and type.
-    """
+    """Exact Python values of columns `names` of a JSON array / JSON-lines file (maybe .gz):
+    for columns of mixed types (malformed records), so that errors name the right one."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
@@ -217,24 +185,19 @@ def _read_hub(name: str) -> dict[str, list[Any]]:
     try:
         ds = datasets.load_dataset(name, split="train")
     except ConnectionError as exc:
-        raise DataError(
-            f"cannot load dataset '{name}': not a local file and the Hugging Face hub is "
-            "unreachable (offline?); download it and pass the local file path in data.path"
-        ) from exc
+        raise DataError(f"cannot load dataset '{name}': not a local file and the Hugging Face hub "
+                        "is unreachable (offline?); download it and pass the local file path in "
+                        "data.path") from exc
     except DatasetNotFoundError as exc:
-        raise DataError(
-            f"cannot load dataset '{name}': not a local file and not found on the Hugging Face "
-            f"hub ({_short(exc)}); check the name or pass a local file path in data.path"
-        ) from exc
+        raise DataError(f"cannot load dataset '{name}': not a local file and not found on the "
+                        f"Hugging Face hub ({_short(exc)}); check the name or pass a local file "
+                        "path in data.path") from exc
     except FileNotFoundError as exc:
-        raise DataError(
-            f"cannot load dataset '{name}': no such local file and not a Hugging Face hub "
-            "dataset name; check data.path"
-        ) from exc
+        raise DataError(f"cannot load dataset '{name}': no such local file and not a Hugging Face "
+                        "hub dataset name; check data.path") from exc
     except Exception as exc:
-        raise DataError(
-            f"cannot load dataset '{name}': {_short(exc)}; pass a local file path in data.path"
-        ) from exc
+        raise DataError(f"cannot load dataset '{name}': {_short(exc)}; pass a local file path in "
+                        "data.path") from exc
     return ds.to_dict()
 
 
@@ -244,49 +207,35 @@ def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[
     for i, value in enumerate(values):
         if not isinstance(value, str):
             got = "null" if value is None else type(value).__name__
-            raise DataError(
-                f"{label} record {i + 1}: field '{field}' is not text (got {got}); "
-                "fix or remove that record"
-            )
+            raise DataError(f"{label} record {i + 1}: field '{field}' is not text (got {got}); fix "
+                            "or remove that record")
     return values
 
 
-def _pairs_from_columns(
-    columns: dict[str, list[Any]], label: str
-) -> tuple[list[PreferencePair], int]:
+def _pairs_from_columns(columns: dict[str, list[Any]], label: str
+                        ) -> tuple[list[PreferencePair], int]:
     """Detect the record format from the column names and build pairs; returns (pairs, skipped)."""
     if not columns or not next(iter(columns.values())):
         return [], 0
     for field in ("chosen", "rejected"):
         if field not in columns:
-            raise DataError(
-                f"{label}: records have no '{field}' field (columns: {', '.join(columns)}); "
-                f"{_FORMAT_HINT}"
-            )
+            raise DataError(f"{label}: records have no '{field}' field (columns: "
+                            f"{', '.join(columns)}); {_FORMAT_HINT}")
     chosen = _text_column(columns, "chosen", label)
     rejected = _text_column(columns, "rejected", label)
     if "prompt" in columns:
-        prompts = _text_column(columns, "prompt", label)
-        records = zip(prompts, chosen, rejected, strict=True)
+        records = list(zip(_text_column(columns, "prompt", label), chosen, rejected, strict=True))
     else:
-        records = (_split_transcripts(c, r) for c, r in zip(chosen, rejected, strict=True))
-
-    pairs = []
-    skipped = 0
-    for record in records:
-        if record is None or not record[1].strip() or not record[2].strip():
-            skipped += 1
-        else:
-            pairs.append(PreferencePair(*record))
-    return pairs, skipped
+        records = [_split_transcripts(c, r) for c, r in zip(chosen, rejected, strict=True)]
+    pairs = [PreferencePair(*record) for record in records
+             if record is not None and record[1].strip() and record[2].strip()]
+    return pairs, len(records) - len(pairs)
 
 
 def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | None:
     """hh-rlhf transcripts -> (prompt, chosen answer, rejected answer), or None when malformed.
-
     The prompt is `chosen` through its last "\\n\\nAssistant:", kept verbatim so that
-    prompt + chosen answer == chosen transcript; `rejected` must start with the same prompt.
-    """
+    prompt + chosen answer == chosen transcript; `rejected` must start with the same prompt."""
     cut = chosen.rfind(ASSISTANT_TAG)
     if cut < 0:
         return None
@@ -300,10 +249,9 @@ def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | Non
 # Splitting and blending
 
 
-def _permutation(n: int, seed: int) -> list[int]:
+def permutation(n: int, seed: int) -> list[int]:
     """A permutation of range(n) that depends only on `seed` (same on every run and process)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randperm(n, generator=generator).tolist()
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def split_indices(n: int, split: Sequence[float], seed: int) -> list[list[int]]:
@@ -313,31 +261,18 @@ def split_indices(n: int, split: Sequence[float], seed: int) -> list[list[int]]:
     if not split or any(w < 0 for w in split) or sum(split) <= 0:
         raise ValueError(f"data split must be non-negative weights with a positive sum: {split}")
     total = float(sum(split))
-    order = _permutation(n, seed)
-    parts = []
-    start = 0
-    cumulative = 0.0
-    for i, weight in enumerate(split):
-        cumulative += weight
-        end = n if i == len(split) - 1 else min(n, round(cumulative / total * n))
-        parts.append(order[start:end])
-        start = end
-    return parts
+    order = permutation(n, seed)
+    ends = [min(n, round(cumulative / total * n)) for cumulative in itertools.accumulate(split)]
+    ends[-1] = n
+    return [order[start:end] for start, end in itertools.pairwise([0, *ends])]
 
 
-def load_blend(
-    sources: Sequence[str],
-    split: Sequence[float],
-    seed: int,
-    *,
-    demo_pairs: Callable[[], list[PreferencePair]] | None = None,
-) -> tuple[list[PreferencePair], list[PreferencePair], list[PreferencePair]]:
+def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
+               demo_pairs: Callable[[], list[PreferencePair]] | None = None
+               ) -> tuple[list[PreferencePair], list[PreferencePair], list[PreferencePair]]:
     """Load every source, split EACH source by `split` (e.g. (2,4,4) -> 20%/40%/40% for steps
     1,2,3) with a seeded permutation, concatenate per step, shuffle each step's list with the
-    seed. The source string "demo" is not read from disk: it calls demo_pairs().
-
-    Returns (sft_pairs, reward_pairs, ppo_pairs). Deterministic in (sources, split, seed).
-    """
+    seed; returns (sft_pairs, reward_pairs, ppo_pairs). The source "demo" calls demo_pairs()."""
     if isinstance(sources, str):
         sources = [sources]
     if not sources:
@@ -358,7 +293,7 @@ def load_blend(
         for step, indices in zip(steps, split_indices(len(pairs), split, seed), strict=True):
             step.extend(pairs[i] for i in indices)
 
-    sft, reward, ppo = ([step[i] for i in _permutation(len(step), seed)] for step in steps)
+    sft, reward, ppo = ([step[i] for i in permutation(len(step), seed)] for step in steps)
     return sft, reward, ppo
 
 
@@ -369,12 +304,8 @@ def train_eval_split(items: list, eval_fraction: float, seed: int) -> tuple[list
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     n = len(items)
-    n_eval = round(n * eval_fraction)
-    if eval_fraction > 0 and n >= 2:
-        n_eval = min(max(n_eval, 1), n - 1)
-    else:
-        n_eval = 0
-    held_out = set(_permutation(n, seed)[:n_eval])
+    n_eval = min(max(round(n * eval_fraction), 1), n - 1) if eval_fraction > 0 and n >= 2 else 0
+    held_out = set(permutation(n, seed)[:n_eval])
     train = [x for i, x in enumerate(items) if i not in held_out]
     evals = [x for i, x in enumerate(items) if i in held_out]
     return train, evals

@@ -49,7 +49,7 @@ from steps.common import (
     start_step,
     to_device,
 )
-from steps.data import PreferencePair, train_eval_split
+from steps.data import PreferencePair, permutation, train_eval_split
 from steps.rlhf import (
     answer_mask,
     ema_update,
@@ -58,11 +58,10 @@ from steps.rlhf import (
     logprobs_of_tokens,
     masked_sum,
     policy_loss,
-    sft_loss,
     value_loss,
     whiten,
 )
-from steps.sft import trained_tokens
+from steps.sft import batch_loss
 from steps.tokenize import SFTExample, collate_prompts, collate_sft, tokenize_prompts, tokenize_sft
 
 
@@ -153,9 +152,9 @@ def make_experience(actor: HybridEngine, ref, critic: TrainEngine, score,
     t1 = time.perf_counter()
     generation = actor.take_times()
     prompt_len = prompts["input_ids"].shape[1]
-    actions = answer_mask(sequences[:, prompt_len:], eos_token_id) * weight
-    attention_mask = torch.cat([prompts["attention_mask"],
-                                answer_mask(sequences[:, prompt_len:], eos_token_id).long()], 1)
+    answered = answer_mask(sequences[:, prompt_len:], eos_token_id)
+    actions = answered * weight
+    attention_mask = torch.cat([prompts["attention_mask"], answered.long()], 1)
 
     actor.eval()
     logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len)
@@ -190,10 +189,7 @@ def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, pp
     loss = actor_out.loss
     stats = {}
     if ptx is not None:
-        logits = actor(input_ids=ptx.batch["input_ids"],
-                       attention_mask=ptx.batch["attention_mask"],
-                       position_ids=position_ids(ptx.batch["attention_mask"])).logits
-        ptx_loss = sft_loss(logits, ptx.batch["labels"], num_tokens=ptx.tokens) * ptx.weight
+        ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
         loss = loss + ppo.ptx.coef * ptx_loss
         stats["train/ptx_loss"] = ptx_loss.item()
     actor.backward(loss)
@@ -216,7 +212,7 @@ class PtxRows(NamedTuple):
     """This process's share of a pretraining (PTX) batch."""
 
     batch: dict[str, torch.Tensor]
-    tokens: int       # trained tokens of the whole batch (the loss's divisor)
+    examples: list[SFTExample]   # the whole batch's (its trained tokens: the loss's divisor)
     weight: float
 
 
@@ -226,12 +222,11 @@ def ptx_rows(examples: list[SFTExample], index: int, batch_size: int, seed: int,
     so the stream's position is one counter (which a checkpoint stores)."""
     per_pass = num_batches(len(examples), batch_size)
     epoch, offset = divmod(index, per_pass)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(
-        seed + 7919 * (epoch + 1))).tolist()
+    order = permutation(len(examples), seed + 7919 * (epoch + 1))
     batch = [examples[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
     share = dp.share(batch)
-    return PtxRows(to_device(collate_sft(share.rows, pad_token_id), dp.device),
-                   trained_tokens(batch), share.weight)
+    return PtxRows(to_device(collate_sft(share.rows, pad_token_id), dp.device), batch,
+                   share.weight)
 
 
 def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: DictConfig,
@@ -244,8 +239,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: 
     sums: dict[str, float] = {}
     updates = 0
     for ppo_epoch in range(ppo.ppo_epochs):
-        order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(
-            seed + iteration * 131 + ppo_epoch))
+        order = torch.tensor(permutation(batch_size, seed + iteration * 131 + ppo_epoch))
         for micro in order.split(ppo.micro_batch_size):
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
@@ -500,15 +494,14 @@ def _breakdown_line(times: dict[str, float]) -> str:
 def _rollout_metrics(exp: Experience, eos_token_id: int, dp: DataParallel
                      ) -> dict[str, float]:
     """Means over the whole batch's real rows (rows with at least one action)."""
-    real = (exp.action_mask.sum(1) > 0).float()
     lengths = exp.action_mask.sum(1)
+    real = (lengths > 0).float()
     ended = ((exp.sequences[:, exp.prompt_len:] == eos_token_id) & (exp.action_mask > 0)).any(1)
-    sums = dp.sum(
+    rows, score, kl, reward, tokens, ended, values = dp.sum(
         float(real.sum()), float((exp.scores * real).sum()),
         float((exp.kl * exp.action_mask).sum()), float(exp.rewards.sum()),
         float(lengths.sum()), float(ended.float().sum()),
         float(masked_sum(exp.values, exp.action_mask)))
-    rows, score, kl, reward, tokens, ended, values = sums
     rows = max(rows, 1)
     return {"reward/score": score / rows, "reward/kl": kl / rows, "reward/total": reward / rows,
             "answer/length": tokens / rows, "answer/ended_with_eos": ended / rows,

@@ -10,19 +10,11 @@ import torch
 from omegaconf import DictConfig
 
 from engine.data_parallel import DataParallel
-from engine.lora import apply_lora
 from engine.models import load_tokenizer
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import (
-    batches,
-    lora_settings,
-    placement,
-    report_tokenized,
-    require_examples,
-    to_device,
-)
-from steps.data import PreferencePair, train_eval_split
+from steps.common import batches, placement, to_device, train_eval_examples
+from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
 from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
 
@@ -55,18 +47,12 @@ def evaluate(model, examples: list[PairExample], pad_token_id: int, batch_size: 
             "eval/rejected_score": rejected_sum / n}
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False
-        ) -> dict:
-    rm, data = cfg.rm, cfg.data
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
+    rm = cfg.rm
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
-    train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
-    train, stats = tokenize_pairs(train_pairs, tokenizer, data.max_prompt_len,
-                                  data.max_answer_len)
-    report_tokenized("step 2 train", stats, data.max_prompt_len, data.max_answer_len)
-    evals, _ = tokenize_pairs(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
-    require_examples(2, "training pairs", stats, data.max_prompt_len)
+    train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
                                trust_remote_code=cfg.trust_remote_code)
@@ -78,8 +64,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)
         if evals else {},
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "reward")
-    summary, engine = supervised.run(cfg, task, apply_lora(model, lora_settings(rm.lora)),
-                                     dp, place, resume)
+    summary, engine = supervised.run(cfg, task, model, dp, place, resume)
     nan = float("nan")
     supervised.done_line(task, "reward model", engine, summary, (
         f"eval accuracy {summary.get('eval/accuracy', nan):.3f} (chosen "

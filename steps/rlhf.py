@@ -22,26 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "AdvantagesOut",
-    "PolicyLossOut",
-    "RewardLossOut",
-    "RewardsOut",
-    "ValueLossOut",
-    "answer_mask",
-    "ema_update",
-    "gae",
-    "kl_penalized_rewards",
-    "logprobs_of_tokens",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "pairwise_reward_loss",
-    "policy_loss",
-    "sft_loss",
-    "value_loss",
-    "whiten",
-]
+__all__ = ["AdvantagesOut", "PolicyLossOut", "RewardLossOut", "RewardsOut", "ValueLossOut",
+           "answer_mask", "ema_update", "gae", "kl_penalized_rewards", "logprobs_of_tokens",
+           "masked_mean", "masked_sum", "masked_var", "pairwise_reward_loss", "policy_loss",
+           "sft_loss", "value_loss", "whiten"]
 
 
 class RewardsOut(NamedTuple):
@@ -75,7 +59,6 @@ class RewardLossOut(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # Masks and log-probabilities
-# ---------------------------------------------------------------------------------------------
 
 
 def answer_mask(answer_ids: Tensor, eos_token_id: int | Sequence[int] | None) -> Tensor:
@@ -116,7 +99,6 @@ def logprobs_of_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
-# ---------------------------------------------------------------------------------------------
 
 
 def _select(x: Tensor, mask: Tensor) -> Tensor:
@@ -147,19 +129,11 @@ def _over(total: Tensor, count: Tensor | float | None, mask: Tensor) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of ``x`` over the masked entries; 0 (not NaN) where the mask is empty.
-
-    Args:
-        x: [...] values. mask: same shape as ``x`` (or broadcastable), 1.0 = keep, 0.0 = drop.
-        dim: reduce over this dim; ``None`` reduces everything.
-
-    Returns:
-        scalar if ``dim is None`` else ``x`` reduced over ``dim``.
-    """
+    """Mean of ``x`` over the masked entries; 0 (not NaN) where the mask is empty. Arguments
+    and result shape as for ``masked_sum``."""
     total = masked_sum(x, mask, dim)
     mask = mask.to(total.dtype).expand_as(x)
-    count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return total / torch.where(count > 0, count, torch.ones_like(count))
+    return _over(total, mask.sum() if dim is None else mask.sum(dim=dim), mask)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
@@ -204,18 +178,11 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
 
 # ---------------------------------------------------------------------------------------------
 # Rewards and advantages (constants for the optimiser: computed under no_grad)
-# ---------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def kl_penalized_rewards(
-    scores: Tensor,
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    mask: Tensor,
-    kl_coef: float,
-    score_clip: float,
-) -> RewardsOut:
+def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                         kl_coef: float, score_clip: float) -> RewardsOut:
     """Per-token PPO reward (InstructGPT / DeepSpeed-Chat): KL penalty + clipped final score.
 
     Args:
@@ -233,9 +200,8 @@ def kl_penalized_rewards(
     """
     kl = _select(logprobs.float() - ref_logprobs.float(), mask)
     rewards = -kl_coef * kl
-    n = mask.shape[-1]
     has_action = (mask != 0).any(dim=-1)  # [B]
-    positions = torch.arange(n, device=mask.device).expand_as(mask)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     last = torch.where(mask != 0, positions, torch.zeros_like(positions)).amax(dim=-1)  # [B]
     score = scores.float().clamp(-score_clip, score_clip)
     score = torch.where(has_action, score, torch.zeros_like(score))
@@ -272,14 +238,11 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     next_v = F.pad(v[:, 1:], (0, 1))  # V_{t+1}; 0 past the last action since v is masked
     delta = torch.where(keep, r + gamma * next_v - v, zero)  # [B, N]
 
-    n = delta.shape[-1]
-    idx = torch.arange(n, device=delta.device)
+    idx = torch.arange(delta.shape[-1], device=delta.device)
     power = idx.unsqueeze(1) - idx.unsqueeze(0)  # [k, t] -> k - t
-    discount = torch.where(
-        power >= 0,
-        torch.pow(float(gamma * lam), power.clamp(min=0).to(torch.float64)),
-        zero,
-    )  # [N, N]: (gamma*lam)^(k-t) for k >= t (0**0 == 1 covers lam = 0)
+    # [N, N]: (gamma*lam)^(k-t) for k >= t (0**0 == 1 covers lam = 0)
+    discount = torch.where(power >= 0, torch.pow(float(gamma * lam), power.clamp(min=0).double()),
+                           zero)
     adv = delta @ discount  # A[b, t] = sum_k delta[b, k] * discount[k, t]
     adv = torch.where(keep, adv, zero)
     ret = torch.where(keep, adv + v, zero)
@@ -288,17 +251,10 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
 
 # ---------------------------------------------------------------------------------------------
 # Losses
-# ---------------------------------------------------------------------------------------------
 
 
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_range: float,
-    num_actions: Tensor | float | None = None,
-) -> PolicyLossOut:
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                clip_range: float, num_actions: Tensor | float | None = None) -> PolicyLossOut:
     """PPO clipped surrogate objective.
 
     ``r = exp(logprobs - old_logprobs)``;
@@ -313,14 +269,11 @@ def policy_loss(
             sum to the batch mean.
 
     Returns:
-        PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean), all scalars; the statistics
-        are detached. ``clip_fraction`` = share of actions where the clipped term is the larger
-        one; ``approx_kl`` = masked mean of the "k3" estimator ``(r - 1) - log r`` (>= 0, unbiased
-        for KL(old || new)).
+        PolicyLossOut (see its fields), all scalars, the statistics detached; ``approx_kl`` is
+        the "k3" estimator ``(r - 1) - log r`` (>= 0, unbiased for KL(old || new)).
     """
     keep = mask != 0
-    old_logprobs = old_logprobs.detach()
-    advantages = advantages.detach()
+    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     # Zero the log-ratio off the mask before exp, so garbage there can't overflow to inf/NaN.
     log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
@@ -335,14 +288,8 @@ def policy_loss(
     return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)
 
 
-def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip_range: float,
-    num_actions: Tensor | float | None = None,
-) -> ValueLossOut:
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip_range: float, num_actions: Tensor | float | None = None) -> ValueLossOut:
     """Clipped value loss (OpenAI baselines / DeepSpeed-Chat).
 
     ``v_clip = clip(values, old_values - clip_range, old_values + clip_range)``;
@@ -354,11 +301,9 @@ def value_loss(
         num_actions: the count the means divide by (see ``policy_loss``).
 
     Returns:
-        ValueLossOut(loss, clip_fraction): scalars; ``clip_fraction`` (detached) = share of actions
-        where the clipped term is the larger one.
+        ValueLossOut (see its fields), scalars, ``clip_fraction`` detached.
     """
-    old_values = old_values.detach()
-    returns = returns.detach()
+    old_values, returns = old_values.detach(), returns.detach()
     # clamp to bounds (not old + clamp(diff)): inside them v_clip is `values` bit for bit, so
     # the clip statistics never count rounding noise as clipping
     v_clip = torch.clamp(values, old_values - clip_range, old_values + clip_range)
@@ -385,8 +330,7 @@ def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor,
         ``loss = mean(-logsigmoid(chosen - rejected))``; ``accuracy = mean(chosen > rejected)``;
         the statistics are detached.
     """
-    chosen = chosen_scores.float()
-    rejected = rejected_scores.float()
+    chosen, rejected = chosen_scores.float(), rejected_scores.float()
     n = num_pairs or len(chosen)
     loss = -F.logsigmoid(chosen - rejected).sum() / n
     with torch.no_grad():
@@ -413,19 +357,14 @@ def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100,
     """
     vocab = logits.shape[-1]
     targets = labels[:, 1:].reshape(-1)
-    total = F.cross_entropy(
-        logits[:, :-1].reshape(-1, vocab).float(),
-        targets,
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
+    total = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), targets,
+                            ignore_index=ignore_index, reduction="sum")
     count = num_tokens if num_tokens is not None else (targets != ignore_index).sum()
     return total / max(int(count), 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Parameter EMA (the one in-place helper)
-# ---------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()

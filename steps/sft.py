@@ -11,19 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from engine.data_parallel import DataParallel
-from engine.lora import apply_lora
 from engine.models import load_tokenizer, position_ids
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import (
-    batches,
-    lora_settings,
-    placement,
-    report_tokenized,
-    require_examples,
-    to_device,
-)
-from steps.data import PreferencePair, train_eval_split
+from steps.common import batches, placement, to_device, train_eval_examples
+from steps.data import PreferencePair
 from steps.rlhf import sft_loss
 from steps.tokenize import IGNORE_INDEX, SFTExample, collate_sft, tokenize_sft
 
@@ -55,17 +47,12 @@ def perplexity(model, examples: list[SFTExample], pad_token_id: int, batch_size:
     return math.exp(dp.sum(total_loss)[0] / max(trained_tokens(examples), 1))
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False
-        ) -> dict:
-    sft, data = cfg.sft, cfg.data
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
+    sft = cfg.sft
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
                                trust_remote_code=cfg.trust_remote_code)
-    train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
-    train, stats = tokenize_sft(train_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
-    report_tokenized("step 1 train", stats, data.max_prompt_len, data.max_answer_len)
-    evals, _ = tokenize_sft(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
-    require_examples(1, "training examples", stats, data.max_prompt_len)
+    train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
 
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,
                             trust_remote_code=cfg.trust_remote_code)
@@ -77,8 +64,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         evaluate=lambda engine: {"eval/perplexity": perplexity(
             engine, evals, pad, sft.eval_batch_size, dp) if evals else float("nan")},
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "actor")
-    summary, engine = supervised.run(cfg, task, apply_lora(model, lora_settings(sft.lora)),
-                                     dp, place, resume)
+    summary, engine = supervised.run(cfg, task, model, dp, place, resume)
     supervised.done_line(task, "SFT", engine, summary,
                          f"eval perplexity {summary['eval/perplexity']:.3f}")
     return summary

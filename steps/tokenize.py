@@ -9,7 +9,7 @@ generation prompts). The reward model scores `prompt + answer + EOS`: the conven
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -21,27 +21,19 @@ IGNORE_INDEX = -100
 
 
 class SFTExample(NamedTuple):
-    """input_ids: prompt + answer token ids; labels: same length, -100 over the prompt."""
-
-    input_ids: list[int]
-    labels: list[int]
+    input_ids: list[int]   # prompt + answer token ids
+    labels: list[int]      # the same length, -100 over the prompt
 
 
 class PairExample(NamedTuple):
-    """Token ids of prompt + chosen answer and of prompt + rejected answer."""
-
-    chosen_ids: list[int]
-    rejected_ids: list[int]
+    chosen_ids: list[int]     # prompt + chosen answer token ids
+    rejected_ids: list[int]   # prompt + rejected answer token ids
 
 
 class TokenizeStats(NamedTuple):
-    """kept: examples returned; dropped_long_prompt: examples dropped because the prompt is
-    longer than max_prompt_len; truncated_answer: kept examples with at least one answer cut
-    to max_answer_len tokens."""
-
-    kept: int
-    dropped_long_prompt: int
-    truncated_answer: int
+    kept: int                  # examples returned
+    dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
+    truncated_answer: int      # kept examples with at least one answer cut to max_answer_len
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,9 +58,8 @@ def _prompt_ids(pairs: Sequence[PreferencePair], tokenizer: Any) -> list[list[in
     return tokenizer([p.prompt for p in pairs])["input_ids"]
 
 
-def _answer_ids(
-    answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int
-) -> tuple[list[list[int]], list[bool]]:
+def _answer_ids(answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int
+                ) -> tuple[list[list[int]], list[bool]]:
     """answer ids + [eos], cut to max_answer_len tokens; returns (ids, was_truncated)."""
     if not answers:
         return [], []
@@ -78,62 +69,52 @@ def _answer_ids(
 
 def _check_lengths(max_prompt_len: int, max_answer_len: int = 1) -> None:
     if max_prompt_len < 1 or max_answer_len < 1:
-        raise ValueError(
-            f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
-            f"{max_answer_len}"
-        )
+        raise ValueError(f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
+                         f"{max_answer_len}")
 
 
-def tokenize_sft(
-    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int, max_answer_len: int
-) -> tuple[list[SFTExample], TokenizeStats]:
+def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
+              max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any]
+              ) -> tuple[list, TokenizeStats]:
+    """`make(prompt ids, *answer ids)` for every pair whose prompt fits in max_prompt_len
+    tokens, the answers being its `sides` ("chosen", "rejected") + EOS, each cut to
+    max_answer_len tokens (truncated_answer counts examples with any answer cut)."""
+    _check_lengths(max_prompt_len, max_answer_len)
+    eos = _eos_id(tokenizer)
+    prompts = _prompt_ids(pairs, tokenizer)
+    answers = [_answer_ids([getattr(p, side) for p in pairs], tokenizer, eos, max_answer_len)
+               for side in sides]
+    examples = []
+    dropped = truncated = 0
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > max_prompt_len:
+            dropped += 1
+            continue
+        truncated += any(was_cut[i] for _, was_cut in answers)
+        examples.append(make(prompt, *(ids[i] for ids, _ in answers)))
+    return examples, TokenizeStats(len(examples), dropped, truncated)
+
+
+def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
+                 max_answer_len: int) -> tuple[list[SFTExample], TokenizeStats]:
     """SFT examples from the chosen answers: input_ids = prompt ids + answer ids (+ EOS),
-    labels = -100 over the prompt and the answer ids over the answer. Prompts longer than
-    max_prompt_len are dropped; answers are cut to max_answer_len tokens."""
-    _check_lengths(max_prompt_len, max_answer_len)
-    eos = _eos_id(tokenizer)
-    prompts = _prompt_ids(pairs, tokenizer)
-    answers, cut = _answer_ids([p.chosen for p in pairs], tokenizer, eos, max_answer_len)
-    examples = []
-    dropped = truncated = 0
-    for prompt, answer, was_cut in zip(prompts, answers, cut, strict=True):
-        if len(prompt) > max_prompt_len:
-            dropped += 1
-            continue
-        truncated += was_cut
-        examples.append(SFTExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
-    return examples, TokenizeStats(len(examples), dropped, truncated)
+    labels = -100 over the prompt and the answer ids over the answer."""
+    return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen",),
+                     lambda prompt, answer: SFTExample(prompt + answer,
+                                                       [IGNORE_INDEX] * len(prompt) + answer))
 
 
-def tokenize_pairs(
-    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int, max_answer_len: int
-) -> tuple[list[PairExample], TokenizeStats]:
+def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
+                   max_answer_len: int) -> tuple[list[PairExample], TokenizeStats]:
     """Reward-model examples: chosen_ids = prompt ids + chosen answer ids (+ EOS), rejected_ids
-    likewise. Prompts longer than max_prompt_len are dropped; answers are cut to max_answer_len
-    tokens (truncated_answer counts pairs with either answer cut)."""
-    _check_lengths(max_prompt_len, max_answer_len)
-    eos = _eos_id(tokenizer)
-    prompts = _prompt_ids(pairs, tokenizer)
-    chosen, chosen_cut = _answer_ids([p.chosen for p in pairs], tokenizer, eos, max_answer_len)
-    rejected, rejected_cut = _answer_ids(
-        [p.rejected for p in pairs], tokenizer, eos, max_answer_len
-    )
-    examples = []
-    dropped = truncated = 0
-    for prompt, c, r, c_cut, r_cut in zip(
-        prompts, chosen, rejected, chosen_cut, rejected_cut, strict=True
-    ):
-        if len(prompt) > max_prompt_len:
-            dropped += 1
-            continue
-        truncated += c_cut or r_cut
-        examples.append(PairExample(prompt + c, prompt + r))
-    return examples, TokenizeStats(len(examples), dropped, truncated)
+    likewise."""
+    return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen", "rejected"),
+                     lambda prompt, chosen, rejected: PairExample(prompt + chosen,
+                                                                  prompt + rejected))
 
 
-def tokenize_prompts(
-    pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
-) -> tuple[list[list[int]], TokenizeStats]:
+def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
+                     ) -> tuple[list[list[int]], TokenizeStats]:
     """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
     max_prompt_len tokens; longer prompts are dropped and counted."""
     _check_lengths(max_prompt_len)
@@ -153,11 +134,8 @@ def _pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> Tenso
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), value, dtype=torch.long)
     for i, row in enumerate(rows):
-        if row:
-            if left:
-                out[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            else:
-                out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        start = width - len(row) if left else 0
+        out[i, start:start + len(row)] = torch.tensor(row, dtype=torch.long)
     return out
 
 
@@ -169,11 +147,8 @@ def _mask(rows: Sequence[Sequence[int]], left: bool = False) -> Tensor:
 def collate_sft(batch: list[SFTExample], pad_token_id: int) -> dict[str, Tensor]:
     """Right-padded input_ids [B,T], attention_mask [B,T], labels [B,T] (-100 on padding)."""
     ids = [ex.input_ids for ex in batch]
-    return {
-        "input_ids": _pad(ids, pad_token_id),
-        "attention_mask": _mask(ids),
-        "labels": _pad([ex.labels for ex in batch], IGNORE_INDEX),
-    }
+    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
+            "labels": _pad([ex.labels for ex in batch], IGNORE_INDEX)}
 
 
 def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tensor]:
@@ -186,7 +161,5 @@ def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tens
 def collate_prompts(batch: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
     """LEFT-padded input_ids [B,P] and attention_mask [B,P] (prompts end at the last column,
     ready for generation)."""
-    return {
-        "input_ids": _pad(batch, pad_token_id, left=True),
-        "attention_mask": _mask(batch, left=True),
-    }
+    return {"input_ids": _pad(batch, pad_token_id, left=True),
+            "attention_mask": _mask(batch, left=True)}
