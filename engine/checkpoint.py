@@ -65,10 +65,10 @@ class Checkpointer:
         self.rt.barrier()
         return final
 
-    def load(self, stateful: dict[str, Any], path: Path | None = None) -> dict | None:
-        """Load the latest (or given) checkpoint into `stateful` in place; returns its plain
-        state, or None when there is none. Collective."""
-        path = path or self.latest()
+    def load(self, stateful: dict[str, Any]) -> dict | None:
+        """Load the latest checkpoint into `stateful` in place; returns its plain state, or
+        None when there is none. Collective."""
+        path = self.latest()
         if path is None:
             return None
         state = json.loads((path / "state.json").read_text())

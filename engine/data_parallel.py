@@ -60,16 +60,13 @@ class DataParallel:
         """Each number summed over all processes (one collective for all of them)."""
         return self.runtime.total(*numbers)
 
-    def sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
-        return self.runtime.all_sum(values)
-
     def masked_moments(self, x: torch.Tensor, mask: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, unbiased variance) of the entries of `x` where `mask` is set, over all
         processes' rows."""
-        total, count = self.sum_tensor(torch.stack([(x * mask).sum(), mask.sum()]))
+        total, count = self.runtime.all_sum(torch.stack([(x * mask).sum(), mask.sum()]))
         mean = total / count.clamp(min=1)
-        squares = self.sum_tensor((((x - mean) ** 2) * mask).sum()[None])[0]
+        squares = self.runtime.all_sum((((x - mean) ** 2) * mask).sum()[None])[0]
         var = squares / count.clamp(min=1)
         return mean, torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
 

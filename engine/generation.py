@@ -41,12 +41,9 @@ class SamplingSettings:
     do_sample: bool = True
 
 
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
-                                               0x94D049BB133111EB))
+# splitmix64's constants, as the signed int64 values torch computes with (each is >= 2**63)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                 0x94D049BB133111EB))
 
 
 def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -157,8 +154,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         temperature=sampling.temperature if native_sampling else None,
         top_p=sampling.top_p if native_sampling else None,
         top_k=sampling.top_k if native_sampling else None,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-    )
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     processors = LogitsProcessorList(
         [RowSeededSampling(sampling, row_seeds, input_ids.shape[1])] if row_seeded else [])
     stopping = StoppingCriteriaList([_OnToken(on_token)] if on_token is not None else [])

@@ -57,28 +57,25 @@ class InferenceForm:
                                    synced=False, **kwargs)
 
 
-def inference_form(model: PreTrainedModel, device: torch.device, dtype: torch.dtype, *,
-                   cuda_graphs: bool = True, fused_kernels: bool = True) -> InferenceForm:
+def inference_form(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
+                   ) -> InferenceForm:
     """The inference form of `model`, a plain transformers causal LM, on `device` in
-    `dtype`: the inference decoder with the model's weights copied in (the model is left
-    as it is, so the caller may drop it), decoding with a CUDA graph and Triton kernels on
-    CUDA; or, for an architecture without inference modules, the model itself moved there,
-    the reason logged."""
+    `dtype`: the inference decoder with a copy of the model's weights (CUDA graph and Triton
+    kernels on CUDA), or, for an architecture without one, the model itself moved there."""
     try:
         the_plan = plan(model, layer_prefixes(model, transformer_blocks(model)))
     except (Unsupported, UserError) as why:
-        log.warning("%s: %s; generating with the Hugging Face modules",
-                    type(model).__name__, why)
+        log.warning("%s: %s; generating with the Hugging Face modules", type(model).__name__, why)
         return InferenceForm(model.to(device=device, dtype=dtype).eval(), device,
                              model.generation_config)
     decoder = allocate_decoder(the_plan, lambda source: model.get_parameter(source).shape,
-                               dtype, device, fused_kernels)
+                               dtype, device, fused_kernels=True)
     params = dict(decoder.named_parameters())
     with torch.no_grad():
         for name, sources in the_plan.sources.items():
             copy_sources(params[name], sources, model.get_parameter, the_plan.transforms)
     return InferenceForm(decoder, device, model.generation_config,
-                         cuda_graph=cuda_graphs and device.type == "cuda")
+                         cuda_graph=device.type == "cuda")
 
 
 def layer_prefixes(model: nn.Module, blocks: list[nn.Module]) -> list[str]:

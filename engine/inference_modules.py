@@ -68,8 +68,7 @@ class _Norm(nn.Module):
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
-    layer = nn.Linear(n_in, n_out, bias=bias, device="meta")
-    return layer.requires_grad_(False)
+    return nn.Linear(n_in, n_out, bias=bias, device="meta").requires_grad_(False)
 
 
 class _Layer(nn.Module):

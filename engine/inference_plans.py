@@ -98,16 +98,15 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         raise Unsupported("sliding-window attention")
     first = layer_prefixes[0]
     heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     spec = DecoderSpec(
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
+        head_dim=head_dim, ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
         activation=config.hidden_act, gated_mlp=True,
         qkv_bias=_has_bias(model, f"{first}.self_attn.q_proj"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
-        mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
-        rotary_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True, rotary_dim=head_dim,
         tied_head=_tied_head(model))
     layer = {"attn_norm.weight": ["input_layernorm.weight"],
              "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
@@ -115,13 +114,6 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
              "up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
              "down.weight": ["mlp.down_proj.weight"]}
-    if spec.qkv_bias:
-        layer["qkv.bias"] = [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if spec.out_bias:
-        layer["out.bias"] = ["self_attn.o_proj.bias"]
-    if spec.mlp_bias:
-        layer["up.bias"] = ["mlp.gate_proj.bias", "mlp.up_proj.bias"]
-        layer["down.bias"] = ["mlp.down_proj.bias"]
     root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     return _assemble(spec, root, layer, layer_prefixes, copy.deepcopy(model.model.rotary_emb))
 
@@ -141,23 +133,15 @@ def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         heads=heads, kv_heads=heads, head_dim=config.hidden_size // heads, ffn=config.ffn_dim,
         norm="layer", norm_eps=1e-5, activation=config.activation_function, gated_mlp=False,
         qkv_bias=bias, out_bias=bias, mlp_bias=bias, rotary=False, position_offset=2,
-        scale_query_first=True,
-        tied_head=_tied_head(model))
+        scale_query_first=True, tied_head=_tied_head(model))
     layer = {"attn_norm.weight": ["self_attn_layer_norm.weight"],
-             "attn_norm.bias": ["self_attn_layer_norm.bias"],
              "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
              "out.weight": ["self_attn.out_proj.weight"],
              "mlp_norm.weight": ["final_layer_norm.weight"],
-             "mlp_norm.bias": ["final_layer_norm.bias"],
              "up.weight": ["fc1.weight"], "down.weight": ["fc2.weight"]}
-    if bias:
-        layer |= {"qkv.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
-                  "out.bias": ["self_attn.out_proj.bias"], "up.bias": ["fc1.bias"],
-                  "down.bias": ["fc2.bias"]}
     root = {"embed.weight": ["model.decoder.embed_tokens.weight"],
             "positions.weight": ["model.decoder.embed_positions.weight"],
-            "norm.weight": ["model.decoder.final_layer_norm.weight"],
-            "norm.bias": ["model.decoder.final_layer_norm.bias"]}
+            "norm.weight": ["model.decoder.final_layer_norm.weight"]}
     return _assemble(spec, root, layer, layer_prefixes, None)
 
 
@@ -173,18 +157,13 @@ def _gpt2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         kv_heads=heads, head_dim=config.n_embd // heads, ffn=config.n_inner or 4 * config.n_embd,
         norm="layer", norm_eps=config.layer_norm_epsilon,
         activation=config.activation_function, gated_mlp=False, qkv_bias=True, out_bias=True,
-        mlp_bias=True, rotary=False,
-        tied_head=_tied_head(model))
+        mlp_bias=True, rotary=False, tied_head=_tied_head(model))
     # Conv1D keeps its weight as [in, out]: these sources are transposed when copied
-    conv = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc",
-            "down": "mlp.c_proj"}
-    layer = {"attn_norm.weight": ["ln_1.weight"], "attn_norm.bias": ["ln_1.bias"],
-             "mlp_norm.weight": ["ln_2.weight"], "mlp_norm.bias": ["ln_2.bias"],
-             **{f"{ours}.{p}": [f"{theirs}.{p}"] for ours, theirs in conv.items()
-                for p in ("weight", "bias")}}
-    root = {"embed.weight": ["transformer.wte.weight"],
-            "positions.weight": ["transformer.wpe.weight"],
-            "norm.weight": ["transformer.ln_f.weight"], "norm.bias": ["transformer.ln_f.bias"]}
+    conv = {"qkv": "attn.c_attn", "out": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
+    layer = {"attn_norm.weight": ["ln_1.weight"], "mlp_norm.weight": ["ln_2.weight"],
+             **{f"{ours}.weight": [f"{theirs}.weight"] for ours, theirs in conv.items()}}
+    root = {"embed.weight": ["transformer.wte.weight"], "norm.weight": ["transformer.ln_f.weight"],
+            "positions.weight": ["transformer.wpe.weight"]}
     transforms = {f"{prefix}.{theirs}.weight": torch.Tensor.t for prefix in layer_prefixes
                   for theirs in conv.values()}
     return _assemble(spec, root, layer, layer_prefixes, None, transforms)
@@ -203,27 +182,17 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         gated_mlp=False, qkv_bias=config.attention_bias, out_bias=config.attention_bias,
         mlp_bias=True, rotary=True,
         rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
-        parallel_residual=config.use_parallel_residual,
-        tied_head=_tied_head(model))
+        parallel_residual=config.use_parallel_residual, tied_head=_tied_head(model))
     layer = {"attn_norm.weight": ["input_layernorm.weight"],
-             "attn_norm.bias": ["input_layernorm.bias"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
-             "mlp_norm.bias": ["post_attention_layernorm.bias"],
              "qkv.weight": ["attention.query_key_value.weight"],
              "out.weight": ["attention.dense.weight"],
-             "up.weight": ["mlp.dense_h_to_4h.weight"], "up.bias": ["mlp.dense_h_to_4h.bias"],
-             "down.weight": ["mlp.dense_4h_to_h.weight"],
-             "down.bias": ["mlp.dense_4h_to_h.bias"]}
-    if spec.qkv_bias:
-        layer |= {"qkv.bias": ["attention.query_key_value.bias"],
-                  "out.bias": ["attention.dense.bias"]}
+             "up.weight": ["mlp.dense_h_to_4h.weight"], "down.weight": ["mlp.dense_4h_to_h.weight"]}
     root = {"embed.weight": ["gpt_neox.embed_in.weight"],
-            "norm.weight": ["gpt_neox.final_layer_norm.weight"],
-            "norm.bias": ["gpt_neox.final_layer_norm.bias"]}
+            "norm.weight": ["gpt_neox.final_layer_norm.weight"]}
     # the fused projection's rows run head by head ([q_h; k_h; v_h] for each head h): put
     # all q rows first, then k, then v
-    order = torch.arange(3 * config.hidden_size).view(heads, 3, head_dim).transpose(0, 1)
-    order = order.reshape(-1)
+    order = torch.arange(3 * config.hidden_size).view(heads, 3, head_dim).transpose(0, 1).flatten()
 
     def by_kind(weight: torch.Tensor) -> torch.Tensor:
         return weight.index_select(0, order.to(weight.device))
@@ -244,12 +213,24 @@ def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, li
               ) -> Plan:
     if not spec.tied_head:   # every supported family names an untied head lm_head
         root = {**root, "head.weight": ["lm_head.weight"]}
+    biased = ["attn_norm", "mlp_norm", "norm"] if spec.norm == "layer" else []
+    biased += [name for name, on in (("qkv", spec.qkv_bias), ("out", spec.out_bias),
+                                     ("up", spec.mlp_bias), ("down", spec.mlp_bias)) if on]
+    root, layer = _with_biases(root, biased), _with_biases(layer, biased)
     sources, layer_of = dict(root), dict.fromkeys(root)
     for i, prefix in enumerate(layer_prefixes):
         for name, parts in layer.items():
             sources[f"layers.{i}.{name}"] = [f"{prefix}.{part}" for part in parts]
             layer_of[f"layers.{i}.{name}"] = i
     return Plan(spec, sources, layer_of, rotary, transforms or {})
+
+
+def _with_biases(entries: dict[str, list[str]], names: list[str]) -> dict[str, list[str]]:
+    """`entries` plus the bias of each of `names` that it has a weight of: families list
+    weights only, and a bias sits in the modules of its weight."""
+    return {**entries, **{f"{name}.bias": [part.removesuffix(".weight") + ".bias"
+                                           for part in entries[f"{name}.weight"]]
+                          for name in names if f"{name}.weight" in entries}}
 
 
 def fused_shape(shapes: list[torch.Size]) -> torch.Size:

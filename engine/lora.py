@@ -24,11 +24,10 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     sequence-classification `score` head always trains, since it starts random."""
     if lora.dim <= 0:
         return model
-    targets = lora.target_modules
-    if not isinstance(targets, str):
-        targets = list(targets)
+    targets = lora.target_modules   # a name pattern, or a list of module names
     config = LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=targets, exclude_modules=["score", "lm_head"])
+                        target_modules=targets if isinstance(targets, str) else list(targets),
+                        exclude_modules=["score", "lm_head"])
     peft_model = get_peft_model(model, config)
     for name, param in peft_model.named_parameters():
         is_head = name.split(".")[-2:-1] == ["score"]
@@ -38,9 +37,7 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
 
 def merged(model: nn.Module) -> nn.Module:
     """The plain transformers model with LoRA folded into its weights (in place)."""
-    if isinstance(model, PeftModel):
-        return model.merge_and_unload()
-    return model
+    return model.merge_and_unload() if isinstance(model, PeftModel) else model
 
 
 def is_lora_param(name: str) -> bool:

@@ -43,8 +43,7 @@ def _llama(vocab_size: int, **ids: int) -> PretrainedConfig:
         vocab_size=vocab_size, hidden_size=_TINY["hidden"], intermediate_size=_TINY["ffn"],
         num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
         num_key_value_heads=_TINY["heads"] // 2, max_position_embeddings=_TINY["positions"],
-        tie_word_embeddings=False, **ids,
-    )
+        tie_word_embeddings=False, **ids)
 
 
 def _opt(vocab_size: int, **ids: int) -> PretrainedConfig:
@@ -52,16 +51,14 @@ def _opt(vocab_size: int, **ids: int) -> PretrainedConfig:
         vocab_size=vocab_size, hidden_size=_TINY["hidden"], ffn_dim=_TINY["ffn"],
         num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
         word_embed_proj_dim=_TINY["hidden"], max_position_embeddings=_TINY["positions"],
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, **ids,
-    )
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, **ids)
 
 
 def _gpt2(vocab_size: int, **ids: int) -> PretrainedConfig:
     return GPT2Config(
         vocab_size=vocab_size, n_embd=_TINY["hidden"], n_layer=_TINY["layers"],
         n_head=_TINY["heads"], n_inner=_TINY["ffn"], n_positions=_TINY["positions"],
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
-    )
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)
 
 
 def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
@@ -69,8 +66,7 @@ def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
         vocab_size=vocab_size, hidden_size=_TINY["hidden"], intermediate_size=_TINY["ffn"],
         num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
         max_position_embeddings=_TINY["positions"], hidden_dropout=0.0, attention_dropout=0.0,
-        tie_word_embeddings=False, **ids,
-    )
+        tie_word_embeddings=False, **ids)
 
 
 PRESETS = {"tiny-llama": _llama, "tiny-opt": _opt, "tiny-gpt2": _gpt2, "tiny-gpt-neox": _gpt_neox}
@@ -85,13 +81,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(tokenizer_models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>", model_max_length=_TINY["positions"],
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>",
+                                   model_max_length=_TINY["positions"])
 
 
 _MODEL_FILES = ("config.json",)
@@ -138,17 +132,13 @@ def _hub_error(spec: str, flag: str, why: str) -> UserError:
                      f"could not provide it ({why}); download it and pass the local directory")
 
 
-def _in_hub_cache(spec: str) -> bool:
-    return any(try_to_load_from_cache(spec, name) is not None
-               for name in ("config.json", "tokenizer_config.json"))
-
-
 def _hub_local_only(spec: str, flag: str) -> bool:
     """For a hub name: True when it must be read from the local cache (hub unreachable);
     raises when it is neither reachable nor cached."""
     if not _hub_offline():
         return False
-    if not _in_hub_cache(spec):
+    if all(try_to_load_from_cache(spec, name) is None
+           for name in ("config.json", "tokenizer_config.json")):
         raise _hub_error(spec, flag, "unreachable or offline, and not in the local cache")
     return True
 
@@ -162,16 +152,16 @@ def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False) -> None:
         _hub_local_only(spec, flag)
 
 
-def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str):
-    """Call `load(local_files_only=...)`, turning hub/IO failures into one-line errors."""
+def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs):
+    """`load(spec, local_files_only=..., **kwargs)`, with hub/IO failures as one-line errors."""
     local_only = kind == "hub" and _hub_local_only(spec, flag)
     try:
-        return load(local_files_only=local_only)
+        return load(spec, local_files_only=local_only, **kwargs)
     except OSError as err:
+        why = str(err).splitlines()[0]
         if kind == "hub":
-            raise _hub_error(spec, flag, str(err).splitlines()[0]) from None
-        raise UserError(f"{flag} {spec}: cannot load the {what} ({str(err).splitlines()[0]})") \
-            from None
+            raise _hub_error(spec, flag, why) from None
+        raise UserError(f"{flag} {spec}: cannot load the {what} ({why})") from None
 
 
 def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--actor-model",
@@ -185,10 +175,8 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
         flag = "tokenizer=" if tokenizer else flag
         # a tokenizer directory (tokenizer=DIR) holds no config.json, only tokenizer files
         kind = _source(source, flag, _TOKENIZER_FILES if tokenizer else _MODEL_FILES)
-        tok = _from_hub_or_dir(
-            lambda **kw: AutoTokenizer.from_pretrained(
-                source, trust_remote_code=trust_remote_code, **kw),
-            source, kind, flag, "tokenizer")
+        tok = _from_hub_or_dir(AutoTokenizer.from_pretrained, source, kind, flag, "tokenizer",
+                               trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
         raise UserError(f"{flag} {source}: the tokenizer has no EOS token; answers need one")
     if tok.pad_token_id is None:
@@ -200,13 +188,10 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     return tok
 
 
-def _special_ids(tok: PreTrainedTokenizerBase) -> dict[str, int]:
-    return dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id or tok.eos_token_id,
-                eos_token_id=tok.eos_token_id)
-
-
 def preset_config(spec: str, tok: PreTrainedTokenizerBase) -> PretrainedConfig:
-    return PRESETS[spec](len(tok), **_special_ids(tok))
+    return PRESETS[spec](len(tok), pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id or tok.eos_token_id,
+                         eos_token_id=tok.eos_token_id)
 
 
 def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype: torch.dtype,
@@ -218,12 +203,9 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
             setattr(config, key, value)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = auto_cls.from_config(config, dtype=dtype)
-        return model
-    model = _from_hub_or_dir(
-        lambda **kw: auto_cls.from_pretrained(
-            spec, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs, **kw),
-        spec, kind, flag, "model")
+            return auto_cls.from_config(config, dtype=dtype)
+    model = _from_hub_or_dir(auto_cls.from_pretrained, spec, kind, flag, "model", dtype=dtype,
+                             trust_remote_code=trust_remote_code, **kwargs)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     return model
@@ -277,17 +259,13 @@ def token_values(model: torch.nn.Module, input_ids: torch.Tensor,
     return captured[0].squeeze(-1).float()
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of the rightmost real token of each row (left or right padding)."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask.long()).argmax(-1)
-
-
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B] reward-model score at the last real token of each sequence."""
+    """[B] reward-model score at the last real token of each sequence (left or right padding)."""
     values = token_values(model, input_ids, attention_mask)
-    return values.gather(1, last_token_index(attention_mask)[:, None]).squeeze(1)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask.long()).argmax(-1)   # [B] the rightmost real token
+    return values.gather(1, last[:, None]).squeeze(1)
 
 
 def disable_dropout(model: torch.nn.Module) -> int:
