@@ -71,6 +71,13 @@ FLAGS: dict[str, list[tuple[str, str, dict, str]]] = {"": [
      "free the KV cache after every rollout"),
     ("--tp-gather-partition-size", "engine.hybrid.gather_group_size", INT,
      "decoder layers all-gathered at once when switching to generation"),
+], "ZeRO++ (DeepSpeed's names; on the ZeRO-3 trained models)": [
+    ("--zero-quantized-weights", "engine.zeropp.qwz", _const(True),
+     "qwZ: weight all-gathers in int8 blocks (engine.zeropp.weight_bits=4: int4)"),
+    ("--zero-hpz-partition-size", "engine.zeropp.hpz", {**INT, "metavar": "N"},
+     "hpZ: a secondary weight partition of N ranks (normally one node's) for backward"),
+    ("--zero-quantized-gradients", "engine.zeropp.qgz", _const(True),
+     "qgZ: gradient reduce-scatter as a quantized all-to-all, intra- then inter-node"),
 ], "multi-node rendezvous (torchrun's)": [
     ("--nnodes", "launch.nnodes", INT, ""),
     ("--node-rank", "launch.node_rank", INT, ""),
@@ -171,6 +178,7 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(f"resume={cfg.resume}: choose auto, true or false")
     if cfg.engine.procs < 1:
         raise UserError(f"engine.procs={cfg.engine.procs}: give 1 or more processes")
+    check_zeropp(cfg)
     if cfg.engine.hybrid.gather_group_size < 1:
         raise UserError(f"engine.hybrid.gather_group_size={cfg.engine.hybrid.gather_group_size}"
                         " (--tp-gather-partition-size): give 1 or more decoder layers")
@@ -192,6 +200,29 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.ppo.micro_batch_size > cfg.ppo.rollout_batch_size:
         raise UserError("ppo.micro_batch_size must not exceed ppo.rollout_batch_size")
     plan_steps(cfg)
+
+
+def check_zeropp(cfg: DictConfig) -> None:
+    from engine.errors import UserError
+
+    z, per_node = cfg.engine.zeropp, cfg.engine.procs_per_node
+    if per_node is not None and (per_node < 1 or cfg.engine.procs % per_node):
+        raise UserError(f"engine.procs_per_node={per_node}: give a divisor of engine.procs="
+                        f"{cfg.engine.procs}")
+    if (z.qwz or z.qgz or z.hpz != 1) and 3 not in (cfg.actor_zero_stage,
+                                                   cfg.reward_zero_stage):
+        raise UserError("ZeRO++ (engine.zeropp, --zero-quantized-weights/-gradients, "
+                        "--zero-hpz-partition-size) works on ZeRO-3 models: add "
+                        "--actor-zero-stage 3 and/or --reward-zero-stage 3")
+    if z.weight_bits not in (4, 8) or z.grad_bits not in (4, 8):
+        raise UserError(f"engine.zeropp.weight_bits={z.weight_bits}, grad_bits={z.grad_bits}: "
+                        "each must be 8 or 4")
+    if z.block < 2 or z.block % 2:
+        raise UserError(f"engine.zeropp.block={z.block}: give an even number of values, e.g. "
+                        "256")
+    if z.hpz < 0:   # whether it divides the ranks is checked once they are known
+        raise UserError(f"engine.zeropp.hpz={z.hpz} (--zero-hpz-partition-size): give 1 (off), "
+                        "0 (one node's ranks) or the partition's rank count")
 
 
 def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
@@ -268,13 +299,15 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
 
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
+    from engine.comm_meter import logged_comm
     from engine.errors import UserError
     from engine.runtime import seed_everything, setup_runtime
     from steps import demo, ppo, reward, sft
     from steps.common import log, step_dir
     from steps.data import DataError, load_blend
 
-    rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed, cfg.engine.timeout_s)
+    rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed, cfg.engine.timeout_s,
+                       cfg.engine.procs_per_node)
     plan = plan_steps(cfg)
     sft_pairs, rm_pairs, ppo_pairs = load_blend(
         list(cfg.data.path), list(cfg.data.split), cfg.seed,
@@ -286,29 +319,30 @@ def run(cfg: DictConfig) -> dict[int, float]:
     seconds = {}
     out = Path(cfg.output_dir)
     out_existed = out.exists()
-    for step, mode in plan:
-        if mode == "skip":
-            log(f"step {step}: finished before the interruption; kept")
-            continue
-        seed_everything(cfg.seed + step)
-        start = time.perf_counter()
-        fresh = not step_dir(cfg, step).exists()
-        resume = mode == "resume"
-        try:
-            if step == 1:
-                sft.run(cfg, sft_pairs, rt, resume)
-            elif step == 2:
-                reward.run(cfg, rm_pairs, rt, resume)
-            else:
-                ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume)
-        except (UserError, DataError):
-            # a refused step (bad model, no data left after filtering) leaves nothing behind
-            if fresh and rt.is_main:
-                shutil.rmtree(step_dir(cfg, step), ignore_errors=True)
-            if rt.is_main and not out_existed and out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-            raise
-        seconds[step] = time.perf_counter() - start
+    with logged_comm(rt, cfg.engine.log_comm):
+        for step, mode in plan:
+            if mode == "skip":
+                log(f"step {step}: finished before the interruption; kept")
+                continue
+            seed_everything(cfg.seed + step)
+            start = time.perf_counter()
+            fresh = not step_dir(cfg, step).exists()
+            resume = mode == "resume"
+            try:
+                if step == 1:
+                    sft.run(cfg, sft_pairs, rt, resume)
+                elif step == 2:
+                    reward.run(cfg, rm_pairs, rt, resume)
+                else:
+                    ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume)
+            except (UserError, DataError):
+                # a refused step (bad model, no data left after filtering) leaves nothing behind
+                if fresh and rt.is_main:
+                    shutil.rmtree(step_dir(cfg, step), ignore_errors=True)
+                if rt.is_main and not out_existed and out.is_dir() and not any(out.iterdir()):
+                    out.rmdir()
+                raise
+            seconds[step] = time.perf_counter() - start
     log("done: " + ", ".join(f"step {s} {t:.1f}s" for s, t in seconds.items())
         + f"; outputs in {cfg.output_dir}")
     return seconds

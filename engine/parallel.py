@@ -9,6 +9,9 @@ ZeRO stages map onto FSDP2 as DeepSpeed users expect:
   0     replicated data parallel: FSDP2 over a (replicas, 1) mesh, i.e. every rank holds
         everything and gradients are all-reduced
 With one process and no torchrun, models are left as they are (plain PyTorch).
+
+ZeRO++ (engine/zeropp.py) goes onto every unit of a trained ZeRO-3 model here too: hpZ as
+the units' int `reshard_after_forward`, qwZ and qgZ as their custom collectives.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from transformers import PreTrainedModel
 
 from engine.errors import UserError
 from engine.runtime import Runtime
+from engine.zeropp import ZeroPPSettings, apply_zeropp, hpz_kwargs
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class ShardSettings:
     zero_stage: int = 3
     offload: bool = False               # params + optimizer state on CPU (ZeRO-Offload)
     activation_checkpointing: bool = False
+    zeropp: ZeroPPSettings = ZeroPPSettings()   # ZeRO-3 only
 
 
 def hf_model(model: nn.Module) -> PreTrainedModel:
@@ -92,25 +97,33 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
         return model.to(rt.device)
     if settings.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero stage {settings.zero_stage}: choose 0, 1, 2 or 3")
+    zeropp = settings.zeropp if settings.zero_stage == 3 else ZeroPPSettings()
     kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=_mixed_precision(rt),
                   offload_policy=_offload_policy(settings.offload, rt),
                   reshard_after_forward=settings.zero_stage == 3)
+    kwargs.update(hpz_kwargs(zeropp, rt.world_size))   # hpZ: an int reshard_after_forward
+
+    def place(unit: nn.Module, **overrides) -> None:
+        fully_shard(unit, **{**kwargs, **overrides})
+        if zeropp.qwz or zeropp.qgz:
+            apply_zeropp(unit, zeropp, ranks_per_node=rt.ranks_per_node)
+
     # fully_shard moves each block to the mesh's device as it shards it: the full model is
     # never on the device at once
     for block in transformer_blocks(model):
-        fully_shard(block, **kwargs)
+        place(block)
     # Untied input embeddings are a unit of their own: used first in forward and last in
     # backward, they need not stay gathered in between (a large share of a model with a big
     # vocabulary). Tied ones share the output head's weight and stay with the root.
     inner = hf_model(model)
     embeddings, head = inner.get_input_embeddings(), inner.get_output_embeddings()
     if embeddings is not None and (head is None or head.weight is not embeddings.weight):
-        fully_shard(embeddings, **kwargs)
+        place(embeddings)
     # A trained root (output head, score head, final norm) stays gathered from forward to
     # backward: backward needs it at once, and the critic's values come from the score
     # head's output rather than the root's output, so FSDP's pre-backward hook on the root
     # output would never re-gather it.
-    fully_shard(inner, **{**kwargs, "reshard_after_forward": not trainable})
+    place(inner, reshard_after_forward=not trainable)
     return model
 
 

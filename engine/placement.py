@@ -7,6 +7,9 @@ role and gets it placed:
   role "reward"     the trained scorer (step 2's reward model, step 3's critic): --reward-zero-stage
   frozen "reference", "reward"   step 3's forward-only models: ZeRO-3 sharded or replicated
                     (engine.shard_frozen_models), optionally kept on the CPU between uses
+
+ZeRO++ (`engine.zeropp`) applies to the trained ZeRO-3 models; frozen models are gathered
+exactly (their log-probs and scores are the KL anchor and the reward).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from engine.hybrid import HybridEngine, HybridSettings
 from engine.models import load_causal_lm, load_reward_model
 from engine.parallel import ShardSettings, frozen
 from engine.runtime import Runtime
+from engine.zeropp import ZeroPPSettings
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Placement:
     shard_frozen_models: bool = True
     offload_frozen: Mapping[str, bool] = field(default_factory=dict)  # frozen role -> offload
     hybrid: HybridSettings = HybridSettings()
+    zeropp: ZeroPPSettings = ZeroPPSettings()
 
     @classmethod
     def from_config(cls, engine_cfg: Mapping, runtime: Runtime, *, actor_zero_stage: int,
@@ -44,7 +49,8 @@ class Placement:
                    shard_frozen_models=engine_cfg["shard_frozen_models"],
                    offload_frozen={"reference": engine_cfg["offload_reference_model"],
                                    "reward": engine_cfg["offload_reward_model"]},
-                   hybrid=HybridSettings(**engine_cfg["hybrid"]))
+                   hybrid=HybridSettings(**engine_cfg["hybrid"]),
+                   zeropp=zeropp_settings(engine_cfg["zeropp"], runtime))
 
     def load_dtype(self, trained: bool) -> torch.dtype:
         """Trained weights load as the master copy (fp32 when sharded under mixed
@@ -59,7 +65,8 @@ class Placement:
 
     def _sharding(self, role: str) -> ShardSettings:
         return ShardSettings(zero_stage=self.zero_stages[role], offload=self.offload,
-                             activation_checkpointing=self.gradient_checkpointing)
+                             activation_checkpointing=self.gradient_checkpointing,
+                             zeropp=self.zeropp)
 
     def trainer(self, model: nn.Module, optim: OptimSettings, total_steps: int, *,
                 role: str) -> TrainEngine:
@@ -77,3 +84,12 @@ class Placement:
         """A forward-only model of `role` ("reference" or "reward")."""
         return frozen(model, self.runtime, sharded=self.shard_frozen_models,
                       offload=self.offload_frozen.get(role, False))
+
+
+def zeropp_settings(cfg: Mapping, runtime: Runtime) -> ZeroPPSettings:
+    """`engine.zeropp` -> ZeroPPSettings. Its `hpz` reads as DeepSpeed's
+    zero_hpz_partition_size (1: off), with 0 for "the ranks of one node"."""
+    size = runtime.ranks_per_node if cfg["hpz"] == 0 else cfg["hpz"]
+    return ZeroPPSettings(qwz=cfg["qwz"], hpz=size if size > 1 else 0, qgz=cfg["qgz"],
+                          weight_bits=cfg["weight_bits"], grad_bits=cfg["grad_bits"],
+                          block=cfg["block"])

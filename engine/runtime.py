@@ -24,6 +24,7 @@ class Runtime:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    ranks_per_node: int = 1     # node of rank r: r // ranks_per_node (ZeRO++'s topology)
 
     @property
     def is_main(self) -> bool:
@@ -64,12 +65,14 @@ def launched_by_torchrun() -> bool:
 
 
 def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
-                  timeout_s: float = 600) -> Runtime:
+                  timeout_s: float = 600, procs_per_node: int | None = None) -> Runtime:
     """Resolve `engine.device` / `engine.dtype` ("auto": CUDA + bf16 when present, else CPU
     + fp32), join the process group when launched by torchrun, and seed every generator.
 
     `timeout_s` bounds every collective: a rank that dies or hangs makes the others fail
-    within it instead of waiting forever."""
+    within it instead of waiting forever. Nodes are torchrun's (LOCAL_WORLD_SIZE ranks
+    each) unless `procs_per_node` splits the ranks into simulated ones (CPU tests of
+    ZeRO++'s node-aware collectives)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -89,8 +92,13 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                     timeout=timedelta(seconds=timeout_s))
     seed_everything(seed)
+    world_size = world_size or 1
+    per_node = procs_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % per_node:
+        raise UserError(f"engine.procs_per_node={per_node} does not divide the {world_size} "
+                        "ranks into whole nodes")
     return Runtime(device=torch.device(device), dtype=_DTYPES[dtype], rank=rank or 0,
-                   world_size=world_size or 1, local_rank=local_rank or 0)
+                   world_size=world_size, local_rank=local_rank or 0, ranks_per_node=per_node)
 
 
 def seed_everything(seed: int) -> None:

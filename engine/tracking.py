@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import netrc
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ def _wandb_mode(mode: str) -> str:
 
 
 class Tracker:
+    # callables whose metrics join every row, e.g. the comm meter's (engine.log_comm)
+    row_sources: list[Callable[[], dict[str, Any]]] = []
+
     def __init__(self, step_dir: Path, *, wandb_settings: dict | None = None,
                  config: dict | None = None, enabled: bool = True,
                  keep_rows: int | None = None):
@@ -54,6 +58,8 @@ class Tracker:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
+        for source in self.row_sources:
+            metrics = {**metrics, **source()}
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -61,12 +61,27 @@ class HybridConfig:
 
 
 @dataclass
+class ZeroPPConfig:
+    qwz: bool = val(False, "qwZ: weight all-gathers quantized block-wise across nodes")
+    hpz: int = val(1, "hpZ: a secondary weight partition of N ranks that serves the backward "
+                   "all-gather; 1 = off, 0 = the ranks of one node")
+    qgz: bool = val(False, "qgZ: gradient reduce-scatter as a quantized all-to-all, inside "
+                    "the node, then across")
+    weight_bits: int = val(8, "qwZ: 8 or 4")
+    grad_bits: int = val(8, "qgZ: 8 or 4")
+    block: int = val(256, "values per quantization block (one fp32 scale each)")
+
+
+@dataclass
 class EngineConfig:
     device: str = val("auto", "auto | cpu | cuda")
     dtype: str = val("auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; sharded "
                      "runs keep fp32 master weights")
     procs: int = val(1, "processes on this node; >1 starts them through torchrun (gloo on "
                      "CPU, NCCL on CUDA)")
+    procs_per_node: Optional[int] = val(None, "ranks per node for ZeRO++ (default: "  # noqa: UP045
+                                        "torchrun's); fewer than engine.procs simulates "
+                                        "nodes on one machine")
     timeout_s: float = val(600.0, "collective timeout: a dead or hung rank stops the job "
                            "within it")
     gradient_checkpointing: bool = val(False, "activation checkpointing of the trained models")
@@ -82,6 +97,10 @@ class EngineConfig:
     keep_checkpoints: int = 1
     hybrid: HybridConfig = val(HybridConfig, "step 3's actor generates in inference form "
                                "(engine/hybrid.py)")
+    zeropp: ZeroPPConfig = val(ZeroPPConfig, "ZeRO++ on the trained ZeRO-3 models "
+                               "(engine/zeropp.py)")
+    log_comm: bool = val(False, "debug: log rank 0's collective bytes (comm/*, intra- and "
+                         "cross-node) with each metrics row")
 
 
 @dataclass

@@ -1,0 +1,299 @@
+"""ZeRO++ (Wang et al. 2023) on FSDP2: the three ways it cuts ZeRO-3's cross-node traffic,
+as FSDP2 custom collectives and one `fully_shard` argument.
+
+  qwZ  quantized weight all-gather: each rank quantizes its flat shard block-wise
+       (engine/quantize.py: int8 or int4 + one fp32 scale per `block` values), the ranks
+       all-gather the uint8 wire buffers, and every rank dequantizes all of them into the
+       buffer FSDP expects. Bytes per gathered value: 1 + 4/block (8 bits) or
+       0.5 + 4/block (4 bits), against 4 (fp32) or 2 (bf16).
+  hpZ  hierarchical partitioning: after forward each block keeps a secondary shard over
+       `hpz` ranks (one node) instead of freeing down to the 1/world primary shard, so the
+       backward all-gather stays inside the node. FSDP2 does this natively with an int
+       `reshard_after_forward` (`hpz_kwargs`).
+  qgZ  quantized gradient reduce-scatter: an all-to-all of quantized chunks, then a local
+       fp32 sum, instead of a reduce-scatter (whose partial sums cannot be requantized hop
+       by hop without compounding error). With ranks_per_node L dividing the group of
+       n = N nodes x L: hierarchical, first an all-to-all inside the node (each rank sums
+       its node's contributions to the N shards of its local index), then one across
+       nodes among the N ranks of the same local index (each summing N partial sums).
+       Cross-node bytes per rank: (N-1) quantized shards, against (N-1) * L fp32 shards
+       for the plain reduce-scatter.
+
+Where quantization applies: qwZ quantizes a gather only when its group spans more than one
+node (hpZ's backward gather inside a node stays exact; with `ranks_per_node=None` the
+layout is unknown and every gather is quantized). qgZ always quantizes.
+
+`quantize=False` keeps the hooks and their communication pattern but sends the values
+themselves: the all-gather is then bit-identical to FSDP's default one; the reduce-scatter
+equals the default one up to fp32 rounding (it sums the n contributions in rank order, two
+levels when hierarchical, which may differ from the backend's order: with gloo it matched
+bit for bit at world 2 and differed by ~1e-7 relative at world 4, flat or hierarchical).
+
+Falls back to the default collective, logged once per reason: all-gathers of a mixed-dtype
+(uint8) group; reductions other than SUM and AVG (e.g. PREMUL_SUM). Sizes need not divide
+the block: chunks are zero-padded to a multiple of it before quantizing. Hierarchical qgZ
+falls back to the one-level all-to-all (also logged once) when the group is not the whole
+world in rank order with `ranks_per_node` dividing it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from engine.errors import UserError
+from engine.quantize import dequantize, quantize, unpack_wire, wire_bytes
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("ZeRO++: %s", reason)
+
+
+@dataclass(frozen=True)
+class ZeroPPSettings:
+    qwz: bool = False           # quantized weight all-gather
+    hpz: int = 0                # 0: off; else ranks per secondary partition (ranks per node)
+    qgz: bool = False           # quantized gradient reduce-scatter (all-to-all based)
+    weight_bits: int = 8        # 8 or 4
+    grad_bits: int = 8          # 8 or 4
+    block: int = 256            # values per quantization block (one fp32 scale each)
+    quantize: bool = True       # False: the same hooks, values sent as they are (tests)
+
+    def __post_init__(self):
+        if self.weight_bits not in (8, 4) or self.grad_bits not in (8, 4):
+            raise ValueError(f"bits must be 8 or 4, got weight_bits={self.weight_bits}, "
+                             f"grad_bits={self.grad_bits}")
+        if self.block <= 0 or self.block % 2:
+            raise ValueError(f"block must be positive and even, got {self.block}")
+        if self.hpz < 0:
+            raise ValueError(f"hpz must be 0 (off) or the ranks per partition, got {self.hpz}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.qwz or self.qgz or self.hpz > 0
+
+
+def hpz_kwargs(settings: ZeroPPSettings, world_size: int) -> dict:
+    """The `fully_shard` kwargs for hpZ: {"reshard_after_forward": hpz} (a secondary
+    partition over `hpz` consecutive ranks); {} when hpZ is off or covers the whole world
+    (then it is plain ZeRO-3). hpz must divide the world size."""
+    if settings.hpz in (0, world_size):
+        return {}
+    if settings.hpz == 1 or world_size % settings.hpz:
+        raise UserError(f"engine.zeropp.hpz={settings.hpz}: the partition size must divide "
+                        f"the {world_size} ranks and be at least 2 (1 is off)")
+    return {"reshard_after_forward": settings.hpz}
+
+
+# (group's global ranks, ranks per node) -> (this rank's intra-node, cross-node subgroup)
+_levels: dict[tuple[tuple[int, ...], int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _node_levels(group: dist.ProcessGroup, per: int) -> None:
+    """Create, once per group, the subgroups of hierarchical qgZ when `group` is the world
+    in rank order and `per` divides it: one per node, and one per local index (that
+    index's rank on every node). new_group is collective: every rank creates every
+    subgroup, in one order."""
+    ranks = dist.get_process_group_ranks(group)
+    key = (tuple(ranks), per)
+    n_nodes = _nodes(ranks, per)
+    if key in _levels or len(ranks) != dist.get_world_size() or n_nodes < 2 or any(
+            r != i for i, r in enumerate(ranks)) or len(ranks) % per:
+        return      # only the whole world, in rank order, of whole nodes
+    me = dist.get_rank()
+    intra = cross = None
+    for node in range(n_nodes):
+        members = ranks[node * per:(node + 1) * per]
+        subgroup = dist.new_group(members)
+        intra = subgroup if me in members else intra
+    for local in range(per):
+        members = ranks[local::per]
+        subgroup = dist.new_group(members)
+        cross = subgroup if me in members else cross
+    _levels[key] = (intra, cross)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _nodes(ranks: Sequence[int], ranks_per_node: int | None) -> int:
+    """How many nodes the global `ranks` span."""
+    return 1 if ranks_per_node is None else len({r // ranks_per_node for r in ranks})
+
+
+def _quantize_rows(rows: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """rows [k, m] float -> wire buffers uint8 [k, wire_bytes(m padded to block)]."""
+    k, m = rows.shape
+    padded = _round_up(m, block)
+    if padded != m:
+        rows = F.pad(rows, (0, padded - m))
+    wire = torch.empty(k, wire_bytes(padded, bits, block), dtype=torch.uint8,
+                       device=rows.device)
+    for row, buf in zip(rows, wire, strict=True):
+        quantize(row.contiguous(), bits, block, out=buf)
+    return wire
+
+
+def _dequantize_rows(wire: torch.Tensor, m: int, bits: int, block: int,
+                     out: torch.Tensor) -> torch.Tensor:
+    """wire [k, wire_bytes] -> out [k, m] (values beyond m, the padding, are dropped)."""
+    padded = _round_up(m, block)
+    for buf, row in zip(wire, out, strict=True):
+        q = unpack_wire(buf, bits, block, padded)
+        if padded == m and row.is_contiguous():
+            dequantize(q, out=row)
+        else:
+            row.copy_(dequantize(q, out.dtype)[:m])
+    return out
+
+
+class QuantizedAllGather(AllGather):
+    """qwZ. input [m] (this rank's flat shard: the concatenated padded shards of the
+    module's parameters, in the param dtype), output [n * m], rank i's shard at [i*m:(i+1)*m]
+    (FSDP lays the input there already). Quantized: each rank sends
+    wire_bytes(m padded to block) bytes; all ranks, the sender included, see the same
+    dequantized values. Runs synchronously (returns None)."""
+
+    def __init__(self, bits: int = 8, block: int = 256, *, quantize: bool = True,
+                 ranks_per_node: int | None = None):
+        self.bits, self.block, self.quantize = bits, block, quantize
+        self.ranks_per_node = ranks_per_node
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        if not self._quantized(input_tensor, group):
+            return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        n, m = group.size(), input_tensor.numel()
+        wire = _quantize_rows(input_tensor.view(1, m), self.bits, self.block)
+        gathered = torch.empty(n, wire.size(1), dtype=torch.uint8, device=wire.device)
+        _all_gather(gathered.view(-1), wire.view(-1), group=group)
+        _dequantize_rows(gathered, m, self.bits, self.block, output_tensor.view(n, m))
+        return None
+
+    def _quantized(self, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        if not self.quantize:
+            return False
+        if not x.is_floating_point():
+            _log_once(f"qwZ: all-gather of a {x.dtype} buffer (parameters of mixed dtypes) "
+                      "sent unquantized")
+            return False
+        return self.ranks_per_node is None or _nodes(dist.get_process_group_ranks(group),
+                                                     self.ranks_per_node) > 1
+
+
+class QuantizedReduceScatter(ReduceScatter):
+    """qgZ. input [n * m] (chunk i, [i*m:(i+1)*m], is the gradient part that rank i owns),
+    output [m]: SUM (or AVG: divided by n) over the ranks of their chunk for this rank.
+    All-to-all of the (quantized) chunks, then an fp32 sum in rank order; two levels when
+    `ranks_per_node` divides the group into whole nodes (see the module docstring).
+    Bytes each rank receives, w = wire_bytes(m padded to block), quantized:
+      one level:     (n-1) * w, of them (N-1) * L * w cross-node
+      hierarchical:  (L-1) * N * w inside the node + (N-1) * w cross-node
+    Subgroups for the hierarchical form are created at construction, a collective call:
+    every rank of the world must construct it (as FSDP's wrapping is done on all ranks)."""
+
+    def __init__(self, bits: int = 8, block: int = 256, *, quantize: bool = True,
+                 ranks_per_node: int | None = None, group: dist.ProcessGroup | None = None):
+        self.bits, self.block, self.quantize = bits, block, quantize
+        self.ranks_per_node = ranks_per_node
+        if group is not None and ranks_per_node is not None:
+            _node_levels(group, ranks_per_node)
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False) -> dist.Work | None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            _log_once(f"qgZ: reduction {op} is neither SUM nor AVG: plain reduce-scatter "
+                      "(set_force_sum_reduction_for_comms(True) avoids PREMUL_SUM)")
+            return _reduce_scatter(output_tensor, input_tensor, group=group, op=op,
+                                   async_op=async_op)
+        n, m = group.size(), output_tensor.numel()
+        chunks = input_tensor.view(n, m)
+        levels = _levels.get((tuple(dist.get_process_group_ranks(group)), self.ranks_per_node))
+        if levels is None and self.ranks_per_node is not None and _nodes(
+                dist.get_process_group_ranks(group), self.ranks_per_node) > 1:
+            _log_once("qgZ: the group is not the whole world of whole nodes (or was not "
+                      "given at construction): one-level all-to-all")
+        if levels is None:
+            total = self._sum_exchanged(chunks, group)
+        else:
+            intra, cross = levels
+            per, n_nodes = intra.size(), cross.size()
+            # [node, local, m] -> [local, node, m]: what goes to each local peer
+            by_local = chunks.view(n_nodes, per, m).transpose(0, 1).reshape(per, n_nodes * m)
+            partial = self._sum_exchanged(by_local, intra)     # [n_nodes * m]
+            total = self._sum_exchanged(partial.view(n_nodes, m), cross)
+        if op == dist.ReduceOp.AVG:
+            total /= n
+        output_tensor.copy_(total)
+        return None
+
+    def _sum_exchanged(self, rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """rows [k, c] (row j for the group's rank j) -> fp32 [c]: the sum, in rank order,
+        of the rows the k ranks sent this rank."""
+        k, c = rows.shape
+        if self.quantize:
+            send = _quantize_rows(rows, self.bits, self.block)
+        else:
+            send = rows.contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        if self.quantize:
+            received = _dequantize_rows(received, c, self.bits, self.block,
+                                        torch.empty(k, c, device=rows.device))
+        total = received[0].float().clone()
+        for row in received[1:]:
+            total += row
+        return total
+
+
+def apply_zeropp(module: FSDPModule, settings: ZeroPPSettings, *,
+                 ranks_per_node: int | None = None) -> None:
+    """Install qwZ / qgZ on one `fully_shard`-ed module (one parameter group: no
+    `shard_placement_fn` that splits it). hpZ is not installed here: pass `hpz_kwargs` to
+    `fully_shard`. A collective call when qgZ is hierarchical (it creates subgroups): call
+    it on every rank, in the same module order, like `fully_shard` itself."""
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"apply_zeropp needs a fully_shard-ed module, got "
+                        f"{type(module).__name__}")
+    if settings.qwz:
+        module.set_custom_all_gather(QuantizedAllGather(
+            settings.weight_bits, settings.block, quantize=settings.quantize,
+            ranks_per_node=ranks_per_node))
+    if settings.qgz:
+        group = _shard_group(module) if ranks_per_node is not None else None
+        module.set_custom_reduce_scatter(QuantizedReduceScatter(
+            settings.grad_bits, settings.block, quantize=settings.quantize,
+            ranks_per_node=ranks_per_node, group=group))
+
+
+def _shard_group(module: FSDPModule) -> dist.ProcessGroup | None:
+    """The process group FSDP reduce-scatters over (private FSDP2 state, checked)."""
+    state = module._get_fsdp_state()
+    param_group = getattr(state, "_fsdp_param_group", None)
+    mesh_info = getattr(param_group, "mesh_info", None)
+    return getattr(mesh_info, "shard_process_group", None)
