@@ -232,6 +232,41 @@ def test_gather_partition_size_must_be_positive(capsys, tmp_path):
     assert "--tp-gather-partition-size" in line and "1 or more" in line
 
 
+ZERO3 = ("--actor-zero-stage", "3")
+
+
+@pytest.mark.parametrize("argv, names", [
+    ((*ZERO3, "--zero-quantized-weights", "engine.zeropp.weight_bits=3"),
+     ["engine.zeropp.weight_bits=3", "8 or 4"]),
+    ((*ZERO3, "--zero-quantized-gradients", "engine.zeropp.grad_bits=16"),
+     ["grad_bits=16", "8 or 4"]),
+    ((*ZERO3, "--zero-hpz-partition-size", "-1"),
+     ["engine.zeropp.hpz=-1", "--zero-hpz-partition-size", "1 (off)"]),
+    ((*ZERO3, "--zero-quantized-weights", "engine.zeropp.block=7"),
+     ["engine.zeropp.block=7", "even"]),
+    (("--zero-quantized-weights",), ["engine.zeropp", "--actor-zero-stage 3"]),
+    (("--actor-zero-stage", "2", "--reward-zero-stage", "1", "--zero-hpz-partition-size", "2"),
+     ["engine.zeropp", "--zero-hpz-partition-size", "--reward-zero-stage 3"]),
+    (("engine.procs=4", "engine.procs_per_node=3"),
+     ["engine.procs_per_node=3", "engine.procs=4", "divisor"]),
+    (("engine.procs=4", "engine.procs_per_node=0"), ["engine.procs_per_node=0"]),
+], ids=["weight-bits", "grad-bits", "hpz-negative", "odd-block", "no-zero3-actor",
+        "no-zero3-any", "procs-per-node-divides", "procs-per-node-zero"])
+def test_zeropp_config_errors_name_the_key(capsys, tmp_path, argv, names):
+    """check_zeropp refuses before anything starts (no torchrun launch either)."""
+    line = refused(capsys, tmp_path / "out", *argv)
+    for name in names:
+        assert name in line, (name, line)
+
+
+def test_zeropp_flags_with_zero3_pass_the_check():
+    cfg = config(*ZERO3, "--zero-quantized-weights", "--zero-hpz-partition-size", "2",
+                 "--zero-quantized-gradients", "engine.procs=4", "engine.procs_per_node=2")
+    train.check_zeropp(cfg)
+    assert (cfg.engine.zeropp.qwz, cfg.engine.zeropp.hpz, cfg.engine.zeropp.qgz) == (True, 2, True)
+    train.check_zeropp(config("--reward-zero-stage", "3", "--zero-quantized-gradients"))
+
+
 def test_step_2_needs_reward_model(capsys, tmp_path):
     line = refused(capsys, tmp_path / "out", "--actor-model", "tiny-llama", "--step", "2")
     assert "--reward-model" in line
