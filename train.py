@@ -78,6 +78,9 @@ FLAGS: dict[str, list[tuple[str, str, dict, str]]] = {"": [
      "hpZ: a secondary weight partition of N ranks (normally one node's) for backward"),
     ("--zero-quantized-gradients", "engine.zeropp.qgz", _const(True),
      "qgZ: gradient reduce-scatter as a quantized all-to-all, intra- then inter-node"),
+    ("--zero-quantized-nontrainable-weights", "engine.quantized_base.enabled", _const(True),
+     "frozen base weights of LoRA models stored, sharded and gathered as INT8 "
+     "(engine.quantized_base.bits=4: INT4)"),
 ], "multi-node rendezvous (torchrun's)": [
     ("--nnodes", "launch.nnodes", INT, ""),
     ("--node-rank", "launch.node_rank", INT, ""),
@@ -220,6 +223,17 @@ def check_zeropp(cfg: DictConfig) -> None:
     if z.block < 2 or z.block % 2:
         raise UserError(f"engine.zeropp.block={z.block}: give an even number of values, e.g. "
                         "256")
+    q = cfg.engine.quantized_base
+    lora_dims = {1: [cfg.sft.lora.dim], 2: [cfg.rm.lora.dim],
+                 3: [cfg.ppo.actor_lora.dim, cfg.ppo.critic_lora.dim]}
+    if q.enabled and not any(dim > 0 for step in cfg.steps for dim in lora_dims[step]):
+        raise UserError("engine.quantized_base (--zero-quantized-nontrainable-weights) "
+                        "quantizes the frozen base under LoRA, and no model of this run has "
+                        "LoRA: set sft.lora.dim, rm.lora.dim, ppo.actor_lora.dim or "
+                        "ppo.critic_lora.dim")
+    if q.bits not in (4, 8) or q.block < 2 or q.block % 2:
+        raise UserError(f"engine.quantized_base.bits={q.bits}, block={q.block}: bits must "
+                        "be 8 or 4, the block an even number of values (e.g. 64)")
     if z.hpz < 0:   # whether it divides the ranks is checked once they are known
         raise UserError(f"engine.zeropp.hpz={z.hpz} (--zero-hpz-partition-size): give 1 (off), "
                         "0 (one node's ranks) or the partition's rank count")

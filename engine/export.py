@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.lora import merged
 from engine.parallel import hf_model
+from engine.quantized_base import dequantize_state_dict
 from engine.runtime import Runtime
 
 
@@ -68,8 +69,13 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
         copy = get_peft_model(copy, model.peft_config[model.active_adapter])
     # a replicated model's CPU state shares storage with the live one: copy before merging
     full = {k: v.detach().to("cpu", copy=not rt.distributed) for k, v in full.items()}
+    quantized = any(k.endswith(".weight_scale") for k in full)
+    if quantized:   # LoRA merges into the dequantized base, in fp32
+        full = dequantize_state_dict(full, torch.float32)
     copy.load_state_dict(full, strict=False, assign=True)
     copy = merged(copy)
+    if quantized:   # written in the dtype the model ran in
+        copy = copy.to(rt.dtype)
     copy.tie_weights()
     meta = [name for name, t in copy.state_dict().items() if t.is_meta]
     if meta:

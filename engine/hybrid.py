@@ -41,6 +41,7 @@ from engine.inference_modules import weight_bytes
 from engine.inference_plans import Unsupported, plan
 from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
+from engine.quantized_base import QUANTIZED, effective_weight
 from engine.runtime import Runtime
 
 
@@ -65,11 +66,23 @@ class GenerationTimes:
 
 
 def _base_parameter(model: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor]:
-    """(owning module, attribute, tensor) of HF parameter `name`, looking through peft."""
+    """(owning module, attribute, tensor) of HF parameter `name`, looking through peft; a
+    quantized base weight comes dequantized (engine/quantized_base.py)."""
     path, attr = name.rsplit(".", 1)
     owner = model.get_submodule(path)
     base = owner.get_base_layer() if isinstance(owner, LoraLayer) else owner
-    return owner, attr, getattr(base, attr)
+    return owner, attr, effective_weight(base) if attr == "weight" else getattr(base, attr)
+
+
+def _shape(model: nn.Module, name: str) -> torch.Size:
+    """Full shape of HF parameter `name`, sharded or not, quantized or not."""
+    path, attr = name.rsplit(".", 1)
+    owner = model.get_submodule(path)
+    base = owner.get_base_layer() if isinstance(owner, LoraLayer) else owner
+    if attr == "weight" and isinstance(base, QUANTIZED):
+        return torch.Size(base.weight_scale.shape[:1]) + (
+            base.in_features if isinstance(base, nn.Linear) else base.embedding_dim,)
+    return getattr(base, attr).shape   # a sharded DTensor reports the full shape
 
 
 def merged_weight(model: nn.Module, name: str) -> torch.Tensor:
@@ -205,9 +218,7 @@ class HybridEngine(TrainEngine):
         """Allocate the generation form (weights unset) on this rank's device."""
         dtype, device = self.runtime.dtype, self.runtime.device
         if self._plan is not None:
-            # (a sharded DTensor reports the full shape)
-            model = allocate_decoder(self._plan,
-                                     lambda source: _base_parameter(inner, source)[2].shape,
+            model = allocate_decoder(self._plan, lambda source: _shape(inner, source),
                                      dtype, device, self.hybrid.fused_kernels)
             sources = self._plan.sources
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
@@ -42,3 +43,28 @@ def merged(model: nn.Module) -> nn.Module:
 
 def is_lora_param(name: str) -> bool:
     return "lora_" in name
+
+
+def frozen_base(model: nn.Module) -> bool:
+    """True for a LoRA model whose base does not train: only adapters (and a head) do."""
+    return isinstance(model, PeftModel) and not any(
+        p.requires_grad for name, p in model.named_parameters()
+        if not is_lora_param(name) and name.split(".")[-2:-1] != ["score"])
+
+
+class BaseWithoutAdapters:
+    """The frozen base under a LoRA model, called as a forward-only model (eval mode, no
+    gradients, adapters disabled): step 3's reference policy without a second copy."""
+
+    def __init__(self, model: PeftModel):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        training = self.model.training
+        self.model.eval()
+        try:
+            with self.model.disable_adapter():
+                return self.model(*args, **kwargs)
+        finally:
+            self.model.train(training)

@@ -19,6 +19,7 @@ from huggingface_hub import try_to_load_from_cache
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tokenizer_models
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -33,6 +34,8 @@ from transformers import (
 )
 
 from engine.errors import UserError
+from engine.quantized_base import hub_or_local_dir
+from engine.quantized_base import load_quantized as load_quantized_model
 
 # Small enough to train on two CPU cores in seconds, big enough to learn the demo task.
 _TINY = dict(hidden=128, layers=2, heads=4, ffn=512, positions=1024)
@@ -209,6 +212,33 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     return model
+
+
+def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings, *,
+                   flag: str | None = None,
+                   dtype: torch.dtype, head_dtype: torch.dtype, device: torch.device,
+                   trust_remote_code: bool = False, seed: int = 0):
+    """A causal LM (`kind` "causal_lm") or one-label reward model ("reward_model") with its
+    frozen Linear/Embedding weights quantized while loading (engine/quantized_base.py),
+    never materialized in full precision; returns (model, LoadReport)."""
+    auto_cls, extra = ((AutoModelForCausalLM, {}) if kind == "causal_lm"
+                       else (AutoModelForSequenceClassification, {"num_labels": 1}))
+    flag = flag or ("--actor-model" if kind == "causal_lm" else "--reward-model")
+    source, checkpoint = _source(spec, flag), None
+    if source == "preset":
+        config = preset_config(spec, tok)
+        for key, value in extra.items():
+            setattr(config, key, value)
+    else:
+        checkpoint = _from_hub_or_dir(hub_or_local_dir, spec, source, flag, "model")
+        config = _from_hub_or_dir(AutoConfig.from_pretrained, str(checkpoint), "local", flag,
+                                  "model config", trust_remote_code=trust_remote_code, **extra)
+    model, report = load_quantized_model(auto_cls, config, settings, dtype=dtype,
+                                         head_dtype=head_dtype, device=device,
+                                         checkpoint=checkpoint, seed=seed)
+    if kind == "reward_model" or model.config.pad_token_id is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return model, report
 
 
 def load_causal_lm(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--actor-model",

@@ -10,20 +10,28 @@ role and gets it placed:
 
 ZeRO++ (`engine.zeropp`) applies to the trained ZeRO-3 models; frozen models are gathered
 exactly (their log-probs and scores are the KL anchor and the reward).
+
+A trained model with LoRA over a frozen base keeps that base in the compute dtype; with
+`engine.quantized_base` the base's Linear and Embedding weights are INT8/INT4 instead,
+quantized while loading (engine/quantized_base.py). Step 3's reference is then the actor
+with its adapters disabled (`engine.share_reference`), not a second copy of the base.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from engine.engine import OptimSettings, TrainEngine
 from engine.hybrid import HybridEngine, HybridSettings
-from engine.models import load_causal_lm, load_reward_model
+from engine.lora import BaseWithoutAdapters, LoraSettings, apply_lora, frozen_base
+from engine.models import load_causal_lm, load_quantized, load_reward_model
 from engine.parallel import ShardSettings, frozen
+from engine.quantized_base import QuantizedBaseSettings, describe
 from engine.runtime import Runtime
 from engine.zeropp import ZeroPPSettings
 
@@ -38,6 +46,8 @@ class Placement:
     offload_frozen: Mapping[str, bool] = field(default_factory=dict)  # frozen role -> offload
     hybrid: HybridSettings = HybridSettings()
     zeropp: ZeroPPSettings = ZeroPPSettings()
+    quantized_base: QuantizedBaseSettings = QuantizedBaseSettings()
+    share_reference: bool = True
 
     @classmethod
     def from_config(cls, engine_cfg: Mapping, runtime: Runtime, *, actor_zero_stage: int,
@@ -50,18 +60,51 @@ class Placement:
                    offload_frozen={"reference": engine_cfg["offload_reference_model"],
                                    "reward": engine_cfg["offload_reward_model"]},
                    hybrid=HybridSettings(**engine_cfg["hybrid"]),
-                   zeropp=zeropp_settings(engine_cfg["zeropp"], runtime))
+                   zeropp=zeropp_settings(engine_cfg["zeropp"], runtime),
+                   quantized_base=QuantizedBaseSettings(**engine_cfg["quantized_base"]),
+                   share_reference=engine_cfg["share_reference"])
 
     def load_dtype(self, trained: bool) -> torch.dtype:
         """Trained weights load as the master copy (fp32 when sharded under mixed
         precision), frozen ones in the compute dtype."""
         return self.runtime.master_dtype if trained else self.runtime.dtype
 
-    def causal_lm(self, spec: str, tokenizer, *, trained: bool, **kwargs) -> nn.Module:
-        return load_causal_lm(spec, tokenizer, dtype=self.load_dtype(trained), **kwargs)
+    def causal_lm(self, spec: str, tokenizer, *, trained: bool,
+                  lora: LoraSettings | None = None, **kwargs) -> nn.Module:
+        """A causal LM; a trained one gets its LoRA adapters (`lora`) here."""
+        return self._load("causal_lm", spec, tokenizer, trained, lora, **kwargs)
 
-    def reward_model(self, spec: str, tokenizer, *, trained: bool, **kwargs) -> nn.Module:
-        return load_reward_model(spec, tokenizer, dtype=self.load_dtype(trained), **kwargs)
+    def reward_model(self, spec: str, tokenizer, *, trained: bool,
+                     lora: LoraSettings | None = None, **kwargs) -> nn.Module:
+        """A one-label scorer (reward model, critic); LoRA as for causal_lm."""
+        return self._load("reward_model", spec, tokenizer, trained, lora, **kwargs)
+
+    def _load(self, kind: str, spec: str, tokenizer, trained: bool, lora: LoraSettings | None,
+              **kwargs) -> nn.Module:
+        lora, rt = lora or LoraSettings(), self.runtime
+        if trained and self.quantized_base.enabled and lora.dim > 0:
+            # filled module by module where it will run (sharding moves blocks to the device)
+            model, report = load_quantized(
+                kind, spec, tokenizer, self.quantized_base, dtype=rt.dtype,
+                head_dtype=rt.master_dtype, device=torch.device("cpu") if rt.distributed
+                else rt.device, **kwargs)
+            if rt.is_main:
+                tqdm.write(describe(report, spec, self.quantized_base))
+            lora = replace(lora, only_optimize_lora=True)   # integer weights cannot train
+        else:
+            if trained and self.quantized_base.enabled and rt.is_main:
+                tqdm.write(f"quantized base: {spec} trains without LoRA here, so its weights "
+                           "stay in full precision")
+            load = load_causal_lm if kind == "causal_lm" else load_reward_model
+            model = load(spec, tokenizer, dtype=self.load_dtype(trained), **kwargs)
+        if not trained:
+            return model
+        model = apply_lora(model, lora)
+        if frozen_base(model):   # no master copy for weights that never update
+            for param in model.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(rt.dtype)
+        return model
 
     def _sharding(self, role: str) -> ShardSettings:
         return ShardSettings(zero_stage=self.zero_stages[role], offload=self.offload,
@@ -79,6 +122,15 @@ class Placement:
         engine."""
         return HybridEngine(model, optim, total_steps, self.runtime, self._sharding("actor"),
                             self.hybrid)
+
+    def reference(self, actor: TrainEngine, spec: str, tokenizer, **kwargs):
+        """Step 3's KL anchor, the step-1 model `spec` that `actor` started from: the actor
+        itself with its adapters disabled when it is LoRA over a frozen base (and
+        engine.share_reference), else a separately loaded frozen model."""
+        if self.share_reference and frozen_base(actor.module):
+            return BaseWithoutAdapters(actor.module)
+        return self.frozen(self.causal_lm(spec, tokenizer, trained=False, **kwargs),
+                           role="reference")
 
     def frozen(self, model: nn.Module, *, role: str) -> nn.Module:
         """A forward-only model of `role` ("reference" or "reward")."""

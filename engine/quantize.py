@@ -140,19 +140,25 @@ def quantize_reference(x: torch.Tensor, bits: int, block: int) -> QuantizedBlock
     # multiply by the reciprocal rather than divide by the scale: what the kernel does too
     inverse = torch.where(absmax > 0, qmaxes / torch.where(absmax > 0, absmax, 1.0), 0.0)
     q = (blocks * inverse[:, None]).round_().clamp_(-qmax, qmax)
-    if bits == 8:
-        payload = q.to(torch.int8).view(-1)
-    else:
-        nibbles = (q + 8).to(torch.uint8).view(-1, 2)
-        payload = nibbles[:, 0] | (nibbles[:, 1] << 4)
+    payload = q.to(torch.int8).view(-1) if bits == 8 else pack_int4(q.view(-1))
     return QuantizedBlocks(payload, scales, bits, block, x.numel())
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Integers in [-7, 7], [..., 2k] (any dtype) -> uint8 [..., k]: values 2i and 2i+1 in
+    the low and high nibble of byte i, each stored as q + 8."""
+    nibbles = (q + 8).to(torch.uint8).unflatten(-1, (-1, 2))
+    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+
+
+def unpack_int4(payload: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., k] -> int8 [..., 2k], the inverse of pack_int4."""
+    return (torch.stack((payload & 15, payload >> 4), dim=-1).flatten(-2).to(torch.int8) - 8)
 
 
 def _integers(q: QuantizedBlocks) -> torch.Tensor:
     """The quantized integers [numel] as fp32 (the 4-bit payload unpacked)."""
-    if q.bits == 8:
-        return q.payload.float()
-    return torch.stack((q.payload & 15, q.payload >> 4), dim=1).view(-1).float() - 8
+    return (q.payload if q.bits == 8 else unpack_int4(q.payload)).float()
 
 
 def dequantize_reference(q: QuantizedBlocks, dtype: torch.dtype = torch.float32

@@ -73,6 +73,14 @@ class ZeroPPConfig:
 
 
 @dataclass
+class QuantizedBaseConfig:
+    enabled: bool = val(False, "LoRA models keep their frozen Linear/Embedding weights as "
+                        "integers: sharded, gathered and stored quantized")
+    bits: int = val(8, "8 or 4")
+    block: int = val(64, "values per scale along a row")
+
+
+@dataclass
 class EngineConfig:
     device: str = val("auto", "auto | cpu | cuda")
     dtype: str = val("auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; sharded "
@@ -99,6 +107,10 @@ class EngineConfig:
                                "(engine/hybrid.py)")
     zeropp: ZeroPPConfig = val(ZeroPPConfig, "ZeRO++ on the trained ZeRO-3 models "
                                "(engine/zeropp.py)")
+    quantized_base: QuantizedBaseConfig = val(QuantizedBaseConfig, "frozen base of LoRA "
+                                              "models in INT8/INT4 (engine/quantized_base.py)")
+    share_reference: bool = val(True, "step 3: a LoRA actor over a frozen base is its own "
+                                "reference (adapters disabled); false: a separate copy")
     log_comm: bool = val(False, "debug: log rank 0's collective bytes (comm/*, intra- and "
                          "cross-node) with each metrics row")
 

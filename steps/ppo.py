@@ -29,7 +29,6 @@ from engine.engine import TrainEngine
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.lora import apply_lora
 from engine.models import disable_dropout, load_tokenizer, position_ids, sequence_scores
 from engine.placement import Placement
 from engine.runtime import Runtime
@@ -334,7 +333,8 @@ class Models(NamedTuple):
 
     actor: HybridEngine          # trained; generates through the hybrid engine
     critic: TrainEngine          # trained; per-token values
-    reference: torch.nn.Module   # frozen step-1 actor: the KL anchor
+    reference: object            # frozen step-1 actor (the KL anchor): a model, or the
+                                 # actor's own base with its adapters disabled
     scorer: RewardScorer         # the frozen reward model
     tokenizer: object            # the actor's (and the reference's)
     critic_tokenizer: object
@@ -344,31 +344,31 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                  reward_path: str, updates: int) -> Models:
     ppo, trc = cfg.ppo, cfg.trust_remote_code
     reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path", trust_remote_code=trc)
-    reference = place.frozen(place.causal_lm(actor_path, tokenizer, trained=False,
-                                             trust_remote_code=trc), role="reference")
     reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
                                              flag="ppo.reward_path", trust_remote_code=trc),
                           role="reward")
     scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
+    critic_lora = lora_settings(ppo.critic_lora)
     if scorer.same_tokenizer:
-        critic = place.reward_model(reward_path, tokenizer, trained=True,
+        critic = place.reward_model(reward_path, tokenizer, trained=True, lora=critic_lora,
                                     flag="ppo.reward_path", trust_remote_code=trc)
         critic_tokenizer = reward_tokenizer
     else:  # the critic must read the actor's tokens: start it from the actor instead
         log("step 3: reward model and actor tokenizers differ; the critic starts from the "
             "actor with a new value head, and rewards are scored on re-tokenized text")
-        critic = place.reward_model(actor_path, tokenizer, trained=True, flag="ppo.actor_path",
-                                    trust_remote_code=trc, seed=cfg.seed)
+        critic = place.reward_model(actor_path, tokenizer, trained=True, lora=critic_lora,
+                                    flag="ppo.actor_path", trust_remote_code=trc, seed=cfg.seed)
         critic_tokenizer = tokenizer
-    actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc)
+    actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc,
+                            lora=lora_settings(ppo.actor_lora))
     if ppo.disable_dropout:   # else old and new log-probs differ before any update
         disable_dropout(actor)
         disable_dropout(critic)
-    actor = place.rollout_actor(apply_lora(actor, lora_settings(ppo.actor_lora)),
-                                optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
-    critic = place.trainer(apply_lora(critic, lora_settings(ppo.critic_lora)),
-                           optim_settings(ppo, ppo.critic_lr, ppo.critic_lora), updates,
+    actor = place.rollout_actor(actor, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
+    critic = place.trainer(critic, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora), updates,
                            role="reward")
+    # LoRA over a frozen base: the actor with its adapters off is the reference
+    reference = place.reference(actor, actor_path, tokenizer, trust_remote_code=trc)
     return Models(actor, critic, reference, scorer, tokenizer, critic_tokenizer)
 
 

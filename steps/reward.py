@@ -13,7 +13,7 @@ from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, placement, to_device, train_eval_examples
+from steps.common import batches, lora_settings, placement, to_device, train_eval_examples
 from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
 from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
@@ -55,6 +55,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
+                               lora=lora_settings(rm.lora),
                                trust_remote_code=cfg.trust_remote_code)
     pad = tokenizer.pad_token_id
     task = supervised.Task(

@@ -14,7 +14,7 @@ from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer, position_ids
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, placement, to_device, train_eval_examples
+from steps.common import batches, lora_settings, placement, to_device, train_eval_examples
 from steps.data import PreferencePair
 from steps.rlhf import sft_loss
 from steps.tokenize import IGNORE_INDEX, SFTExample, collate_sft, tokenize_sft
@@ -55,6 +55,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
 
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,
+                            lora=lora_settings(sft.lora),
                             trust_remote_code=cfg.trust_remote_code)
     pad = tokenizer.pad_token_id
     task = supervised.Task(

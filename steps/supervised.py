@@ -14,14 +14,12 @@ from omegaconf import DictConfig
 
 from engine.data_parallel import DataParallel
 from engine.engine import TrainEngine
-from engine.lora import apply_lora
 from engine.placement import Placement
 from engine.tracking import Tracker
 from steps.common import (
     StepCheckpoints,
     epoch_batches,
     log,
-    lora_settings,
     num_batches,
     optim_settings,
     start_step,
@@ -49,13 +47,12 @@ class Task(NamedTuple):
 
 def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
         place: Placement, resume: bool) -> tuple[dict, TrainEngine]:
-    """Train `model` (with the section's LoRA adapters) on the task's examples, evaluate it
+    """Train `model` (loaded with the section's LoRA adapters) on the task's examples, evaluate it
     and export it; returns the summary metrics (also logged) and the engine."""
     out = start_step(cfg, task.step, dp, resume=resume)
     section = task.section
     steps_per_epoch = num_batches(len(task.examples), section.batch_size)
-    engine = place.trainer(apply_lora(model, lora_settings(section.lora)),
-                           optim_settings(section, section.lr, section.lora),
+    engine = place.trainer(model, optim_settings(section, section.lr, section.lora),
                            section.epochs * steps_per_epoch // section.grad_accum,
                            role=task.role)
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})

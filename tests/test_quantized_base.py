@@ -1,0 +1,215 @@
+"""LoRA over a frozen INT8/INT4 base (engine/quantized_base.py), in one process: the
+quantization bound, exact equality with a plain model holding the dequantized weights,
+the reference as the base with adapters off, what trains, loading one module at a time,
+the hybrid engine's answers and the export. Sharded runs: tests/test_quantized_base_dist.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import engine.quantized_base as qb
+from engine.engine import OptimSettings, TrainEngine
+from engine.errors import UserError
+from engine.generation import SamplingSettings
+from engine.hybrid import HybridEngine
+from engine.lora import BaseWithoutAdapters, LoraSettings
+from engine.models import byte_tokenizer, load_causal_lm, load_quantized
+from engine.placement import Placement
+from engine.runtime import Runtime
+from steps.tokenize import collate_prompts
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+LORA = LoraSettings(dim=4, alpha=8, only_optimize_lora=True)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def placement(bits: int = 8) -> Placement:
+    return Placement(CPU, {"actor": 3, "reward": 3},
+                     quantized_base=qb.QuantizedBaseSettings(True, bits, 64))
+
+
+def quantized_lora_model(tok, bits: int, spec: str = "tiny-llama"):
+    return placement(bits).causal_lm(spec, tok, trained=True, lora=LORA, seed=3)
+
+
+def plain_twin(model, tok, spec: str = "tiny-llama"):
+    """A plain transformers model holding `model`'s dequantized base weights."""
+    plain = load_causal_lm(spec, tok)
+    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+            for k, v in model.state_dict().items() if "lora_" not in k}
+    plain.load_state_dict(qb.dequantize_state_dict(base, torch.float32), strict=True)
+    return plain.eval()
+
+
+def perturb_adapters(model) -> None:
+    """LoRA B is zero at init (the adapters change nothing): give it values."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_weight_is_within_the_block_bound(bits, dtype):
+    gen = torch.Generator().manual_seed(1)
+    # rows of very different magnitudes, and one all-zero group
+    w = torch.randn(6, 256, generator=gen) * torch.logspace(-3, 1, 6)[:, None]
+    w[2, 64:128] = 0
+    payload, scales = qb.quantize_weight(w, bits, 64, dtype)
+    assert scales.dtype == dtype and scales.shape == (6, 4)
+    assert payload.shape == ((6, 256) if bits == 8 else (6, 128))
+    back = qb.dequantize_weight(payload, scales, torch.float32)
+    step = scales.float().repeat_interleave(64, dim=1)
+    # half a step; in bf16 also the product's own rounding (2^-9 of it)
+    slack = back.abs() * 2**-8 if dtype == torch.bfloat16 else 0
+    assert ((w - back).abs() <= step / 2 * (1 + 1e-6) + slack).all()
+    assert (back[2, 64:128] == 0).all()
+    # the absmax of each group is representable to within a step
+    assert (back.abs().amax(-1) > 0).all()
+
+
+def test_quantize_weight_by_hand():
+    w = torch.tensor([[1.0, -0.4, 0.25, 0.0]])
+    payload, scales = qb.quantize_weight(w, 8, 4, torch.float32)
+    assert scales.item() == pytest.approx(1 / 127)
+    # w * 127 = [127, -50.8, 31.75, 0]
+    assert payload.tolist() == [[127, -51, 32, 0]]
+    payload4, scales4 = qb.quantize_weight(w, 4, 4, torch.float32)
+    # w * 7 = [7, -2.8, 1.75, 0] -> [7, -3, 2, 0]; nibbles q + 8 = 15, 5, 10, 8, low | high << 4
+    assert payload4.tolist() == [[15 | 5 << 4, 10 | 8 << 4]]
+    assert qb.dequantize_weight(payload4, scales4)[0].tolist() == pytest.approx(
+        [1.0, -3 / 7, 2 / 7, 0.0])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_zero_adapters_give_the_dequantized_models_logits_exactly(tok, bits):
+    model = quantized_lora_model(tok, bits)
+    plain = plain_twin(model, tok)
+    quantized = [m for m in model.modules() if isinstance(m, qb.QUANTIZED)]
+    # 2 layers x 7 projections, the input embedding and the output head
+    assert len(quantized) == 16
+    assert all(m.weight.dtype == (torch.int8 if bits == 8 else torch.uint8) for m in quantized)
+    ids = torch.randint(4, 250, (3, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_adapters_disabled_give_the_reference_log_probs(tok):
+    model = quantized_lora_model(tok, 8)
+    plain = plain_twin(model, tok)
+    perturb_adapters(model)
+    ids = torch.randint(4, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = plain(input_ids=ids).logits
+        actor = model(input_ids=ids).logits
+    assert not torch.allclose(actor, reference, atol=1e-3)
+    model.train()
+    assert torch.equal(BaseWithoutAdapters(model)(input_ids=ids).logits, reference)
+    assert model.training, "the reference call must leave the actor's mode alone"
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, actor), "adapters are back on"
+
+
+def test_only_lora_parameters_train(tok):
+    model = quantized_lora_model(tok, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = TrainEngine(model, OptimSettings(lr=1e-2), total_steps=2, runtime=CPU)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_optimizer = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+    assert in_optimizer and all("lora_" in n for n in in_optimizer)
+    assert len(in_optimizer) == sum("lora_" in n for n in before)
+    ids = torch.randint(4, 250, (2, 16), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    for name, param in model.named_parameters():
+        moved = not torch.equal(param, before[name])
+        # lora_A moves from the first step; lora_B from zero too
+        assert moved == ("lora_" in name), name
+
+
+def test_loading_quantizes_one_module_at_a_time(tok, tmp_path, monkeypatch):
+    """From a safetensors directory: the weights are those of the file, quantized, and at
+    no point do two modules' full-precision weights exist at once."""
+    source = load_causal_lm("tiny-llama", tok, seed=5)
+    source.save_pretrained(tmp_path, safe_serialization=True)
+    live_full_precision = []
+    real = qb.quantize_modules
+
+    def spy(model, settings, dtype, modules=None, tied=None):
+        live_full_precision.append(sum(
+            m.weight.numel() for m in model.modules()
+            if type(m) in (torch.nn.Linear, torch.nn.Embedding) and not m.weight.is_meta))
+        return real(model, settings, dtype, modules, tied)
+
+    monkeypatch.setattr(qb, "quantize_modules", spy)
+    settings = qb.QuantizedBaseSettings(True, 8, 64)
+    model, report = load_quantized("causal_lm", str(tmp_path), tok, settings, flag="--x",
+                                   dtype=torch.float32, head_dtype=torch.float32,
+                                   device=torch.device("cpu"))
+    largest = max(m.weight.numel() for m in source.modules()
+                  if type(m) in (torch.nn.Linear, torch.nn.Embedding))
+    assert max(live_full_precision) == largest
+    assert report.quantize.quantized == 16 and not report.new_weights
+    assert report.host_peak > 0 and "loading peak: host" in qb.describe(report, "x", settings)
+    q_proj = model.model.layers[1].self_attn.q_proj
+    expected = qb.quantize_weight(source.model.layers[1].self_attn.q_proj.weight, 8, 64,
+                                  torch.float32)
+    assert torch.equal(q_proj.weight, expected[0]) and torch.equal(q_proj.weight_scale,
+                                                                   expected[1])
+    norm = model.model.layers[1].input_layernorm.weight
+    assert torch.equal(norm, source.model.layers[1].input_layernorm.weight)
+
+
+def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tok, tmp_path):
+    load_causal_lm("tiny-llama", tok).save_pretrained(tmp_path, safe_serialization=False)
+    (tmp_path / "model.safetensors").unlink(missing_ok=True)
+    with pytest.raises(UserError, match="loads safetensors checkpoints only"):
+        load_quantized("causal_lm", str(tmp_path), tok, qb.QuantizedBaseSettings(True),
+                       flag="--actor-model", dtype=torch.float32, head_dtype=torch.float32,
+                       device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-opt"])
+def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, tmp_path):
+    """The hybrid engine folds LoRA into the dequantized base; HF generate runs on the
+    export (LoRA merged into the dequantized weights): greedy answers token for token."""
+    model = quantized_lora_model(tok, 8, spec)
+    perturb_adapters(model)
+    actor = HybridEngine(model, OptimSettings(lr=1e-3), 1, CPU)
+    assert actor.injected
+    merged = AutoModelForCausalLM.from_pretrained(actor.export(tok, tmp_path / "a")).eval()
+    prompts = [tok(text)["input_ids"] for text in ("Hello there", "What is 2+2?", "Hi")]
+    batch = collate_prompts(prompts, tok.pad_token_id)
+    greedy = SamplingSettings(max_new_tokens=24, do_sample=False)
+    ours = actor.generate(batch["input_ids"], batch["attention_mask"], greedy,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    theirs = merged.generate(**batch, max_new_tokens=24, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    width = min(ours.shape[1], theirs.shape[1])
+    assert torch.equal(ours[:, :width], theirs[:, :width])
+
+
+def test_export_merges_lora_into_the_dequantized_base(tok, tmp_path):
+    model = quantized_lora_model(tok, 4)
+    perturb_adapters(model)
+    engine = TrainEngine(model, OptimSettings(lr=1e-3), 1, CPU)
+    engine.export(tok, tmp_path / "actor")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").eval()
+    assert not any("lora_" in k or k.endswith("_scale") for k in loaded.state_dict())
+    assert loaded.dtype == torch.float32
+    ids = torch.randint(4, 250, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    # the live model still has its integer base and its adapters
+    assert any(isinstance(m, qb.QuantizedLinear) for m in model.modules())
+    assert any("lora_" in n for n, _ in model.named_parameters())
