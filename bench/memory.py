@@ -19,7 +19,16 @@ batch split over the ranks; the second step is measured:
 Per-rank numbers are the maximum over the ranks. Stage 3 with CPU offload applies to CUDA
 only (on CPU there is nowhere to offload to).
 
+With --lora: a LoRA actor (rank 16, only LoRA trains, ZeRO-3, bf16 compute) over a frozen
+base kept in bf16, INT8 or INT4 (engine.quantized_base), loaded through the engine from a
+safetensors copy of the model: per rank, the frozen base's bytes, the bytes all-gathered in
+one training step (forward + backward, engine.comm_meter), the step's peak; then step 3's
+reference policy as a separate frozen bf16 copy (ZeRO-3 sharded) vs the actor's own base with
+its adapters off: the reference's bytes per rank and the peak of a reference forward plus a
+training step.
+
 Run:  python bench/memory.py        (options: --help; about 3 minutes on 2 CPU cores)
+      python bench/memory.py --lora (about 5 minutes)
 """
 
 from __future__ import annotations
@@ -66,7 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="global sequences, split over ranks")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", action="store_true", help="LoRA over bf16/INT8/INT4 frozen bases")
+    p.add_argument("--bases", default="bf16,int8,int4", help="with --lora")
     # child-only
+    p.add_argument("--base", default="bf16", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -97,7 +110,6 @@ def local_nbytes(tensors) -> int:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaForCausalLM
 
@@ -159,10 +171,17 @@ def worker(args: argparse.Namespace) -> None:
                                       for v in state.values() if torch.is_tensor(v))
     row["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
+    finish(rt, row, args.out)
+
+
+def finish(rt, row: dict, out: str) -> None:
+    """Write the max over ranks of every figure (and the ranks' rows) to `out`; exit."""
+    import torch.distributed as dist
+
     rows = [None] * rt.world_size
     dist.all_gather_object(rows, row)
     if rt.is_main:
-        Path(args.out).write_text(json.dumps(
+        Path(out).write_text(json.dumps(
             {key: max(r[key] for r in rows) for key in row} | {"ranks": rows}))
     dist.destroy_process_group()
     # Skip interpreter teardown: with gloo, a ProcessGroupGloo worker thread can still touch
@@ -173,19 +192,86 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def lora_worker(args: argparse.Namespace) -> None:
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from engine.comm_meter import CommMeter
+    from engine.engine import OptimSettings
+    from engine.lora import LoraSettings
+    from engine.models import byte_tokenizer
+    from engine.parallel import hf_model
+    from engine.placement import Placement
+    from engine.quantized_base import QuantizedBaseSettings
+    from engine.runtime import setup_runtime
+
+    rt = setup_runtime(args.device, "bfloat16", seed=args.seed, timeout_s=300)
+    bits = {"bf16": 0, "int8": 8, "int4": 4}[args.base]
+    place = Placement(rt, {"actor": 3, "reward": 3},
+                      quantized_base=QuantizedBaseSettings(bits > 0, bits or 8, 64))
+    tok = byte_tokenizer()   # only its pad id is read: the ids below are random
+    model = place.causal_lm(args.model_dir, tok, trained=True,
+                            lora=LoraSettings(dim=16, only_optimize_lora=True))
+    actor = place.trainer(model, OptimSettings(lr=1e-4), 10, role="actor")
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(args.seed))
+    per_rank = args.batch // rt.world_size
+    ids = ids[rt.rank * per_rank:(rt.rank + 1) * per_rank].to(rt.device)
+    cuda = rt.device.type == "cuda"
+
+    def train_step() -> None:
+        out = actor(input_ids=ids, labels=ids)
+        actor.backward(out.loss * (per_rank / args.batch))
+        actor.step()
+
+    def measured(reference=None) -> tuple[int, int]:
+        """(peak bytes, all-gathered bytes) of a reference forward (if any) + a step."""
+        gc.collect()
+        tracker = FSDPMemTracker(hf_model(actor.module), actor.optimizer)  # the FSDP root
+        if cuda:
+            torch.cuda.synchronize(rt.device)
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        with tracker, CommMeter() as meter:
+            if reference is not None:
+                with torch.no_grad():
+                    reference(input_ids=ids)
+            train_step()
+        peak = torch.cuda.max_memory_allocated(rt.device) if cuda else \
+            tracker.get_tracker_snapshot("peak").get(rt.device, {}).get("Total", 0)
+        return peak, sum(r.bytes for r in meter.records if r.kind == "all_gather")
+
+    train_step()   # lazy init and optimizer state, not measured
+    row = {"frozen": local_nbytes(p for p in actor.parameters() if not p.requires_grad),
+           "lora": local_nbytes(p for p in actor.parameters() if p.requires_grad),
+           "optim": local_nbytes(v for state in actor.optimizer.state.values()
+                                 for v in state.values() if torch.is_tensor(v))}
+    row["peak"], row["gathered"] = measured()
+    shared = place.reference(actor, args.model_dir, tok)
+    row["peak_shared_ref"], _ = measured(shared)
+    separate = place.frozen(place.causal_lm(args.model_dir, tok, trained=False),
+                            role="reference")
+    row["separate_ref"] = local_nbytes(separate.parameters())
+    row["peak_separate_ref"], _ = measured(separate)
+    if not cuda:   # the tracker counts what the actor's step allocates and holds, not the
+        row["peak_separate_ref"] += row["separate_ref"]   # reference's resident shards
+    finish(rt, row, args.out)
+
+
 # ---------------------------------------------------------------------- parent ---
 
 def child_command(args: argparse.Namespace, world: int, stage: int, offload: bool,
-                  out: str) -> list[str]:
+                  out: str, base: str | None = None) -> list[str]:
+    lora = ["--lora", f"--base={base}", f"--model-dir={args.model_dir}"] if base else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={world}", str(Path(__file__).resolve()), "--worker",
+            f"--nproc-per-node={world}", str(Path(__file__).resolve()), "--worker", *lora,
             f"--stage={stage}", "--offload" if offload else "--no-offload",
             f"--device={args.device}", f"--hidden={args.hidden}", f"--layers={args.layers}",
             f"--vocab={args.vocab}", f"--batch={args.batch}", f"--seq={args.seq}",
             f"--seed={args.seed}", f"--out={out}"]
 
 
-def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool) -> dict | str:
+def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool,
+              base: str | None = None) -> dict | str:
     """One torchrun job; its rank-0 row, or why there is none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
@@ -195,7 +281,7 @@ def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool) -
                    # share the cores between the ranks; setting it also silences torchrun
                    OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
         # own session, so a timeout can kill torchrun and all its ranks together
-        proc = subprocess.Popen(child_command(args, world, stage, offload, out), cwd=REPO,
+        proc = subprocess.Popen(child_command(args, world, stage, offload, out, base), cwd=REPO,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
@@ -208,7 +294,7 @@ def run_child(args: argparse.Namespace, world: int, stage: int, offload: bool) -
         if proc.returncode == 0 and os.path.exists(out):
             return json.loads(Path(out).read_text())
     # keep the whole log: torchrun's summary at its end rarely shows the cause
-    name = f"bench-memory-w{world}-s{stage}{'-offload' * offload}.log"
+    name = f"bench-memory-w{world}-s{stage}{'-offload' * offload}{'-' + base if base else ''}.log"
     saved = Path(tempfile.gettempdir()) / name
     saved.write_text(log)
     return f"FAILED: {why}, log in {saved}"
@@ -221,7 +307,7 @@ def mib(n: int) -> str:
 def main() -> None:
     args = parse_args()
     if args.worker:
-        return worker(args)
+        return lora_worker(args) if args.lora else worker(args)
 
     import torch
     import transformers
@@ -245,6 +331,8 @@ def main() -> None:
     print(f"device: {args.device}; torch {torch.__version__}; transformers "
           f"{transformers.__version__}")
     print(f"command: {shlex.join(['python', *sys.argv])}")
+    if args.lora:
+        return lora_table(args, worlds)
     child = child_command(args, worlds[0], stages[0], False, "ROW.json")
     print(f"child, e.g.: PYTHONPATH=. OMP_NUM_THREADS=<cores / world> python "
           f"{shlex.join(child[1:]).replace(str(REPO) + '/', '')}")
@@ -299,6 +387,57 @@ not plain PyTorch (so gathered parameters are a second copy of the weights).
                       scatter buffers), act+tmp = activations, backward temporaries, buffers
   RSS (ref)           peak resident memory of the whole rank process: includes the full
                       model each rank builds before sharding, Python and libraries
+total time {time.monotonic() - started:.0f} s""")
+
+
+def lora_table(args: argparse.Namespace, worlds: list[int]) -> None:
+    import torch
+    import transformers
+
+    bases = args.bases.split(",")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as model_dir:
+        torch.manual_seed(args.seed)   # one model, saved once: every job loads these weights
+        transformers.LlamaForCausalLM(model_config(args)).save_pretrained(model_dir)
+        args.model_dir = model_dir
+        print(f"LoRA rank 16 over a frozen base (only LoRA trains), ZeRO-3, bf16 compute; "
+              f"loaded from {args.hidden}x{args.layers} safetensors\n", flush=True)
+        results = {}
+        for world in worlds:
+            for base in bases:
+                t0 = time.monotonic()
+                results[world, base] = run_child(args, world, 3, False, base)
+                print(f"  world {world} {base}: {time.monotonic() - t0:.0f} s", file=sys.stderr,
+                      flush=True)
+    cols = ("world", "base", "frozen", "vs bf16", "gathered", "vs bf16", "lora+optim",
+            "peak/rank", "ref: separate", "shared", "peak: separate", "shared")
+    widths = (5, 5, 8, 7, 9, 7, 10, 9, 13, 6, 14, 8)
+    line = "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    for (world, base), r in results.items():
+        if isinstance(r, str):
+            print(f"{world:>5}  {base:>5}  {r}")
+            continue
+        full = results.get((world, "bf16"))
+        ratios = [f"{r[key] / full[key]:.2f}x" if isinstance(full, dict) and full[key] else "-"
+                  for key in ("frozen", "gathered")]
+        cells = (world, base, mib(r["frozen"]), ratios[0], mib(r["gathered"]), ratios[1], mib(r["lora"] + r["optim"]), mib(r["peak"]),
+                 mib(r["separate_ref"]), "0.0", mib(r["peak_separate_ref"]),
+                 mib(r["peak_shared_ref"]))
+        print("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    print(f"""
+MiB per rank, max over ranks (goals: INT8 <= 0.55x the gathered bytes and <= 0.6x the frozen
+memory of bf16; INT4 <= 0.3x).
+  frozen        this rank's shard of the frozen base: integer weights + their bf16 scales
+                (a group of 64 values each), norms in bf16
+  gathered      bytes this rank received in all-gathers during one training step (forward
+                and backward), counted by engine.comm_meter (0 at world 1)
+  lora+optim    LoRA adapters (fp32 master) and their AdamW state
+  peak/rank     peak of the training step (FSDPMemTracker on CPU, CUDA allocator on GPU)
+  ref           step 3's reference policy: a separate frozen bf16 copy (ZeRO-3 sharded)
+                vs the actor's base with its adapters disabled (no bytes of its own)
+  peak: ...     peak of one reference forward followed by one training step
 total time {time.monotonic() - started:.0f} s""")
 
 

@@ -250,8 +250,13 @@ ZERO3 = ("--actor-zero-stage", "3")
     (("engine.procs=4", "engine.procs_per_node=3"),
      ["engine.procs_per_node=3", "engine.procs=4", "divisor"]),
     (("engine.procs=4", "engine.procs_per_node=0"), ["engine.procs_per_node=0"]),
+    (("--zero-quantized-nontrainable-weights",),
+     ["engine.quantized_base", "no model of this run has LoRA", "ppo.actor_lora.dim"]),
+    (("--zero-quantized-nontrainable-weights", "sft.lora.dim=8",
+      "engine.quantized_base.bits=2"), ["engine.quantized_base.bits=2", "8 or 4"]),
 ], ids=["weight-bits", "grad-bits", "hpz-negative", "odd-block", "no-zero3-actor",
-        "no-zero3-any", "procs-per-node-divides", "procs-per-node-zero"])
+        "no-zero3-any", "procs-per-node-divides", "procs-per-node-zero", "quantized-no-lora",
+        "quantized-bits"])
 def test_zeropp_config_errors_name_the_key(capsys, tmp_path, argv, names):
     """check_zeropp refuses before anything starts (no torchrun launch either)."""
     line = refused(capsys, tmp_path / "out", *argv)

@@ -420,6 +420,29 @@ def test_ppo_with_lora_ema_and_ptx(llama_run, tmp_path):
     assert 0 < relative_change(ema, start) < relative_change(actor, start)
 
 
+def test_ppo_lora_over_an_int8_base_with_its_own_reference(llama_run, tmp_path):
+    """--zero-quantized-nontrainable-weights: actor and critic LoRA over int8 bases, the
+    reference is the actor with adapters off (so the first rollout's KL is exactly 0), and
+    the exports are plain merged models."""
+    src, _ = llama_run
+    out = tmp_path / "ppo-int8"
+    run = run_train("--step", "3", "--output-dir", out, "--zero-quantized-nontrainable-weights",
+                    settings=SMALL, **{
+                        "ppo.actor_path": src / "actor", "ppo.reward_path": src / "reward",
+                        "ppo.actor_lora.dim": 4, "ppo.critic_lora.dim": 4,
+                        "ppo.ema.enabled": "true"}).check()
+    assert run.stdout.count("modules as int8") == 2, run.stdout   # actor and critic
+    rows = [row for row in metrics(out / "step3" / "metrics.jsonl") if "reward/kl" in row]
+    assert rows[0]["reward/kl"] == 0.0
+    for name in ("actor", "critic", "actor_ema"):
+        assert_model_dir(out / "step3" / name)
+        assert not any(k.endswith("_scale") for k in weights(out / "step3" / name))
+    start, actor = weights(src / "actor"), weights(out / "step3" / "actor")
+    assert actor.keys() == start.keys()
+    # the export is the dequantized base plus the trained LoRA: near the start, not on it
+    assert 0 < relative_change(actor, start) < 0.2
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Real data and a real tokenizer
 
