@@ -420,6 +420,21 @@ def test_ppo_with_lora_ema_and_ptx(llama_run, tmp_path):
     assert 0 < relative_change(ema, start) < relative_change(actor, start)
 
 
+def test_steps_1_and_2_with_lora_over_an_int4_base(tmp_path):
+    out = tmp_path / "int4"
+    run = run_train("--step", "1", "2", "--output-dir", out, "--actor-model", "tiny-llama",
+                    "--reward-model", "tiny-opt", "--zero-quantized-nontrainable-weights",
+                    settings=SMALL, **{"engine.quantized_base.bits": 4, "sft.lora.dim": 4,
+                                       "rm.lora.dim": 4, "sft.log_every": 1}).check()
+    assert run.stdout.count("modules as int4") == 2, run.stdout
+    # the reward model's score head trains (it starts random) and stays out of the integers
+    assert "1 trained head" in run.stdout
+    for name in ("actor", "reward"):
+        assert_model_dir(out / name)
+    losses = [r["train/loss"] for r in metrics(out / "step1" / "metrics.jsonl") if "train/lr" in r]
+    assert losses[-1] < losses[0]
+
+
 def test_ppo_lora_over_an_int8_base_with_its_own_reference(llama_run, tmp_path):
     """--zero-quantized-nontrainable-weights: actor and critic LoRA over int8 bases, the
     reference is the actor with adapters off (so the first rollout's KL is exactly 0), and
