@@ -4,9 +4,10 @@ the same base in full precision, through train.py (subprocesses), on CPU:
   demo   the demo's step 3 (PPO) with a LoRA actor (rank 16, only LoRA trains) from one
          demo step-1/2 run, per seed: ground truth before -> after, for a full-precision,
          an INT8 and an INT4 base. Goal: INT8's gain within the seeds' spread of full's.
-  sft    step 1 (SFT) with LoRA on 40% of the hh-rlhf file (harmless-base test split) over
-         one saved tiny-opt base (random weights, OPT tokenizer): the final training loss
-         (mean of the last 10% of steps) per base. Goal: INT8 <= 1.05x full precision.
+  sft    step 1 (SFT) with LoRA on half the hh-rlhf file (harmless-base test split) over
+         one saved tiny-llama base (random weights, the byte tokenizer: a CPU-sized vocabulary):
+         the final training loss (mean of the last 10% of steps) per base. Goal: INT8 <= 1.05x
+         full precision.
 
 Run:  python bench/quantized_base.py [--part demo|sft|all] [--seeds 1,2]   (~15 min, 2 cores)
 """
@@ -25,7 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
-TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "opt"
 BASES = {"full": [], "int8": ["--zero-quantized-nontrainable-weights"],
          "int4": ["--zero-quantized-nontrainable-weights", "engine.quantized_base.bits=4"]}
 QUIET = ["logging.progress=false", "engine.checkpoint_every=0", "overwrite=true",
@@ -79,17 +79,16 @@ def demo(root: Path, seeds: list[int]) -> None:
 
 
 def sft(root: Path) -> None:
-    from engine.models import load_causal_lm, load_tokenizer
+    from engine.models import byte_tokenizer, load_causal_lm
 
-    base = root / "tiny-opt-base"
-    tok = load_tokenizer("tiny-opt", tokenizer=str(TOKENIZER))
-    load_causal_lm("tiny-opt", tok, seed=0).save_pretrained(base)
-    tok.save_pretrained(base)
+    base = root / "tiny-llama-base"
+    load_causal_lm("tiny-llama", byte_tokenizer(), seed=0).save_pretrained(base)
+    byte_tokenizer().save_pretrained(base)
     finals = {}
     for name, flags in BASES.items():
         out = root / f"sft-{name}"
         wall = train(out, "--step", "1", "--actor-model", str(base), f"data.path={DATA}",
-                     "data.split=[0.4,0,0]", "data.max_prompt_len=128", "data.max_answer_len=128",
+                     "data.split=[0.5,0,0]", "data.max_prompt_len=384", "data.max_answer_len=96",
                      "sft.epochs=1", "sft.batch_size=16", "sft.log_every=1",
                      "sft.lora.dim=16", "sft.lora.only_optimize_lora=true",
                      "sft.lora.learning_rate=5e-3", "sft.warmup_steps=10", *flags)
@@ -97,7 +96,7 @@ def sft(root: Path) -> None:
                   if "train/lr" in r]
         tail = losses[-max(1, len(losses) // 10):]
         finals[name] = (losses[0], statistics.fmean(tail), len(losses), wall)
-    print(f"\nstep 1 SFT, LoRA rank 16 over a saved tiny-opt base, {DATA.name}\n")
+    print(f"\nstep 1 SFT, LoRA rank 16 over a saved tiny-llama base, {DATA.name}\n")
     print(f"{'base':<6}{'first loss':>11}{'final loss':>11}{'vs full':>9}{'steps':>7}{'wall s':>8}")
     for name, (first, final, steps, wall) in finals.items():
         print(f"{name:<6}{first:>11.4f}{final:>11.4f}{final / finals['full'][1]:>8.3f}x"
