@@ -41,7 +41,7 @@ from engine.inference_modules import weight_bytes
 from engine.inference_plans import Unsupported, plan
 from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
-from engine.quantized_base import QUANTIZED, effective_weight
+from engine.quantized_base import effective_shape, effective_weight
 from engine.runtime import Runtime
 
 
@@ -65,24 +65,24 @@ class GenerationTimes:
     calls: int = 0
 
 
+def _base_module(model: nn.Module, name: str) -> tuple[nn.Module, nn.Module, str]:
+    """(owning module, its base layer under peft, attribute) of HF parameter `name`."""
+    path, attr = name.rsplit(".", 1)
+    owner = model.get_submodule(path)
+    return owner, owner.get_base_layer() if isinstance(owner, LoraLayer) else owner, attr
+
+
 def _base_parameter(model: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor]:
     """(owning module, attribute, tensor) of HF parameter `name`, looking through peft; a
     quantized base weight comes dequantized (engine/quantized_base.py)."""
-    path, attr = name.rsplit(".", 1)
-    owner = model.get_submodule(path)
-    base = owner.get_base_layer() if isinstance(owner, LoraLayer) else owner
+    owner, base, attr = _base_module(model, name)
     return owner, attr, effective_weight(base) if attr == "weight" else getattr(base, attr)
 
 
 def _shape(model: nn.Module, name: str) -> torch.Size:
     """Full shape of HF parameter `name`, sharded or not, quantized or not."""
-    path, attr = name.rsplit(".", 1)
-    owner = model.get_submodule(path)
-    base = owner.get_base_layer() if isinstance(owner, LoraLayer) else owner
-    if attr == "weight" and isinstance(base, QUANTIZED):
-        return torch.Size(base.weight_scale.shape[:1]) + (
-            base.in_features if isinstance(base, nn.Linear) else base.embedding_dim,)
-    return getattr(base, attr).shape   # a sharded DTensor reports the full shape
+    _, base, attr = _base_module(model, name)
+    return effective_shape(base) if attr == "weight" else getattr(base, attr).shape
 
 
 def merged_weight(model: nn.Module, name: str) -> torch.Tensor:

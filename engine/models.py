@@ -34,7 +34,6 @@ from transformers import (
 )
 
 from engine.errors import UserError
-from engine.quantized_base import hub_or_local_dir
 from engine.quantized_base import load_quantized as load_quantized_model
 
 # Small enough to train on two CPU cores in seconds, big enough to learn the demo task.
@@ -214,6 +213,14 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
     return model
 
 
+def _snapshot(spec: str, local_files_only: bool = False) -> Path:
+    """A hub model's local snapshot (configs and safetensors only)."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors"],
+                                  local_files_only=local_files_only))
+
+
 def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings, *,
                    flag: str | None = None,
                    dtype: torch.dtype, head_dtype: torch.dtype, device: torch.device,
@@ -230,7 +237,8 @@ def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings,
         for key, value in extra.items():
             setattr(config, key, value)
     else:
-        checkpoint = _from_hub_or_dir(hub_or_local_dir, spec, source, flag, "model")
+        checkpoint = Path(spec) if source == "local" else \
+            _from_hub_or_dir(_snapshot, spec, source, flag, "model")
         config = _from_hub_or_dir(AutoConfig.from_pretrained, str(checkpoint), "local", flag,
                                   "model config", trust_remote_code=trust_remote_code, **extra)
     model, report = load_quantized_model(auto_cls, config, settings, dtype=dtype,

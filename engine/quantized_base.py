@@ -21,7 +21,6 @@ at most one module's full-precision weights exist at once, on the host or on the
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from collections import Counter
@@ -151,6 +150,14 @@ def effective_weight(module: nn.Module, dtype: torch.dtype | None = None) -> tor
     return module.dequantized(dtype) if isinstance(module, QUANTIZED) else module.weight
 
 
+def effective_shape(module: nn.Module) -> torch.Size:
+    """The full shape of that weight, sharded or not (a DTensor reports its full shape)."""
+    if isinstance(module, QUANTIZED):   # rows x values per row, from the scales' rows
+        return torch.Size((module.weight_scale.shape[0], module.weight_scale.shape[1]
+                           * module.block))
+    return module.weight.shape
+
+
 def dequantize_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype
                           ) -> dict[str, torch.Tensor]:
     """A state dict with every quantized `X.weight` (+ `X.weight_scale`) replaced by the
@@ -171,9 +178,8 @@ def _tied(model: PreTrainedModel) -> set[nn.Module]:
 
 def _why_not(module: nn.Module, name: str, block: int, bits: int, tied: set[nn.Module]
              ) -> str | None:
-    """Why the frozen `module` stays in full precision, or None if it can be quantized."""
-    if type(module) not in _KINDS:
-        return None if isinstance(module, QUANTIZED) else "not a plain Linear/Embedding"
+    """Why the frozen Linear/Embedding `module` stays in full precision, or None if it can
+    be quantized."""
     if name.rsplit(".", 1)[-1] == "score":
         return "trained head"
     if module in tied:
@@ -255,14 +261,13 @@ class LoadReport(NamedTuple):
     seconds: float
 
 
-def _reset_host_peak() -> bool:
-    """Reset the kernel's resident-set high-water mark (Linux >= 4.0); False if unable."""
+def _reset_host_peak() -> None:
+    """Reset the kernel's resident-set high-water mark (Linux >= 4.0), where allowed."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return True
     except OSError:
-        return False
+        pass
 
 
 def _host_peak() -> int:
@@ -342,12 +347,3 @@ def describe(report: LoadReport, what: str, settings: QuantizedBaseSettings) -> 
             f" (+{len(report.new_weights) - 4})" * (len(report.new_weights) > 4))
     return line + f" ({report.seconds:.1f} s)"
 
-
-def hub_or_local_dir(spec: str, local_files_only: bool = False) -> Path:
-    """A hub model's local snapshot (config, safetensors); a directory as it is."""
-    if os.path.isdir(spec):
-        return Path(spec)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors"],
-                                  local_files_only=local_files_only))
