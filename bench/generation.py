@@ -10,17 +10,23 @@ CPU (default; starts 2 gloo ranks through torchrun itself):
      All three must produce the same tokens; the bench checks that they do.
   2. Step-3 (PPO) iteration time on 2 ranks with the same Llama as actor and critic, with
      the hybrid engine and without it (train.py --step 3, same config otherwise).
+  3. Shared prompt prefill (group sampling, as GRPO/RLOO sample several answers per
+     prompt), one process: one rollout batch of --group-prompts prompts x --group-size
+     samples (prompts of 224-256 tokens, left-padded; 32 new tokens, row-seeded sampling,
+     no stop token) through the hybrid engine, each prompt's prefill computed once per
+     group vs once per sample, for the same Llama and OPT; both must give the same tokens.
 
 GPU (`--gpu`, one CUDA device): an OPT-1.3B-sized model with random weights in bf16,
 256-token prompts and 256 new tokens at batch 1, 8 and 32: Hugging Face `generate` on the
 plain model vs the hybrid engine (fused modules, CUDA-graph decode step); tokens/s,
 ms per decode step, and the fraction of the memory-bandwidth bound (weight bytes per step
-over --bandwidth, 4.8 TB/s for an H200).
+over --bandwidth, 4.8 TB/s for an H200); then section 3 above with that model in bf16.
 
 Times are medians of --repeats runs after a warm-up; with several ranks each run's time is
 the slowest rank's.
 
-Run:  python bench/generation.py            (about 3 minutes on 2 CPU cores)
+Run:  python bench/generation.py            (about 4 minutes on 2 CPU cores)
+      python bench/generation.py --shared-prefill-only    (section 3 alone)
       python bench/generation.py --gpu
 """
 
@@ -62,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-batches", default="1,8,32")
     p.add_argument("--gpu-model", choices=("opt", "llama"), default="opt",
                    help="--gpu: OPT-1.3B-sized, or a Llama of the same size (GQA, SiLU MLP)")
+    p.add_argument("--group-size", type=int, default=8,
+                   help="shared prompt prefill: samples per prompt")
+    p.add_argument("--group-prompts", type=int, default=8,
+                   help="shared prompt prefill: prompts per rollout batch")
+    p.add_argument("--shared-prefill-only", action="store_true",
+                   help="run only the shared prompt prefill section")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -221,7 +233,98 @@ def _step3(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+# -- Shared prompt prefill (group sampling), one process ----------------------------------------
+
+SHARED_PROMPT_LEN, SHARED_NEW_TOKENS = 256, 32
+
+
+def _shared_prefill(engine, vocab: int, pad_token_id: int, args: argparse.Namespace,
+                    device, sync) -> dict:
+    """Median time of one rollout batch (--group-prompts prompts, each repeated for its
+    --group-size samples, distinct row seeds) through `engine.generate` with each prompt's
+    prefill computed once per sample and once per group; whether the tokens are the same
+    (and, if not, the share of answer tokens before each row's first difference)."""
+    import torch
+
+    from engine.generation import SamplingSettings
+    from steps.tokenize import collate_prompts
+
+    g = args.group_size
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(SHARED_PROMPT_LEN - 32, SHARED_PROMPT_LEN + 1,
+                            (args.group_prompts,), generator=gen)
+    prompts = [torch.randint(4, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+    batch = collate_prompts([p for p in prompts for _ in range(g)], pad_token_id)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    sampling = SamplingSettings(max_new_tokens=SHARED_NEW_TOKENS)   # step 3's sampling
+    # no stop token: every row runs to SHARED_NEW_TOKENS in both ways
+    kwargs = dict(eos_token_id=[], pad_token_id=pad_token_id,
+                  row_seeds=torch.arange(ids.shape[0], device=device) + 7)
+    runs = {name: partial(engine.generate, ids, mask, sampling, group_size=size, **kwargs)
+            for name, size in (("per_sample", 1), ("per_group", g))}
+    # the two ways alternate, so that a machine busy with something else slows both alike
+    times = {name: [] for name in runs}
+    outputs = {name: run() for name, run in runs.items()}   # warm-ups
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            sync()
+            start = time.perf_counter()
+            outputs[name] = run()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    row = {name: statistics.median(t) for name, t in times.items()}
+    a, b = (outputs[n][:, ids.shape[1]:] for n in ("per_sample", "per_group"))
+    row["identical"] = torch.equal(a, b)
+    row["same_share"] = float((a == b).long().cumprod(-1).sum()) / a.numel()
+    row["batch"] = ids.shape[0]
+    return row
+
+
+def _print_shared_prefill(rows: dict[str, dict], args: argparse.Namespace, where: str) -> None:
+    print(f"\nShared prompt prefill (group sampling), {where}: {args.group_prompts} prompts x "
+          f"{args.group_size} samples, prompts of {SHARED_PROMPT_LEN - 32}-{SHARED_PROMPT_LEN} "
+          f"tokens (left-padded), {SHARED_NEW_TOKENS} new tokens, row-seeded sampling, "
+          f"median of {args.repeats}")
+    print(f"{'model':8} {'batch':>5} {'prefill per sample':>19} {'prefill per group':>18} "
+          f"{'speed-up':>8} {'identical':>9}")
+    for name, r in rows.items():
+        same = "yes" if r["identical"] else f"NO ({r['same_share']:.0%})"
+        print(f"{name:8} {r['batch']:5d} {r['per_sample'] * 1e3:16.0f} ms "
+              f"{r['per_group'] * 1e3:15.0f} ms {r['per_sample'] / r['per_group']:7.2f}x "
+              f"{same:>9}")
+    print("time of one rollout batch through the hybrid engine's generate (its weight gather "
+          "included, the same in both); identical: the same answer tokens (else the share "
+          "before each row's first difference)")
+
+
+def cpu_shared_prefill(args: argparse.Namespace) -> None:
+    """Section 3: the Llama and OPT of section 1, one process, fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.engine import OptimSettings
+    from engine.hybrid import HybridEngine, HybridSettings
+    from engine.models import byte_tokenizer
+    from engine.runtime import Runtime
+
+    tok = byte_tokenizer()
+    rt = Runtime(torch.device("cpu"), torch.float32)
+    rows = {}
+    for arch in ("llama", "opt"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            _config(arch, args.layers, args.hidden, len(tok), tok))
+        engine = HybridEngine(model, OptimSettings(lr=1e-4), 1, rt, hybrid=HybridSettings())
+        rows[arch] = _shared_prefill(engine, len(tok), tok.pad_token_id, args, rt.device,
+                                     lambda: None)
+    _print_shared_prefill(rows, args, f"one process (CPU, {torch.get_num_threads()} threads), "
+                          f"fp32, {args.layers} layers, hidden {args.hidden}")
+
+
 def cpu_main(args: argparse.Namespace) -> None:
+    if args.shared_prefill_only:
+        cpu_shared_prefill(args)
+        return
     results = _torchrun(args)
     per_rank = args.batch // args.ranks
     print(f"\nGeneration, {args.ranks} ranks (gloo, CPU), ZeRO-3, {args.layers} layers, "
@@ -238,6 +341,7 @@ def cpu_main(args: argparse.Namespace) -> None:
               f"{r['unsharded'] / r['hybrid']:7.2f}x {tokens / r['hybrid']:9.0f} "
               f"{'yes' if r['identical'] else 'NO':>9} "
               f"{r['inference_mib']['weights']:10.1f} + {r['inference_mib']['kv_cache']:4.1f} MiB")
+    cpu_shared_prefill(args)
     if args.no_step3:
         return
     step3 = _step3(args)
@@ -294,6 +398,9 @@ def gpu_main(args: argparse.Namespace) -> None:
     print(f"{'batch':>5} {'HF tok/s':>9} {'HF ms/step':>10} {'hybrid tok/s':>12} "
           f"{'ms/step':>8} {'speed-up':>8} {'of bound':>8} {'no graph':>8} {'no kernels':>10} "
           f"{'gather ms':>9} {'peak GiB':>8} {'= HF tokens':>11}")
+    if args.shared_prefill_only:
+        _gpu_shared_prefill(engine, config, model, args, device)
+        return
     for batch in (int(b) for b in args.gpu_batches.split(",")):
         ids = torch.randint(3, config.vocab_size, (batch, prompt_len), device=device)
         mask = torch.ones_like(ids)
@@ -330,6 +437,18 @@ def gpu_main(args: argparse.Namespace) -> None:
           "'no graph', 'no kernels': the same without the CUDA graph, then also without the "
           "Triton kernels; '= HF tokens': share of answer tokens equal to HF's before a "
           "row's first difference")
+    _gpu_shared_prefill(engine, config, model, args, device)
+
+
+def _gpu_shared_prefill(engine, config, model, args: argparse.Namespace, device) -> None:
+    """Section 3 with the GPU model (bf16, CUDA-graph decode step)."""
+    import torch
+
+    row = _shared_prefill(engine, config.vocab_size, config.pad_token_id, args, device,
+                          torch.cuda.synchronize)
+    _print_shared_prefill({args.gpu_model: row}, args,
+                          f"{torch.cuda.get_device_name()}, {type(model).__name__} 1.3B-sized, "
+                          "bf16")
 
 
 def main(argv: list[str] | None = None) -> None:

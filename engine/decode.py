@@ -2,7 +2,8 @@
 loop over its static KV cache, which continues prompts exactly as Hugging Face `generate`
 does, and the fixed-shape decode step that, on CUDA, is captured once as a CUDA graph and
 replayed for every token (removing the per-kernel launch cost that dominates small-batch
-decoding).
+decoding). With group sampling (several answers per prompt, in consecutive rows), each
+prompt's prefill is computed once for its group.
 """
 
 from __future__ import annotations
@@ -29,14 +30,21 @@ def generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: t
 def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               sampling: SamplingSettings, *, eos_token_id: int | list[int], pad_token_id: int,
               row_seeds: torch.Tensor | None = None, on_token: OnToken | None = None,
-              static: bool = False, cuda_graph: bool = False) -> torch.Tensor:
+              static: bool = False, cuda_graph: bool = False, group_size: int = 1
+              ) -> torch.Tensor:
     """Continue left-padded prompts as Hugging Face `generate` does (same positions,
     sampling, EOS and padding rules): [B, P] -> [B, P + N], N <= max_new_tokens, pad
     after a row's EOS (one of the ids in a list; an empty list never stops early),
     stopping when every row has ended, or when `on_token` returns true. Decode steps attend
     over the filled part of the cache; `static` (implied by `cuda_graph`) over all of it,
-    with fixed shapes, as a CUDA graph needs."""
+    with fixed shapes, as a CUDA graph needs.
+
+    group_size g: rows come in groups of g consecutive rows holding the same prompt (group
+    sampling; the row seeds differ). The prompt's prefill runs once per group, on its first
+    row ([B/g, P]), whose KV cache slots are then copied to the rest of the group; the
+    decode steps run on all B rows as with g = 1."""
     b, p = input_ids.shape
+    _check_groups(input_ids, attention_mask, group_size)
     n = sampling.max_new_tokens
     length = p + n
     cache = model.cache_for(b, length)
@@ -58,7 +66,11 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     mask = (key_valid[:, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=device)
     # (a new static step runs warm-ups that write one cache slot: before the prefill)
     step = _StaticDecodeStep.get(model, b, width, cuda_graph) if static else None
-    logits = model(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
+    if group_size == 1:
+        logits = model(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
+    else:
+        logits = _group_prefill(model, input_ids, positions, slots, mask, keys, values,
+                                group_size)
 
     chooser = TokenChooser(sampling, row_seeds)
     stops = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
@@ -84,6 +96,39 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
                            key_valid[:, None, None, :p + t + 1], keys, values,
                            kv_len=p + t + 1)
     return out[:, :p]  # max_new_tokens == 0
+
+
+def _check_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, g: int) -> None:
+    """Raise ValueError unless the [B, P] rows form groups of g identical prompts."""
+    b, p = input_ids.shape
+    if g < 1 or b % g:
+        raise ValueError(f"group_size {g} does not divide the batch of {b} rows")
+    if g == 1:
+        return
+    for rows in (input_ids, attention_mask):
+        grouped = rows.reshape(b // g, g, p)
+        if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+            raise ValueError(f"group_size {g}: the rows of a group hold different prompts")
+
+
+def _group_prefill(model: InferenceDecoder, input_ids: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, g: int) -> torch.Tensor:
+    """The prefill of each group's first row, written to that row's own cache row (a
+    strided view: rows 0, g, 2g, ...), then copied into the prompt slots of the group's
+    other rows. input_ids, positions: [B, P]; mask: [B, P, P]; keys, values:
+    [layers, B, Hkv, S, d] -> logits [B, V]."""
+    p = input_ids.shape[1]
+    first = slice(None, None, g)
+    logits = model(input_ids[first], positions[first], slots, mask[first, None],
+                   keys[:, first], values[:, first], kv_len=p)              # [B/g, V]
+    for cache in (keys, values):
+        grouped = cache[:, :, :, :p].unflatten(1, (-1, g))   # [L, B/g, g, Hkv, P, d]
+        # from a clone: source and destination share the cache's storage, and an in-place
+        # copy between overlapping ranges is not guaranteed to read before it writes
+        source = grouped[:, :, :1].clone()
+        grouped[:, :, 1:].copy_(source.expand_as(grouped[:, :, 1:]))
+    return logits.repeat_interleave(g, dim=0)
 
 
 class _StaticDecodeStep:

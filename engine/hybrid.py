@@ -155,9 +155,16 @@ class HybridEngine(TrainEngine):
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  sampling: SamplingSettings, *, eos_token_id: int | list[int],
-                 pad_token_id: int, row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+                 pad_token_id: int, row_seeds: torch.Tensor | None = None,
+                 group_size: int = 1) -> torch.Tensor:
         """Continue left-padded prompts [B, P] -> [B, P + N] (see engine.generation.generate,
-        whose results this matches). Collective when sharded: every rank calls it."""
+        whose results this matches). Collective when sharded: every rank calls it.
+        `group_size`: the rows come in groups of that many consecutive rows sharing a prompt
+        (group sampling); the inference decoder computes each prompt's prefill once per
+        group. Generation with the Hugging Face modules ignores it (same answers)."""
+        if group_size < 1 or input_ids.shape[0] % group_size:
+            raise ValueError(f"group_size {group_size} does not divide the batch of "
+                             f"{input_ids.shape[0]} rows")
         kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, row_seeds=row_seeds)
         start = self._now()
         if not self.hybrid.enabled:
@@ -170,7 +177,8 @@ class HybridEngine(TrainEngine):
         form = InferenceForm(target.model, device,
                              cuda_graph=self.hybrid.cuda_graphs and device.type == "cuda")
         try:
-            out = form.generate(input_ids, attention_mask, sampling, **kwargs)
+            out = form.generate(input_ids, attention_mask, sampling, group_size=group_size,
+                                **kwargs)
         finally:
             self._release()
         self._add_times(start, gathered_at, self._now())

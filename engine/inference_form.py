@@ -45,14 +45,18 @@ class InferenceForm:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  sampling: SamplingSettings, *, eos_token_id: int | list[int],
                  pad_token_id: int, row_seeds: torch.Tensor | None = None,
-                 on_token: OnToken | None = None) -> torch.Tensor:
+                 on_token: OnToken | None = None, group_size: int = 1) -> torch.Tensor:
         """Continue left-padded prompts [B, P] -> [B, P + N] exactly as
-        engine.generation.generate does; `on_token`: see engine.generation.OnToken."""
+        engine.generation.generate does; `on_token`: see engine.generation.OnToken.
+        `group_size`: rows come in groups of that many sharing a prompt, whose prefill the
+        inference decoder then computes once per group (engine.decode); the Hugging Face
+        path ignores it (a prefill per row, the same answers)."""
         kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                       row_seeds=row_seeds, on_token=on_token)
         if self.injected:
             return decode.generate(self.model, input_ids, attention_mask, sampling,
-                                   cuda_graph=self.cuda_graph, **kwargs)
+                                   cuda_graph=self.cuda_graph, group_size=group_size,
+                                   **kwargs)
         return generation.generate(self.model, input_ids, attention_mask, sampling,
                                    synced=False, **kwargs)
 

@@ -204,3 +204,41 @@ def test_inference_form_matches_hf_generate_and_streams(preset, caplog):
     assert torch.equal(got, want[:, :ids.shape[1] + 3]) and len(seen) == 3
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(),
                                                  strict=True))
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+def test_shared_prompt_prefill_gives_the_same_answers(preset):
+    """Group sampling: rows in groups of g sharing a prompt, their prefill computed once
+    per group, give token for token the answers of a prefill per row (eager and static
+    decode steps, and through the engine); the rows of a group do sample different
+    answers."""
+    g = 4
+    engine = _engine(model_with_answers_that_end(preset, 0, EOS))
+    decoder = engine._gather().model
+    ids, mask = _batch([PROMPTS[0], PROMPTS[2], PROMPTS[4]])   # 3 lengths, left-padded
+    ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
+    # temperature 0.1: a random tiny model's logits are nearly flat; at 1.0 wrong prefill
+    # logits would still often sample the same tokens
+    sampling = SamplingSettings(max_new_tokens=12, temperature=0.1)
+    kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=torch.arange(3 * g) + 100)
+    for static in (False, True):
+        decoder.release_cache()   # a fresh cache: no rows left filled by another run
+        got = decode.generate(decoder, ids, mask, sampling, static=static, group_size=g,
+                              **kwargs)
+        want = decode.generate(decoder, ids, mask, sampling, static=static, **kwargs)
+        assert torch.equal(got, want), static
+    answers = want[:, ids.shape[1]:].reshape(3, g, -1)
+    assert all(len({tuple(row.tolist()) for row in group}) > 1 for group in answers)
+    decoder.release_cache()
+    assert torch.equal(engine.generate(ids, mask, sampling, group_size=g, **kwargs), want)
+
+
+def test_shared_prompt_prefill_refuses_groups_that_differ():
+    engine = _engine(load_causal_lm("tiny-llama", TOK))
+    ids, mask = _batch(PROMPTS[:4])
+    sampling = SamplingSettings(max_new_tokens=2, do_sample=False)
+    kwargs = dict(eos_token_id=EOS, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="rows of a group hold different prompts"):
+        engine.generate(ids, mask, sampling, group_size=2, **kwargs)
+    with pytest.raises(ValueError, match="does not divide the batch of 4 rows"):
+        engine.generate(ids, mask, sampling, group_size=3, **kwargs)
