@@ -40,12 +40,17 @@ class DataParallel:
         """Whether this process prints, logs metrics and writes files (one process does)."""
         return self.runtime.is_main
 
-    def share(self, batch: Sequence) -> Share:
+    def share(self, batch: Sequence, group: int = 1) -> Share:
+        """This process's rows of `batch`, each repeated `group` times (several answers to
+        one prompt): a group is never split across processes, so statistics within a
+        group need no collective. `index` then counts the repeated rows: row i's copies
+        are i*group ... i*group + group-1."""
         rt = self.runtime
         index = list(range(rt.rank, len(batch), rt.world_size))
-        if not index:
-            return Share([batch[0]], [0], 0.0)
-        return Share([batch[i] for i in index], index, 1.0)
+        weight = 1.0 if index else 0.0
+        index = index or [0]
+        return Share([batch[i] for i in index for _ in range(group)],
+                     [i * group + k for i in index for k in range(group)], weight)
 
     def pick(self, share: Share, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Where the global batch positions `rows` sit in this process's `share`, and the

@@ -125,6 +125,15 @@ class TrainEngine:
         """This process's parameters (its shards, when sharded)."""
         return self.module.parameters()
 
+    def state_bytes(self) -> int:
+        """Bytes this process holds of the model's parameters and the optimizer's state
+        (its shards, when sharded)."""
+        tensors = [*self.module.parameters(),
+                   *(v for state in self.optimizer.state.values() for v in state.values()
+                     if torch.is_tensor(v))]
+        # a DTensor (sharded) counts its local shard
+        return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
     def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
                      ) -> torch.Tensor:
         """[B, T] per-token outputs of a one-label scorer (see engine.models.token_values)."""

@@ -21,7 +21,6 @@ at most one module's full-precision weights exist at once, on the host or on the
 
 from __future__ import annotations
 
-import resource
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from engine.errors import UserError
 from engine.quantize import QMAX, pack_int4, unpack_int4
+from engine.runtime import memory_peak, reset_memory_peak
 
 _CHUNK = 1 << 24   # values quantized at once: bounds the fp32 temporaries of a big embedding
 
@@ -261,26 +261,6 @@ class LoadReport(NamedTuple):
     seconds: float
 
 
-def _reset_host_peak() -> None:
-    """Reset the kernel's resident-set high-water mark (Linux >= 4.0), where allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _host_peak() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def load_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseSettings, *,
                    dtype: torch.dtype, head_dtype: torch.dtype, device: torch.device,
                    checkpoint: Path | None = None, seed: int = 0
@@ -290,9 +270,9 @@ def load_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseSe
     come from `checkpoint` (a directory of safetensors); those it lacks (all, without one)
     are initialised as the model class does, from `seed`."""
     start, cuda = time.perf_counter(), device.type == "cuda"
-    _reset_host_peak()
+    reset_memory_peak(torch.device("cpu"))
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_memory_peak(device)
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=dtype)
     expected = set(model.state_dict())
@@ -326,8 +306,8 @@ def load_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseSe
                                    total.bytes_before + report.bytes_before,
                                    total.bytes_after + report.bytes_after)
     model.tie_weights()
-    device_peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-    return model.eval(), LoadReport(total, new, _host_peak(), device_peak,
+    device_peak = memory_peak(device) if cuda else 0
+    return model.eval(), LoadReport(total, new, memory_peak(torch.device("cpu")), device_peak,
                                     time.perf_counter() - start)
 
 

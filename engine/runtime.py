@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -122,3 +123,31 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def reset_memory_peak(device: torch.device) -> None:
+    """Start a new peak for memory_peak: the CUDA allocator's, or the kernel's
+    resident-set high-water mark of this process (Linux >= 4.0, where allowed)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def memory_peak(device: torch.device) -> int:
+    """Bytes at the peak since reset_memory_peak: CUDA memory allocated by torch, or, on
+    the CPU, the process's resident set (which includes Python and the libraries)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
