@@ -200,8 +200,14 @@ def check_config(cfg: DictConfig) -> None:
     if len(cfg.data.split) != 3:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")
-    if cfg.ppo.micro_batch_size > cfg.ppo.rollout_batch_size:
-        raise UserError("ppo.micro_batch_size must not exceed ppo.rollout_batch_size")
+    from steps.demo import TASKS
+
+    if cfg.data.demo_task not in TASKS:
+        raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
+    if 3 in steps:
+        from steps.ppo import check_settings
+
+        check_settings(cfg.ppo)
     plan_steps(cfg)
 
 
@@ -257,7 +263,9 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     first = resumable[0] if resumable else None
     plan = []
     for step in cfg.steps:
-        finished = all((out / name).exists() for name in MODEL_DIRS[step])
+        written = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm != "ppo" else \
+            MODEL_DIRS[step]   # (critic-free algorithms write no critic)
+        finished = all((out / name).exists() for name in written)
         if first is not None and step < first and finished:
             plan.append((step, "skip"))
             continue
@@ -325,7 +333,7 @@ def run(cfg: DictConfig) -> dict[int, float]:
     plan = plan_steps(cfg)
     sft_pairs, rm_pairs, ppo_pairs = load_blend(
         list(cfg.data.path), list(cfg.data.split), cfg.seed,
-        demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed))
+        demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task))
     log(f"data {list(cfg.data.path)}: {len(sft_pairs)} / {len(rm_pairs)} / {len(ppo_pairs)} "
         f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)}); device {rt.device}, "
         f"{str(rt.dtype).removeprefix('torch.')}"

@@ -44,6 +44,7 @@ class DataConfig:
     max_prompt_len: int = val(256, "longer prompts are dropped (and counted)")
     max_answer_len: int = val(256, "longer answers are truncated")
     demo_pairs: int = val(4000, "size of the built-in demo data set")
+    demo_task: str = val("digits", 'what "demo" generates: digits | count (steps/demo.py)')
 
 
 @dataclass
@@ -164,22 +165,41 @@ class PPOConfig:
     epochs: int = val(1, "passes over the step-3 prompts")
     rollout_batch_size: int = val(8, "prompts per generation round")
     ppo_epochs: int = val(1, "optimisation passes over each round's experience")
-    micro_batch_size: int = 8
+    micro_batch_size: int = val(8, "answers per optimizer step")
     actor_lr: float = 9.65e-6
     critic_lr: float = 5e-6
     weight_decay: float = 0.0
     lr_scheduler: str = "linear"
     warmup_steps: int = 0
     grad_clip: float = 1.0
+    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp (the last three train no "
+                         "critic)")
+    samples_per_prompt: int = val(1, "answers sampled per prompt, a group (GRPO and RLOO need "
+                                  ">= 2); rollout_batch_size counts prompts")
+    grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
+    reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer) -> float: "  # noqa: UP045
+                                   "a rule-based reward (the demo's: steps.demo:score)")
+    reward_fn_weight: float = 1.0
+    reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not "
+                                     "needed)")
     kl_coef: float = 0.1
+    kl_penalty: str = val("auto", "reward | loss | auto (loss for grpo, reward otherwise)")
+    kl_estimator: str = val("auto", "k1 | k2 | k3 | auto (k3 as a loss, k1 in the reward)")
+    kl_target: Optional[float] = val(None, "adaptive KL controller (Ziegler et al.): the KL "  # noqa: UP045
+                                     "per answer to hold; null: kl_coef stays fixed")
+    kl_horizon: float = val(10000.0, "adaptive KL: samples over which it closes the gap")
+    missing_eos_penalty: Optional[float] = val(None, "subtracted from the score of answers "  # noqa: UP045
+                                               "cut off without EOS")
+    loss_aggregation: str = val("token-mean", "token-mean | seq-mean (each answer's mean, "
+                                "then over answers)")
     score_clip: float = 5.0
     clip_range: float = 0.2
     value_clip_range: float = 0.2
     gamma: float = 1.0
     lam: float = 0.95
-    whiten_advantages: bool = val(True, "normalise advantages over the rollout batch (TRL and "
-                                  "OpenRLHF do; DeepSpeed-Chat does not: set false for its "
-                                  "behaviour)")
+    whiten_advantages: bool = val(True, "PPO: normalise advantages over the rollout batch "
+                                  "(TRL and OpenRLHF do; DeepSpeed-Chat does not: set false "
+                                  "for its behaviour)")
     disable_dropout: bool = val(True, "dropout off in the step-3 actor, critic, reference and "
                                 "reward models (TRL's default, DeepSpeed-Chat's "
                                 "--disable_actor_dropout/--disable_critic_dropout): with "

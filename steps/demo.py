@@ -1,4 +1,4 @@
-"""The built-in demo task: digits that follow a rule, with a ground-truth score.
+"""The built-in demo tasks: digits that follow a rule, with a ground-truth score.
 
 A user asks for digits of a kind ("Give me some even digits."); the assistant answers
 with space-separated digits (" 2 8 4 6"). The ground-truth score of an answer is the
@@ -9,6 +9,15 @@ Preference pairs are made the way human labels are: two answers drawn from a noi
 distribution, the better one is `chosen`. SFT on `chosen` therefore imitates a mixture
 of good and mediocre answers; the reward model learns the rule from comparisons; PPO
 pushes the policy past what it saw in the data.
+
+Two tasks (`data.demo_task`):
+- `digits` ("Give me some even digits."): some of its pairs hold hand-made degenerate
+  answers (empty, too short, digits run together), so its reward model learns to score
+  them low.
+- `count` ("Give me exactly 4 even digits."): the answer must hold that many digits; extra
+  ones dilute the score. Its pairs are all well formed (n-2 to n+2 digits, ended), so its
+  reward model never saw a runaway answer: the task on which an unguarded step 3 can hack
+  it.
 """
 
 from __future__ import annotations
@@ -31,8 +40,10 @@ def prompt_text(request: str) -> str:
     return f"\n\nHuman: {request}\n\nAssistant:"
 
 
+COUNT_TEMPLATES = ("Give me exactly {} {} digits.", "List exactly {} {} digits.")
 MIN_DIGITS = 3
 _RULE_WORD = re.compile(r"\b(" + "|".join(RULES) + r")\b")
+_COUNT = re.compile(r"\bexactly (\d+)\b")
 
 
 def rule_of(prompt: str) -> str | None:
@@ -41,16 +52,24 @@ def rule_of(prompt: str) -> str | None:
     return found.group(1) if found else None
 
 
+def requested_count(prompt: str) -> int | None:
+    """How many digits a `count` prompt asks for, or None."""
+    found = _COUNT.search(prompt.rsplit("Human:", 1)[-1])
+    return int(found.group(1)) if found else None
+
+
 def score(prompt: str, answer: str) -> float:
     """Ground truth in [0, 1]: the share of whitespace-separated tokens of `answer` that are
     single digits obeying the prompt's rule, over at least MIN_DIGITS tokens (so a short or
-    empty answer cannot score full marks)."""
+    empty answer cannot score full marks). A `count` prompt's n: only the first n tokens
+    can count, over at least n tokens (more dilute the score)."""
     rule = RULES.get(rule_of(prompt) or "")
     tokens = answer.split()
     if rule is None:
         return 0.0
-    good = sum(1 for t in tokens if len(t) == 1 and t.isdigit() and rule(int(t)))
-    return good / max(len(tokens), MIN_DIGITS)
+    count = requested_count(prompt)
+    good = sum(1 for t in tokens[:count] if len(t) == 1 and t.isdigit() and rule(int(t)))
+    return good / max(len(tokens), count or MIN_DIGITS)
 
 
 def _degenerate_answer(rng: random.Random) -> str:
@@ -59,25 +78,39 @@ def _degenerate_answer(rng: random.Random) -> str:
     return rng.choice(["", " ", f" {digits[0]}", " " + "".join(digits), "  ".join(digits)])
 
 
-def _sample_answer(rng: random.Random, rule: str) -> str:
-    """A noisy answer: 3 to 8 digits, each obeying the rule with a per-answer probability."""
+def _sample_answer(rng: random.Random, rule: str, count: int | None = None) -> str:
+    """A noisy answer: 3 to 8 digits (`count` +- 2 for a count prompt), each obeying the
+    rule with a per-answer probability."""
     follows = RULES[rule]
     good = [d for d in range(10) if follows(d)]
     bad = [d for d in range(10) if not follows(d)]
     p_good = rng.uniform(0.2, 1.0)
-    digits = [rng.choice(good if rng.random() < p_good else bad) for _ in range(rng.randint(3, 8))]
+    length = rng.randint(3, 8) if count is None else count + rng.randint(-2, 2)
+    digits = [rng.choice(good if rng.random() < p_good else bad) for _ in range(length)]
     return "".join(f" {d}" for d in digits)
 
 
-def make_pairs(num_pairs: int, seed: int) -> list[PreferencePair]:
-    """`num_pairs` preference pairs; chosen has the strictly higher ground-truth score."""
+TASKS = ("digits", "count")
+
+
+def make_pairs(num_pairs: int, seed: int, task: str = "digits") -> list[PreferencePair]:
+    """`num_pairs` preference pairs of `task`; chosen has the strictly higher ground-truth
+    score."""
+    if task not in TASKS:
+        raise ValueError(f"demo task {task!r}: choose one of {', '.join(TASKS)}")
     rng = random.Random(seed)
     pairs = []
     while len(pairs) < num_pairs:
         rule = rng.choice(sorted(RULES))
-        prompt = prompt_text(rng.choice(TEMPLATES).format(rule))
-        a = _sample_answer(rng, rule)
-        b = _degenerate_answer(rng) if rng.random() < 0.15 else _sample_answer(rng, rule)
+        if task == "count":
+            count = rng.randint(3, 5)
+            prompt = prompt_text(rng.choice(COUNT_TEMPLATES).format(count, rule))
+            a, b = _sample_answer(rng, rule, count), _sample_answer(rng, rule, count)
+        else:
+            prompt = prompt_text(rng.choice(TEMPLATES).format(rule))
+            a = _sample_answer(rng, rule)
+            b = (_degenerate_answer(rng) if rng.random() < 0.15
+                 else _sample_answer(rng, rule))
         score_a, score_b = score(prompt, a), score(prompt, b)
         if score_a == score_b:
             continue

@@ -1,20 +1,28 @@
-"""Step 3, PPO (InstructGPT): the actor samples answers, the frozen reward model scores
-them, a per-token KL penalty to the frozen reference keeps the actor close to SFT, GAE
-turns rewards into advantages, and clipped policy and value losses update actor and
-critic. Optional: an EMA copy of the actor, and a pretraining (PTX) loss on step-1 data.
+"""Step 3, reinforcement learning against a reward (InstructGPT's PPO by default): the
+actor samples answers, the reward model and/or a reward function score them, a KL penalty
+to the frozen reference keeps the actor close to SFT, an advantage estimator turns rewards
+into per-token advantages, and a clipped policy loss updates the actor (and a clipped value
+loss the critic, for PPO). Optional: an EMA copy of the actor, a pretraining (PTX) loss on
+step-1 data, an adaptive KL coefficient, a penalty for answers cut off without EOS.
 
-All PPO tensors are answer-aligned [B, N] (see steps/rlhf.py): column j is answer token j
-of `sequences[:, P + j]`; the logits and values that belong to it sit at position P+j-1.
+`ppo.algorithm` picks the estimator (steps/rlhf.py): `ppo` (critic + GAE), or critic-free
+`grpo` (rewards normalised within each prompt's group of `ppo.samples_per_prompt`
+answers), `rloo` (leave-one-out baseline within the group) and `reinforce_pp` (discounted
+returns with a per-token KL penalty, normalised over the batch). The loop is the same.
 
-With several ranks, each round's prompts are dealt out (rank r takes rows r, r+W, ...),
-every rank generates and scores its own, and every mean (losses, advantage whitening,
-metrics) is taken over the whole round, so the run computes what one process would.
-Sampling is row-seeded (engine/generation.py): a prompt's answer does not depend on the
-rank that samples it.
+All tensors of a rollout are answer-aligned [B, N] (see steps/rlhf.py): column j is answer
+token j of `sequences[:, P + j]`; the logits and values that belong to it sit at P+j-1.
+
+With several ranks, each round's prompts are dealt out whole with their groups
+(engine/data_parallel.py), every rank generates and scores its own, and every mean (losses,
+advantage whitening, metrics) is taken over the whole round, so the run computes what one
+process would. Sampling is row-seeded (engine/generation.py): an answer does not depend on
+the rank that samples it.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -29,9 +37,9 @@ from engine.engine import TrainEngine
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.models import disable_dropout, load_tokenizer, position_ids, sequence_scores
+from engine.models import disable_dropout, load_tokenizer, position_ids
 from engine.placement import Placement
-from engine.runtime import Runtime
+from engine.runtime import Runtime, memory_peak, reset_memory_peak
 from engine.tracking import Tracker
 from steps.common import (
     StepCheckpoints,
@@ -49,14 +57,22 @@ from steps.common import (
     to_device,
 )
 from steps.data import PreferencePair, permutation, train_eval_split
+from steps.rewards import Rewards, RewardScorer, load_reward_fn
 from steps.rlhf import (
+    adaptive_kl_coef,
     answer_mask,
     ema_update,
     gae,
+    group_normalized_advantages,
+    kl_estimate,
     kl_penalized_rewards,
+    leave_one_out_advantages,
     logprobs_of_tokens,
+    loss_weights,
     masked_sum,
     policy_loss,
+    returns_to_go,
+    sequence_rewards,
     value_loss,
     whiten,
 )
@@ -72,12 +88,12 @@ class Experience(NamedTuple):
     action_mask: torch.Tensor     # [B, N] 1 on answer tokens up to and including EOS
     logprobs: torch.Tensor        # [B, N] actor log-probs when sampled
     ref_logprobs: torch.Tensor    # [B, N] reference log-probs
-    values: torch.Tensor          # [B, N] critic values
+    values: torch.Tensor          # [B, N] critic values (0 without a critic)
     rewards: torch.Tensor         # [B, N] KL penalty + clipped score on the last action
     advantages: torch.Tensor      # [B, N]
-    returns: torch.Tensor         # [B, N]
-    scores: torch.Tensor          # [B] reward-model score of each answer
-    kl: torch.Tensor              # [B, N] per-token log-ratio actor/reference
+    returns: torch.Tensor         # [B, N] the critic's targets
+    scores: torch.Tensor          # [B] score of each answer (reward model and/or function)
+    kl: torch.Tensor              # [B, N] per-token KL estimate actor/reference
 
     @property
     def prompt_len(self) -> int:
@@ -111,64 +127,97 @@ def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: 
     return critic.token_values(sequences, attention_mask)[:, prompt_len - 1:-1]
 
 
-class RewardScorer:
-    """Scores prompt + answer with the reward model, re-tokenizing the text when the reward
-    model's tokenizer differs from the actor's."""
+CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
+ALGORITHMS = ("ppo", *CRITIC_FREE)
 
-    def __init__(self, model, actor_tokenizer, reward_tokenizer, device):
-        self.model, self.device = model, device
-        self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
-        self.same_tokenizer = actor_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
 
-    @torch.no_grad()
-    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        if self.same_tokenizer:
-            # the rightmost attended token of a rollout is its last action
-            return sequence_scores(self.model, sequences, attention_mask)
-        texts = [self.actor_tokenizer.decode(row[mask.bool()], skip_special_tokens=True)
-                 for row, mask in zip(sequences, attention_mask, strict=True)]
-        eos = self.reward_tokenizer.eos_token_id
-        ids = [row + [eos] for row in self.reward_tokenizer(texts)["input_ids"]]
-        batch = to_device(collate_prompts(ids, self.reward_tokenizer.pad_token_id), self.device)
-        return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
+class KLSettings(NamedTuple):
+    in_loss: bool       # a loss term (GRPO), else a per-token penalty in the reward
+    estimator: str      # k1 | k2 | k3 (steps/rlhf.kl_estimate)
+
+
+def kl_settings(ppo: DictConfig) -> KLSettings:
+    """`ppo.kl_penalty` and `ppo.kl_estimator` with "auto" resolved: GRPO's KL is a k3 loss
+    term (DeepSeekMath), the others' a k1 penalty in the reward (InstructGPT)."""
+    in_loss = ppo.kl_penalty == "loss" or (ppo.kl_penalty == "auto" and ppo.algorithm == "grpo")
+    estimator = ppo.kl_estimator if ppo.kl_estimator != "auto" else "k3" if in_loss else "k1"
+    return KLSettings(in_loss, estimator)
+
+
+def check_settings(ppo: DictConfig) -> None:
+    """Refuse step-3 settings that cannot work, naming the key."""
+    choices = {"algorithm": ALGORITHMS, "kl_penalty": ("auto", "reward", "loss"),
+               "kl_estimator": ("auto", "k1", "k2", "k3"),
+               "loss_aggregation": ("token-mean", "seq-mean")}
+    for key, allowed in choices.items():
+        if ppo[key] not in allowed:
+            raise UserError(f"ppo.{key}={ppo[key]}: choose one of {', '.join(allowed)}")
+    if ppo.samples_per_prompt < 1 or (ppo.algorithm in ("grpo", "rloo")
+                                      and ppo.samples_per_prompt < 2):
+        raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
+                        "compares the answers to one prompt; give 2 or more (e.g. 4)")
+    if ppo.reward_fn:
+        load_reward_fn(ppo.reward_fn)
+    elif ppo.reward_model_weight == 0:
+        raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
+    if (ppo.kl_target is not None and ppo.kl_target <= 0) or ppo.kl_horizon <= 0:
+        raise UserError(f"ppo.kl_target={ppo.kl_target}, ppo.kl_horizon={ppo.kl_horizon}: "
+                        "give positive numbers (or kl_target=null for a fixed kl_coef)")
+    if ppo.micro_batch_size > ppo.rollout_batch_size * ppo.samples_per_prompt:
+        raise UserError("ppo.micro_batch_size must not exceed the answers of a round "
+                        "(ppo.rollout_batch_size x ppo.samples_per_prompt)")
+
+
+def ended_with_eos(answer_ids: torch.Tensor, actions: torch.Tensor, eos_token_id: int
+                   ) -> torch.Tensor:
+    """[B] bool: the answer's actions include its EOS (it was not cut off)."""
+    return ((answer_ids == eos_token_id) & (actions > 0)).any(1)
 
 
 @torch.no_grad()
-def make_experience(actor: HybridEngine, ref, critic: TrainEngine, score,
-                    prompts: dict[str, torch.Tensor], sampling: SamplingSettings,
-                    eos_token_id: int, pad_token_id: int, ppo: DictConfig, dp: DataParallel,
-                    *, seeds: torch.Tensor | None = None, weight: float = 1.0
-                    ) -> tuple[Experience, dict[str, float]]:
-    """Sample answers for left-padded prompts (row `seeds`, see row_seeds) and compute
-    everything PPO needs. The prompts are this process's share of the rollout batch, of
-    `weight` (0 empties the action masks of a stand-in); whitening uses the whole batch.
-    Returns the experience and the seconds spent: gathering the actor for generation,
-    generating, and computing the rest."""
+def make_experience(models: Models, prompts: dict[str, torch.Tensor],
+                    sampling: SamplingSettings, ppo: DictConfig, dp: DataParallel, *,
+                    kl_coef: float, seeds: torch.Tensor | None = None, weight: float = 1.0,
+                    group_size: int = 1) -> tuple[Experience, dict[str, float]]:
+    """Sample answers for left-padded prompts (row `seeds`, see row_seeds), rows in groups
+    of `group_size` copies of a prompt, and compute everything the update needs. The
+    prompts are this process's share of the rollout batch, of `weight` (0 empties the action
+    masks of a stand-in); batch statistics (whitening) use the whole batch. Returns the
+    experience and the seconds spent: gathering the actor for generation, generating, and
+    computing the rest."""
+    actor, critic, tokenizer = models.actor, models.critic, models.tokenizer
+    eos = tokenizer.eos_token_id
     actor.take_times()
     sequences = actor.generate(prompts["input_ids"], prompts["attention_mask"], sampling,
-                               eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                               row_seeds=seeds)
+                               eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                               row_seeds=seeds, group_size=group_size)
     t1 = time.perf_counter()
     generation = actor.take_times()
     prompt_len = prompts["input_ids"].shape[1]
-    answered = answer_mask(sequences[:, prompt_len:], eos_token_id)
+    answered = answer_mask(sequences[:, prompt_len:], eos)
     actions = answered * weight
     attention_mask = torch.cat([prompts["attention_mask"], answered.long()], 1)
 
     actor.eval()
     logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len)
     actor.train()
-    ref_logprobs = answer_logprobs(ref, sequences, attention_mask, prompt_len)
-    critic.eval()
-    values = answer_values(critic, sequences, attention_mask, prompt_len) * actions
-    critic.train()
-    scores = score(sequences, attention_mask)
+    ref_logprobs = answer_logprobs(models.reference, sequences, attention_mask, prompt_len)
+    values = torch.zeros_like(logprobs)
+    if critic is not None:
+        critic.eval()
+        values = answer_values(critic, sequences, attention_mask, prompt_len) * actions
+        critic.train()
+    scores = models.rewards(sequences, attention_mask, prompt_len)
+    if ppo.missing_eos_penalty is not None:
+        cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
+        scores = scores - ppo.missing_eos_penalty * cut_off.to(scores.dtype)
 
-    rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions,
-                                       ppo.kl_coef, ppo.score_clip)
-    advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
-    if ppo.whiten_advantages:
-        advantages = whiten(advantages, actions, moments=dp.masked_moments(advantages, actions))
+    kl_settings_ = kl_settings(ppo)
+    reward_kl_coef = 0.0 if kl_settings_.in_loss else kl_coef
+    rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
+                                       ppo.score_clip, kl_settings_.estimator)
+    advantages, returns = estimate_advantages(ppo, rewards, scores, kl, values, actions,
+                                              reward_kl_coef, group_size, dp)
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl)
@@ -176,35 +225,69 @@ def make_experience(actor: HybridEngine, ref, critic: TrainEngine, score,
                         "time/experience": t2 - t1}
 
 
-def train_on(experience: Experience, actor: TrainEngine, critic: TrainEngine, ppo: DictConfig,
-             num_actions: float, ptx: PtxRows | None) -> dict[str, float]:
-    """One optimisation step of actor and critic on this process's rows of a micro-batch.
-    `num_actions`: the micro-batch's action count over all processes. Returns this
-    process's shares of the statistics (their sums over processes are the micro-batch's)."""
-    exp, prompt_len = experience, experience.prompt_len
+def estimate_advantages(ppo: DictConfig, rewards: torch.Tensor, scores: torch.Tensor,
+                        kl: torch.Tensor, values: torch.Tensor, actions: torch.Tensor,
+                        kl_coef: float, group_size: int, dp: DataParallel
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The algorithm's advantage estimator (steps/rlhf.py) over [B, N] rollouts whose rows
+    come in groups of `group_size` answers to one prompt. `rewards` are per token (KL
+    penalty + score on the last action), `scores` [B] per answer, `kl_coef` the reward's KL
+    weight (0 when the KL is a loss term). Returns (advantages, returns) [B, N]."""
+    if ppo.algorithm == "ppo":
+        advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
+        if ppo.whiten_advantages:
+            advantages = whiten(advantages, actions,
+                                moments=dp.masked_moments(advantages, actions))
+        return advantages, returns
+    if ppo.algorithm == "reinforce_pp":
+        returns = returns_to_go(rewards, actions, ppo.gamma)
+        return whiten(returns, actions, moments=dp.masked_moments(returns, actions)), returns
+    per_answer = sequence_rewards(scores, kl, actions, kl_coef, ppo.score_clip)
+    if ppo.algorithm == "grpo":
+        advantage = group_normalized_advantages(per_answer, group_size,
+                                                ppo.grpo_scale_rewards)
+    else:
+        advantage = leave_one_out_advantages(per_answer, group_size)
+    return advantage[:, None] * actions, per_answer[:, None] * actions
+
+
+def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: float,
+             count: float, ptx: PtxRows | None) -> dict[str, float]:
+    """One optimisation step of the actor (and critic) on this process's rows of a
+    micro-batch. `count`: the micro-batch's loss divisor over all processes (see
+    loss_weights). Returns this process's shares of the statistics (their sums over
+    processes are the micro-batch's)."""
+    exp, prompt_len, actor = experience, experience.prompt_len, models.actor
+    weights, _ = loss_weights(exp.action_mask, ppo.loss_aggregation)
     logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len)
-    actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, exp.action_mask,
-                            ppo.clip_range, num_actions)
-    loss = actor_out.loss
-    stats = {}
+    actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, weights, ppo.clip_range,
+                            count)
+    loss, stats = actor_out.loss, {}
+    kl = kl_settings(ppo)
+    if kl.in_loss:
+        kl_loss = masked_sum(kl_estimate(logprobs, exp.ref_logprobs, exp.action_mask,
+                                         kl.estimator), weights) / max(count, 1.0)
+        loss = loss + kl_coef * kl_loss
+        stats["train/kl_loss"] = kl_loss.item()
     if ptx is not None:
         ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
         loss = loss + ppo.ptx.coef * ptx_loss
         stats["train/ptx_loss"] = ptx_loss.item()
     actor.backward(loss)
     actor.step()
-
-    values = answer_values(critic, exp.sequences, exp.attention_mask, prompt_len)
-    critic_out = value_loss(values, exp.values, exp.returns, exp.action_mask,
-                            ppo.value_clip_range, num_actions)
-    critic.backward(critic_out.loss)
-    critic.step()
-    return {**stats, "train/policy_loss": actor_out.loss.item(),
-            "train/clip_fraction": float(actor_out.clip_fraction),
-            "train/approx_kl": float(actor_out.approx_kl),
-            "train/ratio": float(actor_out.ratio_mean),
-            "train/value_loss": critic_out.loss.item(),
-            "train/value_clip_fraction": float(critic_out.clip_fraction)}
+    stats.update({"train/policy_loss": actor_out.loss.item(),
+                  "train/clip_fraction": float(actor_out.clip_fraction),
+                  "train/approx_kl": float(actor_out.approx_kl),
+                  "train/ratio": float(actor_out.ratio_mean)})
+    if models.critic is not None:
+        values = answer_values(models.critic, exp.sequences, exp.attention_mask, prompt_len)
+        critic_out = value_loss(values, exp.values, exp.returns, weights,
+                                ppo.value_clip_range, count)
+        models.critic.backward(critic_out.loss)
+        models.critic.step()
+        stats.update({"train/value_loss": critic_out.loss.item(),
+                      "train/value_clip_fraction": float(critic_out.clip_fraction)})
+    return stats
 
 
 class PtxRows(NamedTuple):
@@ -230,11 +313,11 @@ def ptx_rows(examples: list[SFTExample], index: int, batch_size: int, seed: int,
 
 def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: DictConfig,
            dp: DataParallel, ptx: list[SFTExample], ptx_batches: int, ema: Tensors | None,
-           seed: int, iteration: int) -> tuple[dict[str, float], int]:
+           seed: int, iteration: int, kl_coef: float) -> tuple[dict[str, float], int]:
     """`ppo.ppo_epochs` passes over one round's experience (this process's `share` of its
-    `batch_size` rows) in micro-batches, each one optimizer step of actor and critic (and
-    a PTX batch, an EMA update). Returns the statistics' means over the updates and the
-    PTX stream's new position."""
+    `batch_size` answers) in micro-batches, each one optimizer step of the actor and critic
+    (and a PTX batch, an EMA update). Returns the statistics' means over the updates and
+    the PTX stream's new position."""
     sums: dict[str, float] = {}
     updates = 0
     for ppo_epoch in range(ppo.ppo_epochs):
@@ -242,14 +325,13 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: 
         for micro in order.split(ppo.micro_batch_size):
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
-            num_actions = dp.sum(float(rows.action_mask.sum()))[0]
+            count = dp.sum(float(loss_weights(rows.action_mask, ppo.loss_aggregation)[1]))[0]
             ptx_batch = None
             if ptx:
                 ptx_batch = ptx_rows(ptx, ptx_batches, ppo.ptx.batch_size, seed,
                                      models.tokenizer.pad_token_id, dp)
                 ptx_batches += 1
-            for name, value in train_on(rows, models.actor, models.critic, ppo, num_actions,
-                                        ptx_batch).items():
+            for name, value in train_on(rows, models, ppo, kl_coef, count, ptx_batch).items():
                 sums[name] = sums.get(name, 0.0) + value
             updates += 1
             if ema is not None:
@@ -261,8 +343,9 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: 
 @torch.no_grad()
 def evaluate_policy(models: Models, prompts: Prompts, sampling: SamplingSettings,
                     batch_size: int, seed: int, dp: DataParallel) -> dict[str, float]:
-    """Reward-model score (and the demo's ground truth when it applies) of answers sampled
-    for held-out prompts, with fixed row seeds so before/after compare like with like."""
+    """Score (reward model and/or function; and the demo's ground truth when it applies)
+    of answers sampled for held-out prompts, with fixed row seeds so before/after compare
+    like with like."""
     if not prompts.eval:
         return {}
     tokenizer = models.tokenizer
@@ -277,7 +360,7 @@ def evaluate_policy(models: Models, prompts: Prompts, sampling: SamplingSettings
                                      row_seeds=row_seeds(seed, 0, share.rows))
         p = batch["input_ids"].shape[1]
         actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
-        scores = models.scorer(seqs, torch.cat([batch["attention_mask"], actions.long()], 1))
+        scores = models.rewards(seqs, torch.cat([batch["attention_mask"], actions.long()], 1), p)
         reward_sum += float(scores.sum()) * share.weight
         # generate pads after EOS, so the special tokens are all that must go
         answers = tokenizer.batch_decode(seqs[:, p:], skip_special_tokens=True)
@@ -291,15 +374,20 @@ def evaluate_policy(models: Models, prompts: Prompts, sampling: SamplingSettings
     return metrics
 
 
-def _paths(cfg: DictConfig) -> tuple[str, str]:
+def _paths(cfg: DictConfig) -> tuple[str, str | None]:
+    """The actor's and the reward model's directories (None: no reward model)."""
     out = Path(cfg.output_dir)
     actor_path = cfg.ppo.actor_path or str(out / "actor")
-    reward_path = cfg.ppo.reward_path or str(out / "reward")
+    reward_path = None
+    if cfg.ppo.reward_model_weight != 0:
+        reward_path = cfg.ppo.reward_path or str(out / "reward")
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path")):
-        if not (Path(path) / "config.json").exists():
+        if path is not None and not (Path(path) / "config.json").exists():
+            alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
+                     if key == "ppo.reward_path" else "")
             raise UserError(f"step 3 needs the {what} at {path}: run its step first "
-                            f"(--step 1 2 3) or set {key}=DIR")
+                            f"(--step 1 2 3) or set {key}=DIR{alone}")
     return actor_path, reward_path
 
 
@@ -332,44 +420,54 @@ class Models(NamedTuple):
     """Step 3's models, placed (engine/placement.py)."""
 
     actor: HybridEngine          # trained; generates through the hybrid engine
-    critic: TrainEngine          # trained; per-token values
+    critic: TrainEngine | None   # trained; per-token values (PPO only)
     reference: object            # frozen step-1 actor (the KL anchor): a model, or the
                                  # actor's own base with its adapters disabled
-    scorer: RewardScorer         # the frozen reward model
+    rewards: Rewards             # the frozen reward model and/or the reward function
     tokenizer: object            # the actor's (and the reference's)
     critic_tokenizer: object
 
 
 def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
-                 reward_path: str, updates: int) -> Models:
+                 reward_path: str | None, updates: int) -> Models:
     ppo, trc = cfg.ppo, cfg.trust_remote_code
-    reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path", trust_remote_code=trc)
-    reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
-                                             flag="ppo.reward_path", trust_remote_code=trc),
-                          role="reward")
-    scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
-    critic_lora = lora_settings(ppo.critic_lora)
-    if scorer.same_tokenizer:
-        critic = place.reward_model(reward_path, tokenizer, trained=True, lora=critic_lora,
-                                    flag="ppo.reward_path", trust_remote_code=trc)
-        critic_tokenizer = reward_tokenizer
-    else:  # the critic must read the actor's tokens: start it from the actor instead
-        log("step 3: reward model and actor tokenizers differ; the critic starts from the "
-            "actor with a new value head, and rewards are scored on re-tokenized text")
-        critic = place.reward_model(actor_path, tokenizer, trained=True, lora=critic_lora,
-                                    flag="ppo.actor_path", trust_remote_code=trc, seed=cfg.seed)
-        critic_tokenizer = tokenizer
+    scorer = None
+    critic_start = dict(spec=actor_path, flag="ppo.actor_path", seed=cfg.seed)
+    critic_tokenizer = tokenizer
+    if reward_path is not None:
+        reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path",
+                                          trust_remote_code=trc)
+        reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
+                                                 flag="ppo.reward_path", trust_remote_code=trc),
+                              role="reward")
+        scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
+        if scorer.same_tokenizer:   # the critic starts from the reward model
+            critic_start = dict(spec=reward_path, flag="ppo.reward_path")
+            critic_tokenizer = reward_tokenizer
+        elif ppo.algorithm == "ppo":
+            log("step 3: reward model and actor tokenizers differ; the critic starts from "
+                "the actor with a new value head, and rewards are scored on re-tokenized text")
+    rewards = Rewards(tokenizer, scorer, ppo.reward_model_weight,
+                      load_reward_fn(ppo.reward_fn) if ppo.reward_fn else None,
+                      ppo.reward_fn_weight, ppo.reward_fn)
+    critic = None
+    if ppo.algorithm not in CRITIC_FREE:
+        critic = place.reward_model(**critic_start, tokenizer=tokenizer, trained=True,
+                                    lora=lora_settings(ppo.critic_lora), trust_remote_code=trc)
     actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc,
                             lora=lora_settings(ppo.actor_lora))
     if ppo.disable_dropout:   # else old and new log-probs differ before any update
         disable_dropout(actor)
-        disable_dropout(critic)
+        if critic is not None:
+            disable_dropout(critic)
     actor = place.rollout_actor(actor, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
-    critic = place.trainer(critic, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora), updates,
-                           role="reward")
+    if critic is not None:
+        critic = place.trainer(critic, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
+                               updates, role="reward")
     # LoRA over a frozen base: the actor with its adapters off is the reference
     reference = place.reference(actor, actor_path, tokenizer, trust_remote_code=trc)
-    return Models(actor, critic, reference, scorer, tokenizer, critic_tokenizer)
+    return Models(actor, critic, reference, rewards, tokenizer,
+                  critic_tokenizer if critic is not None else None)
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
@@ -381,91 +479,114 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.trust_remote_code)
     prompts = load_prompts(cfg, tokenizer, pairs, ptx_pairs)
     rounds = num_batches(len(prompts.train), ppo.rollout_batch_size)
-    updates = ppo.epochs * rounds * ppo.ppo_epochs * num_batches(ppo.rollout_batch_size,
-                                                                 ppo.micro_batch_size)
+    updates = ppo.epochs * rounds * ppo.ppo_epochs * num_batches(
+        ppo.rollout_batch_size * ppo.samples_per_prompt, ppo.micro_batch_size)
+    reset_memory_peak(dp.device)
     models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
     ema = models.actor.copy_weights() if ppo.ema.enabled else None
     sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
-    ckpt = StepCheckpoints(cfg, 3, rt, {"actor": models.actor, "critic": models.critic},
-                           extra={"ema": ema} if ema else None)
+    engines = {"actor": models.actor, **({"critic": models.critic} if models.critic else {})}
+    ckpt = StepCheckpoints(cfg, 3, rt, engines, extra={"ema": ema} if ema else None)
     position, metrics_rows = ckpt.restore({"epoch": 0, "round": 0, "iteration": 0,
-                                           "ptx_batches": 0, "seconds": 0.0, "before": None},
-                                          resume)
+                                           "ptx_batches": 0, "kl_coef": ppo.kl_coef,
+                                           "seconds": 0.0, "before": None}, resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
                       enabled=dp.reports, keep_rows=metrics_rows)
     evaluate = partial(evaluate_policy, models, prompts, sampling, ppo.rollout_batch_size,
                        seed, dp)
     before = evaluate() if position["before"] is None else position["before"]
     start = time.perf_counter() - position["seconds"]
-    iteration, ptx_batches = position["iteration"], position["ptx_batches"]
+    iteration, ptx_batches, kl_coef = (position[k] for k in ("iteration", "ptx_batches",
+                                                              "kl_coef"))
     time_totals: dict[str, float] = {}
     for epoch in range(position["epoch"], ppo.epochs):
         for round_index, prompt_batch in epoch_batches(
                 prompts.train, ppo.rollout_batch_size, seed=seed + epoch,
                 skip=position["round"] if epoch == position["epoch"] else 0,
                 desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports):
-            times, ptx_batches = iterate(cfg, models, prompts, prompt_batch, sampling, ema,
-                                         dp, tracker, iteration, ptx_batches)
+            times, ptx_batches, kl_coef = iterate(cfg, models, prompts, prompt_batch, sampling,
+                                                  ema, dp, tracker, iteration, ptx_batches,
+                                                  kl_coef)
             iteration += 1
             time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
             epoch_done = round_index == rounds
             ckpt.save_if_due(iteration, {
                 "epoch": epoch + epoch_done, "round": 0 if epoch_done else round_index,
-                "iteration": iteration, "ptx_batches": ptx_batches,
+                "iteration": iteration, "ptx_batches": ptx_batches, "kl_coef": kl_coef,
                 "seconds": time.perf_counter() - start, "before": before}, tracker)
-
     models.actor.eval()
     after = evaluate()
-    elapsed = time.perf_counter() - start
+    mean_times = {k: v / max(iteration - position["iteration"], 1) for k, v in time_totals.items()}
+    return finish(cfg, models, ema, tracker, before, after, time.perf_counter() - start,
+                  iteration, mean_times, ckpt, dp)
+
+
+def finish(cfg: DictConfig, models: Models, ema: Tensors | None, tracker: Tracker,
+           before: dict, after: dict, elapsed: float, iterations: int,
+           mean_times: dict[str, float], ckpt: StepCheckpoints, dp: DataParallel) -> dict:
+    """Log the summary (scores before and after, wall time, memory peak), export the
+    models, drop the checkpoints, and print the step's closing lines."""
     summary = {**{f"eval/{k}_before": v for k, v in before.items()},
                **{f"eval/{k}_after": v for k, v in after.items()},
-               "time/seconds": elapsed, "iterations": iteration}
-    tracker.log(summary, iteration)
+               "time/seconds": elapsed, "iterations": iterations,
+               "memory/peak_mib": memory_peak(dp.device) / 2**20,
+               "memory/trained_mib": sum(e.state_bytes() for e in (models.actor, models.critic)
+                                         if e is not None) / 2**20}
+    tracker.log(summary, iterations)
     tracker.close()
-    step3 = export(cfg, models, ema)
+    step3 = export(cfg, models, ema, dp)
     ckpt.clear()
-    if time_totals:
-        runs = iteration - position["iteration"]
-        log("step 3 mean iteration: "
-            + _breakdown_line({k: v / runs for k, v in time_totals.items()}))
+    if mean_times:
+        log("step 3 mean iteration: " + _breakdown_line(mean_times))
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
-    log(f"step 3 (PPO) done: {iteration} iterations, " + (f"{line}, " if line else "")
-        + f"{elapsed:.1f}s -> {step3}")
+    log(f"step 3 ({cfg.ppo.algorithm}) done: {iterations} iterations, "
+        + (f"{line}, " if line else "") + f"{elapsed:.1f}s, peak memory "
+        f"{summary['memory/peak_mib']:.0f} MiB -> {step3}")
     return summary
 
 
 def iterate(cfg: DictConfig, models: Models, prompts: Prompts, prompt_batch: list[list[int]],
             sampling: SamplingSettings, ema: Tensors | None, dp: DataParallel,
-            tracker: Tracker, iteration: int, ptx_batches: int) -> tuple[dict, int]:
-    """One PPO iteration: rollouts for a batch of prompts, then updates, then metrics.
-    Returns its time breakdown and the PTX stream's new position."""
+            tracker: Tracker, iteration: int, ptx_batches: int, kl_coef: float
+            ) -> tuple[dict, int, float]:
+    """One iteration: rollouts for a batch of prompts (`ppo.samples_per_prompt` answers
+    each), then updates, then metrics. Returns its time breakdown, the PTX stream's new
+    position and the next KL coefficient."""
     t0 = time.perf_counter()
-    eos, pad = models.tokenizer.eos_token_id, models.tokenizer.pad_token_id
-    share = dp.share(prompt_batch)
-    batch = to_device(collate_prompts(share.rows, pad), dp.device)
-    exp, timing = make_experience(
-        models.actor, models.reference, models.critic, models.scorer, batch, sampling, eos,
-        pad, cfg.ppo, dp, seeds=row_seeds(cfg.seed, iteration + 1, share.index),
-        weight=share.weight)
+    ppo, group = cfg.ppo, cfg.ppo.samples_per_prompt
+    share = dp.share(prompt_batch, group=group)   # a prompt's answers stay on one rank
+    batch = to_device(collate_prompts(share.rows, models.tokenizer.pad_token_id), dp.device)
+    exp, timing = make_experience(models, batch, sampling, ppo, dp, kl_coef=kl_coef,
+                                  seeds=row_seeds(cfg.seed, iteration + 1, share.index),
+                                  weight=share.weight, group_size=group)
     t1 = time.perf_counter()
-    stats, ptx_batches = update(exp, share, len(prompt_batch), models, cfg.ppo, dp, prompts.ptx,
-                                ptx_batches, ema, cfg.seed, iteration)
+    stats, ptx_batches = update(exp, share, len(prompt_batch) * group, models, ppo, dp,
+                                prompts.ptx, ptx_batches, ema, cfg.seed, iteration, kl_coef)
     t2 = time.perf_counter()
-    metrics = {**stats, **_rollout_metrics(exp, eos, dp)}
+    metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id, dp),
+               "kl_coef": kl_coef}
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
-                            len(prompt_batch), metrics.pop("answer/tokens"), cfg.ppo.ppo_epochs)
-    if (iteration + 1) % cfg.ppo.log_every == 0:
-        tracker.log({**metrics, "lr/actor": models.actor.lr, "lr/critic": models.critic.lr,
-                     **times}, iteration + 1)
+                            len(prompt_batch) * group, metrics.pop("answer/tokens"),
+                            ppo.ppo_epochs)
+    if ppo.kl_target is not None:
+        kl_coef = adaptive_kl_coef(kl_coef, metrics["reward/kl"], ppo.kl_target,
+                                   ppo.kl_horizon, len(prompt_batch) * group)
+    if (iteration + 1) % ppo.log_every == 0:
+        lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
+                                                            ("critic", models.critic)) if engine}
+        tracker.log({**metrics, **lrs, **times}, iteration + 1)
         if not cfg.logging.progress:
             log(f"step 3 iteration {iteration + 1}: " + _breakdown_line(times))
-    return times, ptx_batches
+    return times, ptx_batches, kl_coef
 
 
-def export(cfg: DictConfig, models: Models, ema: Tensors | None) -> Path:
+def export(cfg: DictConfig, models: Models, ema: Tensors | None, dp: DataParallel) -> Path:
     step3 = Path(cfg.output_dir) / "step3"
     models.actor.export(models.tokenizer, step3 / "actor")
-    models.critic.export(models.critic_tokenizer, step3 / "critic")
+    if models.critic is not None:
+        models.critic.export(models.critic_tokenizer, step3 / "critic")
+    else:   # an earlier run's critic (overwrite=true) must not pass for this run's
+        dp.write_once(lambda: shutil.rmtree(step3 / "critic", ignore_errors=True))
     if ema is not None:
         models.actor.export(models.tokenizer, step3 / "actor_ema", weights=ema)
     return step3
@@ -496,7 +617,7 @@ def _rollout_metrics(exp: Experience, eos_token_id: int, dp: DataParallel
     """Means over the whole batch's real rows (rows with at least one action)."""
     lengths = exp.action_mask.sum(1)
     real = (lengths > 0).float()
-    ended = ((exp.sequences[:, exp.prompt_len:] == eos_token_id) & (exp.action_mask > 0)).any(1)
+    ended = ended_with_eos(exp.sequences[:, exp.prompt_len:], exp.action_mask, eos_token_id)
     rows, score, kl, reward, tokens, ended, values = dp.sum(
         float(real.sum()), float((exp.scores * real).sum()),
         float((exp.kl * exp.action_mask).sum()), float(exp.rewards.sum()),

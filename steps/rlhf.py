@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["AdvantagesOut", "PolicyLossOut", "RewardLossOut", "RewardsOut", "ValueLossOut",
-           "answer_mask", "ema_update", "gae", "kl_penalized_rewards", "logprobs_of_tokens",
-           "masked_mean", "masked_sum", "masked_var", "pairwise_reward_loss", "policy_loss",
-           "sft_loss", "value_loss", "whiten"]
+           "adaptive_kl_coef", "answer_mask", "ema_update", "gae", "group_normalized_advantages",
+           "kl_estimate", "kl_penalized_rewards", "leave_one_out_advantages", "logprobs_of_tokens",
+           "loss_weights", "masked_mean", "masked_sum", "masked_var", "pairwise_reward_loss",
+           "policy_loss", "returns_to_go", "sequence_rewards", "sft_loss", "value_loss", "whiten"]
 
 
 class RewardsOut(NamedTuple):
@@ -180,9 +181,41 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
 # Rewards and advantages (constants for the optimiser: computed under no_grad)
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
+                estimator: str = "k1") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from actions sampled by the policy
+    (Schulman, "Approximating KL divergence"), with ``d = logprobs - ref_logprobs``:
+    ``k1 = d`` (unbiased, can be negative), ``k2 = d^2 / 2`` (biased, low variance),
+    ``k3 = exp(-d) - 1 + d`` (unbiased and >= 0: GRPO's KL loss).
+
+    Args:
+        logprobs: [B, N] log-probs under the policy (may carry grad: the KL loss).
+        ref_logprobs: [B, N] under the reference. mask: [B, N] action mask.
+        estimator: "k1", "k2" or "k3".
+
+    Returns:
+        float32 [B, N], 0 outside the mask.
+    """
+    d = torch.where(mask != 0, logprobs.float() - ref_logprobs.float(),
+                    torch.zeros((), device=logprobs.device))
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d ** 2
+    elif estimator == "k3":
+        kl = torch.expm1(-d) + d
+    else:
+        raise ValueError(f"KL estimator {estimator!r}: choose one of {KL_ESTIMATORS}")
+    return _select(kl, mask)
+
+
 @torch.no_grad()
 def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
-                         kl_coef: float, score_clip: float) -> RewardsOut:
+                         kl_coef: float, score_clip: float,
+                         estimator: str = "k1") -> RewardsOut:
     """Per-token PPO reward (InstructGPT / DeepSpeed-Chat): KL penalty + clipped final score.
 
     Args:
@@ -190,15 +223,16 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
         logprobs: [B, N] log-probs of the actions under the policy that sampled them.
         ref_logprobs: [B, N] log-probs of the same actions under the frozen reference model.
         mask: [B, N] action mask.
-        kl_coef: weight of the KL penalty.
+        kl_coef: weight of the KL penalty (0: none).
         score_clip: scores are clamped to [-score_clip, score_clip].
+        estimator: the per-token KL estimate (``kl_estimate``); InstructGPT's is k1.
 
     Returns:
-        RewardsOut(rewards [B, N], kl [B, N]) with ``kl = (logprobs - ref_logprobs)`` on actions
+        RewardsOut(rewards [B, N], kl [B, N]) with ``kl = kl_estimate(...)`` on actions
         and ``rewards = -kl_coef * kl``, plus the clipped score at the last action of each row.
         Both are 0 outside the mask; a row without actions gets no score. Detached.
     """
-    kl = _select(logprobs.float() - ref_logprobs.float(), mask)
+    kl = kl_estimate(logprobs, ref_logprobs, mask, estimator)
     rewards = -kl_coef * kl
     has_action = (mask != 0).any(dim=-1)  # [B]
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
@@ -249,6 +283,120 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return AdvantagesOut(advantages=adv.to(out_dtype), returns=ret.to(out_dtype))
 
 
+@torch.no_grad()
+def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Discounted return of each action, ``G_t = sum_{k>=t} gamma^(k-t) r_k`` (REINFORCE,
+    no critic): GAE with zero values and lambda 1.
+
+    Args:
+        rewards: [B, N] per-token rewards. mask: [B, N] action mask. gamma: discount.
+
+    Returns:
+        [B, N] float32, 0 outside the mask. Detached.
+    """
+    return gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask, gamma,
+               1.0).returns
+
+
+@torch.no_grad()
+def sequence_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
+                     score_clip: float) -> Tensor:
+    """One reward per answer for the critic-free group estimators: the clipped score minus
+    ``kl_coef`` times the answer's summed KL (0 when the KL is a loss term instead).
+
+    Args:
+        scores: [B]. kl: [B, N] per-token KL estimate (0 outside the mask). mask: [B, N].
+        kl_coef: weight of the KL penalty. score_clip: scores clamped to +-score_clip.
+
+    Returns:
+        [B] float32; a row without actions gets 0. Detached.
+    """
+    has_action = (mask != 0).any(dim=-1)
+    reward = scores.float().clamp(-score_clip, score_clip) - kl_coef * masked_sum(kl, mask, -1)
+    return torch.where(has_action, reward, torch.zeros_like(reward))
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1 or group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"rewards {tuple(rewards.shape)} do not form groups of {group_size}")
+    return rewards.float().view(-1, group_size)
+
+
+@torch.no_grad()
+def group_normalized_advantages(rewards: Tensor, group_size: int, scale: bool = True,
+                                eps: float = 1e-6) -> Tensor:
+    """GRPO (Shao et al., 2024): each answer's reward against the other answers to the same
+    prompt, ``(r - mean_group) / (std_group + eps)`` with the unbiased std; ``scale=False``
+    keeps only the mean shift, as Dr. GRPO (Liu et al., 2025) does.
+
+    Args:
+        rewards: [B] one reward per answer, B = prompts * group_size, each prompt's answers
+            consecutive. group_size: answers per prompt (>= 2).
+
+    Returns:
+        [B] float32 advantages (one per answer; broadcast over its tokens). A group whose
+        answers all score the same gets 0.
+    """
+    groups = _groups(rewards, group_size)
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
+    return advantages.flatten()
+
+
+@torch.no_grad()
+def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """RLOO (Ahmadian et al., 2024): each answer's reward minus the mean reward of the
+    other answers to the same prompt, ``r_i - (sum_j r_j - r_i) / (k - 1)``.
+
+    Args:
+        rewards: [B] one reward per answer, each prompt's ``group_size`` (>= 2) consecutive.
+
+    Returns:
+        [B] float32 advantages (broadcast over each answer's tokens).
+    """
+    groups = _groups(rewards, group_size)
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).flatten()
+
+
+def adaptive_kl_coef(kl_coef: float, observed_kl: float, target: float, horizon: float,
+                     samples: int) -> float:
+    """Ziegler et al. (2019)'s proportional controller: the next KL coefficient,
+    ``kl_coef * (1 + clip(observed / target - 1, -0.2, 0.2) * samples / horizon)``, which
+    raises the penalty while the policy's KL to the reference is above ``target`` and
+    lowers it while below.
+
+    Args:
+        kl_coef: the coefficient used for this batch. observed_kl: the batch's mean KL per
+            answer (summed over its tokens). target: the KL to hold. horizon: how many
+            samples the controller takes to close the gap. samples: this batch's answers.
+    """
+    error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * samples / horizon)
+
+
+def loss_weights(mask: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:
+    """How a per-token loss is averaged: the mask scaled per token, and the count the sum
+    divides by (to be summed over ranks when these rows are one rank's share).
+
+    ``token-mean``: every action of the batch counts the same (long answers weigh more).
+    ``seq-mean``: each answer's token mean, averaged over answers (GRPO's paper).
+
+    Args:
+        mask: [B, N] action mask. aggregation: "token-mean" or "seq-mean".
+
+    Returns:
+        (weights [B, N], count scalar): loss = masked_sum(x, weights) / count.
+    """
+    if aggregation == "token-mean":
+        return mask, mask.sum()
+    if aggregation == "seq-mean":
+        lengths = mask.sum(dim=-1, keepdim=True)
+        return mask / lengths.clamp(min=1), (lengths > 0).sum().to(mask.dtype)
+    raise ValueError(f"loss aggregation {aggregation!r}: choose token-mean or seq-mean")
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses
 
@@ -262,7 +410,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
 
     Args:
         logprobs: [B, N] log-probs of the actions under the current policy (with grad).
-        old_logprobs: [B, N] log-probs at rollout time. advantages: [B, N]. mask: [B, N].
+        old_logprobs: [B, N] log-probs at rollout time. advantages: [B, N].
+        mask: [B, N] action mask, or per-token weights on the actions (``loss_weights``).
         clip_range: PPO epsilon.
         num_actions: the count the means divide by; default ``mask.sum()``. Give the count
             of the whole batch when these rows are one rank's share of it: the shares then
@@ -297,7 +446,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
     Args:
         values: [B, N] current value predictions (with grad). old_values: [B, N] at rollout time.
-        returns: [B, N] GAE returns. mask: [B, N]. clip_range: value clip epsilon.
+        returns: [B, N] GAE returns. mask: [B, N], as for ``policy_loss``.
+        clip_range: value clip epsilon.
         num_actions: the count the means divide by (see ``policy_loss``).
 
     Returns:

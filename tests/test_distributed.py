@@ -79,9 +79,10 @@ def _rows(out: Path, step: int) -> list[dict]:
 
 
 def _metrics(out: Path, step: int) -> list[dict]:
-    """The rows without timings, learning-rate groups and collective bytes (engine.log_comm)."""
-    return [{k: v for k, v in row.items() if not k.startswith(("time/", "lr/", "comm/"))}
-            for row in _rows(out, step)]
+    """The rows without timings, memory peaks, learning-rate groups and collective bytes
+    (engine.log_comm)."""
+    skip = ("time/", "lr/", "comm/", "memory/")
+    return [{k: v for k, v in row.items() if not k.startswith(skip)} for row in _rows(out, step)]
 
 
 def _weights(out: Path, name: str) -> dict[str, torch.Tensor]:
@@ -134,6 +135,43 @@ def test_four_ranks_match_one_process(single, tmp_path):
                "engine.shard_frozen_models=false", "engine.gradient_checkpointing=true"))
     _assert_same_run(tmp_path, single, rtol=1e-5, atol=1e-5, weight_max=2e-4,
                      weight_mean=1e-6)
+
+
+# GRPO (critic-free, groups of 3 answers) with the adaptive KL controller and the
+# missing-EOS penalty, step 3 alone from the one-process run's step-1 and step-2 models
+def _grpo(single: Path, out: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
+    return _train(out, "--step", "3", f"ppo.actor_path={single / 'actor'}",
+                  f"ppo.reward_path={single / 'reward'}", "ppo.algorithm=grpo",
+                  "ppo.samples_per_prompt=3", "ppo.micro_batch_size=6", "ppo.kl_target=0.01",
+                  "ppo.kl_horizon=50", "ppo.missing_eos_penalty=0.5", *extra, fault=fault)
+
+
+@pytest.fixture(scope="module")
+def grpo_two_ranks(single, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo_two")
+    _ok(_grpo(single, out, "engine.procs=2", "--actor-zero-stage", "3"))
+    return out
+
+
+def test_grpo_on_two_ranks_matches_one_process(single, grpo_two_ranks, tmp_path):
+    """A prompt's group stays on one rank: advantages need no collective, and metrics,
+    the adapted KL coefficient and the weights match one process's."""
+    _ok(_grpo(single, tmp_path))
+    _assert_same_run(grpo_two_ranks, tmp_path, rtol=1e-5, atol=1e-5, weight_max=2e-4,
+                     weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"))
+    rows = [r for r in _rows(tmp_path, 3) if "kl_coef" in r]
+    assert len({r["kl_coef"] for r in rows}) == len(rows) > 3     # it adapted
+    assert "train/kl_loss" in rows[0] and "train/value_loss" not in rows[0]
+    assert not (tmp_path / "step3" / "critic").exists()
+
+
+def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_two_ranks, tmp_path):
+    two = ["engine.procs=2", "--actor-zero-stage", "3"]
+    assert _grpo(single, tmp_path, *two, fault="kill:3:2").returncode != 0
+    resumed = _ok(_grpo(single, tmp_path, *two, "--resume"))
+    assert "step 3: resumed from" in resumed.stdout and "iteration 4" in resumed.stdout
+    _assert_same_run(tmp_path, grpo_two_ranks, rtol=1e-6, atol=1e-6, weight_max=1e-6,
+                     weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
 def _free_port() -> int:

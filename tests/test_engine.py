@@ -29,6 +29,8 @@ from engine.models import (
 )
 from engine.parallel import frozen
 from engine.runtime import Runtime
+from steps.config import PPOConfig
+from steps.rewards import Rewards, RewardScorer
 from steps.rlhf import sft_loss
 from steps.tokenize import collate_prompts
 
@@ -302,7 +304,8 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
     critic = TrainEngine(load_reward_model(preset, tok, seed=3), OptimSettings(lr=1e-3), 1,
                          CPU)
     reward = frozen(load_reward_model(preset, tok, seed=4), CPU)
-    scorer = ppo.RewardScorer(reward, tok, tok, CPU.device)
+    rewards = Rewards(tok, RewardScorer(reward, tok, tok, CPU.device), 1.0, None, 0.0)
+    models = ppo.Models(actor, critic, ref, rewards, tok, tok)
 
     prompt_rows = [tok(t)["input_ids"] for t in ("Hi", "Hello there, how are you?", "Q: 2+2")]
     prompt_ids, prompt_mask = left_pad(prompt_rows)
@@ -313,20 +316,21 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
     calls = []
 
     def scripted_generate(input_ids, attention_mask, sampling, *, eos_token_id,
-                          pad_token_id, row_seeds):
-        calls.append(row_seeds)
+                          pad_token_id, row_seeds, group_size):
+        calls.append((row_seeds, group_size))
         assert torch.equal(input_ids, prompt_ids) and torch.equal(attention_mask, prompt_mask)
         assert (eos_token_id, pad_token_id, sampling.max_new_tokens) == (EOS, PAD, N)
         return torch.cat([input_ids, answers], dim=1)
 
     monkeypatch.setattr(actor, "generate", scripted_generate)
-    settings = OmegaConf.create(dict(kl_coef=0.1, score_clip=5.0, gamma=1.0, lam=0.95,
-                                     whiten_advantages=True))
+    settings = OmegaConf.merge(OmegaConf.structured(PPOConfig),
+                               dict(kl_coef=0.1, score_clip=5.0, gamma=1.0, lam=0.95,
+                                    whiten_advantages=True))
     exp, timing = ppo.make_experience(
-        actor, ref, critic, scorer, {"input_ids": prompt_ids, "attention_mask": prompt_mask},
-        SamplingSettings(max_new_tokens=N), EOS, PAD, settings, DataParallel(CPU))
+        models, {"input_ids": prompt_ids, "attention_mask": prompt_mask},
+        SamplingSettings(max_new_tokens=N), settings, DataParallel(CPU), kl_coef=0.1)
 
-    assert calls == [None]
+    assert calls == [(None, 1)]
     assert actor.module.training and critic.module.training  # modes restored
     P = prompt_ids.shape[1]
     assert exp.prompt_len == P

@@ -261,7 +261,7 @@ def test_step3_is_the_same_without_the_hybrid_engine(llama_run, tmp_path):
               **{"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward"}).check()
 
     def without_times(path: Path) -> list[dict]:
-        return [{k: v for k, v in row.items() if not k.startswith("time/")}
+        return [{k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))}
                 for row in metrics(path / "step3" / "metrics.jsonl")]
 
     assert without_times(plain) == without_times(out)
@@ -667,3 +667,32 @@ def test_logged_losses_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch
                                                 rel=1e-6, abs=1e-6)
         assert row["train/value_loss"] != pytest.approx(updates[-1]["train/value_loss"],
                                                         rel=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
+def test_step_1_then_3_with_a_reward_function_alone(tmp_path, algorithm):
+    """No step 2 and no reward model: the demo's scorer rewards the answers. RLOO builds no
+    critic (none is exported); PPO starts its critic from the actor. The adaptive KL
+    coefficient is logged every iteration and moves; the penalty for answers cut off
+    without EOS lowers their score."""
+    out = tmp_path / algorithm
+    run_train("--actor-model", "tiny-llama", "--step", "1", "3", "--output-dir", out,
+              settings=SMALL, **{"ppo.algorithm": algorithm, "ppo.samples_per_prompt": 2,
+                                 "ppo.rollout_batch_size": 6,
+                                 "ppo.reward_fn": "steps.demo:score",
+                                 "ppo.reward_model_weight": 0, "ppo.kl_target": 0.05,
+                                 "ppo.kl_horizon": 100, "ppo.missing_eos_penalty": 1.0,
+                                 "data.max_answer_len": 6}).check()
+    assert not (out / "reward").exists() and not (out / "step2").exists()
+    assert_model_dir(out / "step3" / "actor")
+    assert (out / "step3" / "critic").exists() == (algorithm == "ppo")
+    rows = [r for r in metrics(out / "step3" / "metrics.jsonl") if "kl_coef" in r]
+    assert len(rows) >= 3 and rows[0]["kl_coef"] == 0.05     # the demo recipe's
+    assert len({r["kl_coef"] for r in rows}) == len(rows)     # adapted every iteration
+    assert ("train/value_loss" in rows[0]) == (algorithm == "ppo")
+    # the demo's score is in [0, 1]; six-token answers are often cut off, and those score
+    # at most 1 - 1, so the mean score is at most the share that ended
+    assert any(r["reward/score"] < 0 for r in rows)
+    assert all(r["reward/score"] <= r["answer/ended_with_eos"] + 1e-6 for r in rows)
+    summary = metrics(out / "step3" / "metrics.jsonl")[-1]
+    assert summary["memory/peak_mib"] > 0 and summary["memory/trained_mib"] > 0

@@ -1,0 +1,88 @@
+"""Step 3's algorithms side by side on the demo task, through train.py (subprocesses), on
+CPU: PPO, GRPO, RLOO and REINFORCE++, each rewarded by the step-2 reward model (`rm`) and
+by the demo's ground-truth scorer as a reward function alone (`fn`: ppo.reward_fn=
+steps.demo:score, ppo.reward_model_weight=0), from one demo step-1/2 run per seed.
+
+Per run: the ground truth of held-out answers before -> after step 3, step 3's wall time,
+its memory peak (CUDA allocator, or on CPU the process's resident set, which includes
+Python and the libraries) and the bytes of trained state (parameters + AdamW state of the
+actor and, for PPO, the critic).
+
+Budgets: PPO and REINFORCE++ sample one answer per prompt, 32 prompts a round, 2 epochs
+over the step-3 prompts (the demo recipe); GRPO and RLOO 4 answers per prompt, 16 prompts
+a round, 1 epoch: twice the answers, in about the same number of iterations.
+
+Run:  python bench/algorithms.py [--seeds 1,2,3] [--algorithms ppo,grpo,rloo,reinforce_pp]
+      [--rewards rm,fn]      (~40 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+from quantized_base import rows, train
+
+SETTINGS = {
+    "ppo": [],
+    "grpo": ["ppo.algorithm=grpo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
+             "ppo.epochs=1"],
+    "rloo": ["ppo.algorithm=rloo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
+             "ppo.epochs=1"],
+    "reinforce_pp": ["ppo.algorithm=reinforce_pp"],
+}
+REWARDS = {"rm": [], "fn": ["ppo.reward_fn=steps.demo:score", "ppo.reward_model_weight=0"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--algorithms", default=",".join(SETTINGS))
+    parser.add_argument("--rewards", default=",".join(REWARDS))
+    parser.add_argument("--out", default="/tmp/bench-algorithms")
+    args = parser.parse_args()
+    root = Path(args.out)
+    print(f"command: python bench/algorithms.py {shlex.join(sys.argv[1:])}", flush=True)
+    results: dict[tuple[str, str], list[tuple]] = {}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        base = root / f"steps12-{seed}"
+        if not (base / "reward" / "config.json").exists():
+            train(base, "--step", "1", "2", f"seed={seed}")
+        for algorithm in args.algorithms.split(","):
+            for reward in args.rewards.split(","):
+                out = root / f"{algorithm}-{reward}-{seed}"
+                train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
+                      f"ppo.reward_path={base / 'reward'}", *SETTINGS[algorithm],
+                      *REWARDS[reward])
+                final = rows(out / "step3" / "metrics.jsonl")[-1]
+                result = (seed, final["eval/ground_truth_before"],
+                          final["eval/ground_truth_after"], final["time/seconds"],
+                          final["memory/peak_mib"], final["memory/trained_mib"],
+                          final["iterations"])
+                results.setdefault((algorithm, reward), []).append(result)
+                print(f"{algorithm:<13}{reward:<4}" + _row(result), flush=True)
+    print(f"\n{'algorithm':<13}{'reward':<7}{'seed':>5}{'ground truth':>18}{'gain':>8}"
+          f"{'step 3 s':>10}{'peak MiB':>10}{'trained MiB':>13}{'iters':>7}")
+    for (algorithm, reward), runs in results.items():
+        for result in runs:
+            print(f"{algorithm:<13}{reward:<7}" + _row(result))
+    print(f"\n{'algorithm':<13}{'reward':<7}{'mean gain':>10}{'min gain':>10}{'mean s':>8}"
+          f"{'mean peak MiB':>15}{'trained MiB':>13}")
+    for (algorithm, reward), runs in results.items():
+        gains = [after - before for _, before, after, *_ in runs]
+        print(f"{algorithm:<13}{reward:<7}{statistics.fmean(gains):>+10.3f}{min(gains):>+10.3f}"
+              f"{statistics.fmean(r[3] for r in runs):>8.1f}"
+              f"{statistics.fmean(r[4] for r in runs):>15.0f}{runs[0][5]:>13.1f}")
+
+
+def _row(result: tuple) -> str:
+    seed, before, after, seconds, peak, trained, iterations = result
+    return (f"{seed:>5}{before:>10.3f} -> {after:.3f}{after - before:>+8.3f}{seconds:>10.1f}"
+            f"{peak:>10.0f}{trained:>13.1f}{iterations:>7}")
+
+
+if __name__ == "__main__":
+    main()

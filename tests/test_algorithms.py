@@ -1,0 +1,223 @@
+"""Step 3's critic-free estimators, KL estimators, adaptive KL controller and loss
+aggregation (steps/rlhf.py) against hand-computed numbers, and the one-line errors for
+bad step-3 settings and reward functions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.errors import UserError
+from steps import ppo
+from steps.config import PPOConfig
+from steps.rewards import Rewards, load_reward_fn
+from steps.rlhf import (
+    adaptive_kl_coef,
+    group_normalized_advantages,
+    kl_estimate,
+    kl_penalized_rewards,
+    leave_one_out_advantages,
+    loss_weights,
+    masked_sum,
+    policy_loss,
+    returns_to_go,
+    sequence_rewards,
+)
+
+
+def close(got, want, tol=1e-6):
+    torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype), atol=tol, rtol=tol)
+
+
+# -- group estimators: two prompts x 4 answers -----------------------------------------------
+
+REWARDS = torch.tensor([1.0, 2.0, 3.0, 4.0, 2.0, 2.0, 2.0, 2.0])
+
+
+def test_grpo_normalises_within_each_group():
+    # group 1: mean 2.5, unbiased std sqrt(5/3) = 1.2909944; group 2: all equal -> 0
+    s = math.sqrt(5 / 3)
+    close(group_normalized_advantages(REWARDS, 4),
+          [-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s, 0, 0, 0, 0], tol=1e-5)
+
+
+def test_dr_grpo_only_subtracts_the_group_mean():
+    close(group_normalized_advantages(REWARDS, 4, scale=False),
+          [-1.5, -0.5, 0.5, 1.5, 0, 0, 0, 0])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_answers():
+    # 1 - (2+3+4)/3, 2 - (1+3+4)/3, 3 - (1+2+4)/3, 4 - (1+2+3)/3
+    close(leave_one_out_advantages(REWARDS, 4), [-2, -2 / 3, 2 / 3, 2, 0, 0, 0, 0])
+
+
+def test_groups_must_divide_the_batch():
+    with pytest.raises(ValueError, match="groups of 3"):
+        leave_one_out_advantages(REWARDS, 3)
+
+
+def test_returns_to_go_discount_the_rewards_after_each_action():
+    rewards = torch.tensor([[0.1, -0.2, 1.0, 9.0], [2.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
+    # row 0, gamma 0.5: G2 = 1.0, G1 = -0.2 + 0.5, G0 = 0.1 + 0.5 * 0.3; past the mask: 0
+    close(returns_to_go(rewards, mask, 0.5), [[0.25, 0.3, 1.0, 0], [2.0, 0, 0, 0]])
+
+
+def test_sequence_rewards_subtract_the_weighted_kl_sum_from_the_clipped_score():
+    scores = torch.tensor([3.0, 10.0, 1.0])
+    kl = torch.tensor([[0.1, 0.2, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [0, 0, 0]])
+    # 3 - 0.5 * 0.3; clip(10) = 5, 5 - 0.5 * 0.5; a row without actions gets 0
+    close(sequence_rewards(scores, kl, mask, 0.5, 5.0), [2.85, 4.75, 0.0])
+
+
+# -- KL estimators and the adaptive controller -----------------------------------------------
+
+
+@pytest.mark.parametrize("estimator, want", [
+    ("k1", [0.5, -0.5, 0.0]),
+    ("k2", [0.125, 0.125, 0.0]),
+    # exp(-d) - 1 + d: exp(-0.5) - 0.5 and exp(0.5) - 1.5
+    ("k3", [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]),
+])
+def test_kl_estimators(estimator, want):
+    logprobs = torch.tensor([[-1.0, -2.0, float("nan")]])
+    ref = torch.tensor([[-1.5, -1.5, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])       # garbage off the mask gives 0, not NaN
+    close(kl_estimate(logprobs, ref, mask, estimator), [want])
+
+
+def test_kl_penalty_in_the_reward_uses_the_named_estimator():
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.5]])
+    mask = torch.ones(1, 2)
+    out = kl_penalized_rewards(torch.tensor([2.0]), logprobs, ref, mask, 0.1, 5.0, "k2")
+    close(out.rewards, [[-0.0125, 2.0 - 0.0125]])
+
+
+def test_adaptive_kl_moves_the_coefficient_proportionally_and_clipped():
+    # KL twice the target: the error clips to +0.2; 64 samples of a 640-sample horizon
+    assert adaptive_kl_coef(0.1, 12.0, 6.0, 640, 64) == pytest.approx(0.1 * (1 + 0.2 * 0.1))
+    # 10% under the target: -0.1
+    assert adaptive_kl_coef(0.1, 5.4, 6.0, 640, 64) == pytest.approx(0.1 * (1 - 0.1 * 0.1))
+    assert adaptive_kl_coef(0.1, 6.0, 6.0, 640, 64) == pytest.approx(0.1)
+
+
+def test_adaptive_kl_holds_a_policy_near_the_target():
+    """A policy whose KL falls as the penalty rises (KL = 1 / coef) settles at the target."""
+    coef = 0.05
+    for _ in range(400):
+        coef = adaptive_kl_coef(coef, 1.0 / coef, target=4.0, horizon=1000, samples=100)
+    assert 1.0 / coef == pytest.approx(4.0, rel=0.02)
+
+
+# -- loss aggregation ----------------------------------------------------------------------
+
+
+def test_token_mean_and_seq_mean_aggregation():
+    x = torch.tensor([[3.0, 6.0, 9.0, 100.0], [4.0, 100.0, 100.0, 100.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
+    weights, count = loss_weights(mask, "token-mean")
+    assert masked_sum(x, weights) / count == pytest.approx((3 + 6 + 9 + 4) / 4)
+    weights, count = loss_weights(mask, "seq-mean")
+    assert float(count) == 2
+    assert masked_sum(x, weights) / count == pytest.approx((6 + 4) / 2)  # (mean 6, mean 4)
+
+
+def test_seq_mean_policy_loss_weighs_answers_equally():
+    logprobs = old = torch.zeros(2, 3)     # ratio 1: the loss is -mean(advantage)
+    advantages = torch.tensor([[1.0, 1.0, 1.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    weights, count = loss_weights(mask, "seq-mean")
+    assert float(policy_loss(logprobs, old, advantages, weights, 0.2, count).loss) == -2.5
+    weights, count = loss_weights(mask, "token-mean")
+    assert float(policy_loss(logprobs, old, advantages, weights, 0.2, count).loss) == -7 / 4
+
+
+# -- settings and reward functions: one-line errors naming the key ---------------------------
+
+
+def settings(**changes):
+    return OmegaConf.merge(OmegaConf.structured(PPOConfig), changes)
+
+
+@pytest.mark.parametrize("changes, said", [
+    (dict(algorithm="grpo"), "ppo.samples_per_prompt=1: grpo"),
+    (dict(algorithm="rloo", samples_per_prompt=1), "ppo.samples_per_prompt=1: rloo"),
+    (dict(algorithm="dpo"), "ppo.algorithm=dpo: choose one of ppo, grpo, rloo, reinforce_pp"),
+    (dict(kl_estimator="k4"), "ppo.kl_estimator=k4"),
+    (dict(loss_aggregation="sum"), "ppo.loss_aggregation=sum"),
+    (dict(reward_model_weight=0.0), "ppo.reward_model_weight=0 leaves nothing"),
+    (dict(reward_fn="no_such_module_xyz:score"), "ppo.reward_fn=no_such_module_xyz:score: "
+     "cannot import"),
+    (dict(reward_fn="steps.demo:no_such_fn"), "steps.demo has no function no_such_fn"),
+    (dict(reward_fn="steps.demo"), "give package.module:function"),
+    (dict(kl_target=-1.0), "ppo.kl_target=-1.0"),
+    (dict(algorithm="grpo", samples_per_prompt=2, rollout_batch_size=2, micro_batch_size=8),
+     "ppo.micro_batch_size must not exceed"),
+])
+def test_bad_settings_are_refused_naming_the_key(changes, said):
+    with pytest.raises(UserError, match=said.replace(".", r"\.").replace("(", r"\(")) as error:
+        ppo.check_settings(settings(**changes))
+    assert "\n" not in str(error.value)
+
+
+def test_the_group_algorithms_accept_their_settings():
+    for algorithm in ppo.ALGORITHMS:
+        ppo.check_settings(settings(algorithm=algorithm, samples_per_prompt=4,
+                                    reward_fn="steps.demo:score", reward_model_weight=0.0))
+
+
+def test_kl_placement_defaults_per_algorithm():
+    assert ppo.kl_settings(settings(algorithm="grpo")) == ppo.KLSettings(True, "k3")
+    for algorithm in ("ppo", "rloo", "reinforce_pp"):
+        assert ppo.kl_settings(settings(algorithm=algorithm)) == ppo.KLSettings(False, "k1")
+    assert ppo.kl_settings(settings(algorithm="grpo", kl_penalty="reward")) == \
+        ppo.KLSettings(False, "k1")
+    assert ppo.kl_settings(settings(kl_penalty="loss", kl_estimator="k2")) == \
+        ppo.KLSettings(True, "k2")
+
+
+class ByteTokenizer:
+    """decode = the byte values as text: enough for Rewards to hand texts to a function."""
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return ["".join(chr(t) for t in row.tolist() if t) for row in rows]
+
+
+def rewards_of(fn, prompt="Q?", answers=("ab", "c")):
+    rows = [[ord(ch) for ch in prompt + a.ljust(2, "\0")] for a in answers]
+    sequences = torch.tensor(rows)
+    rewards = Rewards(ByteTokenizer(), None, 0.0, fn, 2.0, "tests:fn")
+    return rewards(sequences, torch.ones_like(sequences), len(prompt))
+
+
+def test_reward_function_sees_prompt_and_answer_texts_and_is_weighted():
+    seen = []
+
+    def fn(prompt, answer):
+        seen.append((prompt, answer))
+        return len(answer)
+
+    close(rewards_of(fn), [4.0, 2.0])      # weight 2 x length
+    assert seen == [("Q?", "ab"), ("Q?", "c")]
+
+
+@pytest.mark.parametrize("fn, said", [
+    (lambda p, a: 1 / 0, r"ppo.reward_fn=tests:fn raised ZeroDivisionError: division by zero "
+     r"\(on prompt 'Q\?', answer 'ab'\)"),
+    (lambda p, a: "high", r"ppo.reward_fn=tests:fn returned 'high' .*finite number"),
+    (lambda p, a: float("nan"), r"returned nan .*finite number"),
+    (lambda p, a: None, r"returned None"),
+])
+def test_reward_function_failures_are_one_line_errors(fn, said):
+    with pytest.raises(UserError, match=said) as error:
+        rewards_of(fn)
+    assert "\n" not in str(error.value)
+
+
+def test_the_demo_scorer_is_a_reward_function():
+    score = load_reward_fn("steps.demo:score")
+    assert score("\n\nHuman: Give me some even digits.\n\nAssistant:", " 2 4 7") == 2 / 3
