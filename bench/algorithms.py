@@ -12,8 +12,19 @@ Budgets: PPO and REINFORCE++ sample one answer per prompt, 32 prompts a round, 2
 over the step-3 prompts (the demo recipe); GRPO and RLOO 4 answers per prompt, 16 prompts
 a round, 1 epoch: twice the answers, in about the same number of iterations.
 
-Run:  python bench/algorithms.py [--seeds 1,2,3] [--algorithms ppo,grpo,rloo,reinforce_pp]
-      [--rewards rm,fn]      (~40 min on 2 cores)
+--part hacking: reward over-optimisation on the `distinct` demo task (data.demo_task=
+distinct: "Give me 4 different even digits.", whose preference pairs hold no repeated
+digits, so its reward model never saw degenerate repetition). PPO from one step-1/2 run
+per seed, 4 epochs over the step-3 prompts, three ways: no KL penalty at all
+(ppo.kl_coef=0), the demo's fixed penalty (0.05), and with the guards: the adaptive KL
+controller (ppo.kl_target=1, ppo.kl_horizon=1000) and ppo.missing_eos_penalty=1. Per run:
+reward-model score and ground truth of held-out answers before -> after, and over the
+last 10 iterations the KL per answer, the share of answers that ended with EOS, and the
+final kl_coef.
+
+Run:  python bench/algorithms.py [--part algorithms|hacking|all] [--seeds 1,2,3]
+      [--algorithms ppo,grpo,rloo,reinforce_pp] [--rewards rm,fn]
+      (algorithms ~25 min, hacking ~15 min on 2 cores, alone)
 """
 
 from __future__ import annotations
@@ -35,24 +46,62 @@ SETTINGS = {
     "reinforce_pp": ["ppo.algorithm=reinforce_pp"],
 }
 REWARDS = {"rm": [], "fn": ["ppo.reward_fn=steps.demo:score", "ppo.reward_model_weight=0"]}
+GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
+          "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["all", "algorithms", "hacking"], default="all")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--algorithms", default=",".join(SETTINGS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
     parser.add_argument("--out", default="/tmp/bench-algorithms")
     args = parser.parse_args()
     root = Path(args.out)
+    seeds = [int(s) for s in args.seeds.split(",")]
     print(f"command: python bench/algorithms.py {shlex.join(sys.argv[1:])}", flush=True)
+    if args.part in ("all", "hacking"):
+        hacking(root, seeds)
+    if args.part in ("all", "algorithms"):
+        algorithms(root, seeds, args.algorithms.split(","), args.rewards.split(","))
+
+
+def hacking(root: Path, seeds: list[int]) -> None:
+    lines = []
+    for seed in seeds:
+        base = root / f"distinct-steps12-{seed}"
+        if not (base / "reward" / "config.json").exists():
+            train(base, "--step", "1", "2", f"seed={seed}", "data.demo_task=distinct")
+        for name, flags in GUARDS.items():
+            out = root / f"distinct-{name.replace(' ', '-')}-{seed}"
+            train(out, "--step", "3", f"seed={seed}", "data.demo_task=distinct",
+                  "ppo.epochs=4", f"ppo.actor_path={base / 'actor'}",
+                  f"ppo.reward_path={base / 'reward'}", *flags)
+            metrics = rows(out / "step3" / "metrics.jsonl")
+            final, last = metrics[-1], [r for r in metrics if "kl_coef" in r][-10:]
+            lines.append(
+                f"{name:<10}{seed:>5}{final['eval/reward_before']:>9.3f} -> "
+                f"{final['eval/reward_after']:.3f}{final['eval/ground_truth_before']:>9.3f} -> "
+                f"{final['eval/ground_truth_after']:.3f}"
+                f"{statistics.fmean(r['reward/kl'] for r in last):>9.2f}"
+                f"{statistics.fmean(r['answer/ended_with_eos'] for r in last):>9.2f}"
+                f"{statistics.fmean(r['answer/length'] for r in last):>9.1f}"
+                f"{last[-1]['kl_coef']:>10.4f}")
+            print(lines[-1], flush=True)
+    print(f"\n{'run':<10}{'seed':>5}{'reward model':>19}{'ground truth':>19}{'KL':>9}"
+          f"{'EOS':>9}{'length':>9}{'kl_coef':>10}")
+    print("\n".join(lines))
+
+
+def algorithms(root: Path, seeds: list[int], names: list[str], rewards: list[str]) -> None:
     results: dict[tuple[str, str], list[tuple]] = {}
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in seeds:
         base = root / f"steps12-{seed}"
         if not (base / "reward" / "config.json").exists():
             train(base, "--step", "1", "2", f"seed={seed}")
-        for algorithm in args.algorithms.split(","):
-            for reward in args.rewards.split(","):
+        for algorithm in names:
+            for reward in rewards:
                 out = root / f"{algorithm}-{reward}-{seed}"
                 train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
                       f"ppo.reward_path={base / 'reward'}", *SETTINGS[algorithm],

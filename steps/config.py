@@ -44,7 +44,7 @@ class DataConfig:
     max_prompt_len: int = val(256, "longer prompts are dropped (and counted)")
     max_answer_len: int = val(256, "longer answers are truncated")
     demo_pairs: int = val(4000, "size of the built-in demo data set")
-    demo_task: str = val("digits", 'what "demo" generates: digits | count (steps/demo.py)')
+    demo_task: str = val("digits", 'what "demo" generates: digits | distinct (steps/demo.py)')
 
 
 @dataclass

@@ -14,10 +14,10 @@ Two tasks (`data.demo_task`):
 - `digits` ("Give me some even digits."): some of its pairs hold hand-made degenerate
   answers (empty, too short, digits run together), so its reward model learns to score
   them low.
-- `count` ("Give me exactly 4 even digits."): the answer must hold that many digits; extra
-  ones dilute the score. Its pairs are all well formed (n-2 to n+2 digits, ended), so its
-  reward model never saw a runaway answer: the task on which an unguarded step 3 can hack
-  it.
+- `distinct` ("Give me 4 different even digits."): only the first n digits count, each
+  once; extra ones dilute the score. Its pairs are all well formed (n-2 to n+2 digits, none
+  repeated, ended), so its reward model never saw degenerate repetition: the task on which
+  an unguarded step 3 can hack it.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def prompt_text(request: str) -> str:
     return f"\n\nHuman: {request}\n\nAssistant:"
 
 
-COUNT_TEMPLATES = ("Give me exactly {} {} digits.", "List exactly {} {} digits.")
+DISTINCT_TEMPLATES = ("Give me {} different {} digits.", "List {} different {} digits.")
 MIN_DIGITS = 3
 _RULE_WORD = re.compile(r"\b(" + "|".join(RULES) + r")\b")
-_COUNT = re.compile(r"\bexactly (\d+)\b")
+_COUNT = re.compile(r"\b(\d+) different\b")
 
 
 def rule_of(prompt: str) -> str | None:
@@ -53,7 +53,7 @@ def rule_of(prompt: str) -> str | None:
 
 
 def requested_count(prompt: str) -> int | None:
-    """How many digits a `count` prompt asks for, or None."""
+    """How many different digits a `distinct` prompt asks for, or None."""
     found = _COUNT.search(prompt.rsplit("Human:", 1)[-1])
     return int(found.group(1)) if found else None
 
@@ -61,15 +61,15 @@ def requested_count(prompt: str) -> int | None:
 def score(prompt: str, answer: str) -> float:
     """Ground truth in [0, 1]: the share of whitespace-separated tokens of `answer` that are
     single digits obeying the prompt's rule, over at least MIN_DIGITS tokens (so a short or
-    empty answer cannot score full marks). A `count` prompt's n: only the first n tokens
-    can count, over at least n tokens (more dilute the score)."""
+    empty answer cannot score full marks). A `distinct` prompt's n: only the first n tokens
+    can count, each digit once, over at least n tokens (more dilute the score)."""
     rule = RULES.get(rule_of(prompt) or "")
     tokens = answer.split()
     if rule is None:
         return 0.0
     count = requested_count(prompt)
-    good = sum(1 for t in tokens[:count] if len(t) == 1 and t.isdigit() and rule(int(t)))
-    return good / max(len(tokens), count or MIN_DIGITS)
+    good = [t for t in tokens[:count] if len(t) == 1 and t.isdigit() and rule(int(t))]
+    return len(set(good) if count else good) / max(len(tokens), count or MIN_DIGITS)
 
 
 def _degenerate_answer(rng: random.Random) -> str:
@@ -78,19 +78,31 @@ def _degenerate_answer(rng: random.Random) -> str:
     return rng.choice(["", " ", f" {digits[0]}", " " + "".join(digits), "  ".join(digits)])
 
 
-def _sample_answer(rng: random.Random, rule: str, count: int | None = None) -> str:
-    """A noisy answer: 3 to 8 digits (`count` +- 2 for a count prompt), each obeying the
-    rule with a per-answer probability."""
+def _sample_answer(rng: random.Random, rule: str) -> str:
+    """A noisy answer: 3 to 8 digits, each obeying the rule with a per-answer probability."""
     follows = RULES[rule]
     good = [d for d in range(10) if follows(d)]
     bad = [d for d in range(10) if not follows(d)]
     p_good = rng.uniform(0.2, 1.0)
-    length = rng.randint(3, 8) if count is None else count + rng.randint(-2, 2)
-    digits = [rng.choice(good if rng.random() < p_good else bad) for _ in range(length)]
+    digits = [rng.choice(good if rng.random() < p_good else bad) for _ in range(rng.randint(3, 8))]
     return "".join(f" {d}" for d in digits)
 
 
-TASKS = ("digits", "count")
+def _distinct_answer(rng: random.Random, rule: str, count: int) -> str:
+    """A noisy answer to a `distinct` prompt: count +- 2 digits, none repeated, each from
+    the rule's digits with a per-answer probability (while there are any left)."""
+    follows = RULES[rule]
+    pools = {True: [d for d in range(10) if follows(d)],
+             False: [d for d in range(10) if not follows(d)]}
+    p_good = rng.uniform(0.2, 1.0)
+    digits = []
+    for _ in range(count + rng.randint(-2, 2)):
+        pool = pools[rng.random() < p_good] or pools[True] or pools[False]
+        digits.append(pool.pop(rng.randrange(len(pool))))
+    return "".join(f" {d}" for d in digits)
+
+
+TASKS = ("digits", "distinct")
 
 
 def make_pairs(num_pairs: int, seed: int, task: str = "digits") -> list[PreferencePair]:
@@ -102,10 +114,10 @@ def make_pairs(num_pairs: int, seed: int, task: str = "digits") -> list[Preferen
     pairs = []
     while len(pairs) < num_pairs:
         rule = rng.choice(sorted(RULES))
-        if task == "count":
+        if task == "distinct":
             count = rng.randint(3, 5)
-            prompt = prompt_text(rng.choice(COUNT_TEMPLATES).format(count, rule))
-            a, b = _sample_answer(rng, rule, count), _sample_answer(rng, rule, count)
+            prompt = prompt_text(rng.choice(DISTINCT_TEMPLATES).format(count, rule))
+            a, b = _distinct_answer(rng, rule, count), _distinct_answer(rng, rule, count)
         else:
             prompt = prompt_text(rng.choice(TEMPLATES).format(rule))
             a = _sample_answer(rng, rule)

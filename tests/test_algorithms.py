@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.errors import UserError
-from steps import ppo
+from steps import demo, ppo
 from steps.config import PPOConfig
 from steps.rewards import Rewards, load_reward_fn
 from steps.rlhf import (
@@ -221,3 +221,30 @@ def test_reward_function_failures_are_one_line_errors(fn, said):
 def test_the_demo_scorer_is_a_reward_function():
     score = load_reward_fn("steps.demo:score")
     assert score("\n\nHuman: Give me some even digits.\n\nAssistant:", " 2 4 7") == 2 / 3
+
+
+# -- the distinct task: a second verifiable demo task without degenerate answers -----------
+
+
+def test_distinct_task_scores_the_requested_digits_once_each():
+    prompt = demo.prompt_text("Give me 4 different even digits.")
+    assert demo.requested_count(prompt) == 4
+    assert demo.score(prompt, " 2 4 6 8") == 1.0
+    assert demo.score(prompt, " 2 2 2 2") == 1 / 4            # repetition counts once
+    assert demo.score(prompt, " 2 4 6 8 0 2") == 4 / 6        # extra digits dilute
+    assert demo.score(prompt, " 2 4") == 2 / 4                # too few cannot score full
+    assert demo.score(prompt, " 2 4 7 8 0") == 3 / 5          # 7 wrong; 0 past the fourth
+    assert demo.score(prompt, " 2468") == 0.0
+
+
+def test_distinct_task_pairs_are_well_formed_and_ordered():
+    pairs = demo.make_pairs(300, seed=3, task="distinct")
+    for pair in pairs:
+        count = demo.requested_count(pair.prompt)
+        assert 3 <= count <= 5
+        for answer in (pair.chosen, pair.rejected):   # no empty, run-together or repeats
+            tokens = answer.split()
+            assert count - 2 <= len(tokens) <= count + 2 and all(len(t) == 1 for t in tokens)
+            assert len(set(tokens)) == len(tokens)
+        assert demo.score(pair.prompt, pair.chosen) > demo.score(pair.prompt, pair.rejected)
+    assert demo.make_pairs(50, seed=3) == demo.make_pairs(50, seed=3, task="digits")

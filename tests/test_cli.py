@@ -292,3 +292,14 @@ def test_finished_model_is_not_overwritten_unless_asked(capsys, tmp_path):
     assert (out / "actor" / "model.safetensors").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp dirs left behind"
     assert not (out / "reward").exists() and not (out / "step2").exists()
+
+
+@pytest.mark.parametrize("argv, names", [
+    (("ppo.algorithm=grpo",), ["ppo.samples_per_prompt=1", "grpo", "2 or more"]),
+    (("ppo.reward_fn=nowhere_xyz:score",), ["ppo.reward_fn=nowhere_xyz:score", "cannot import"]),
+    (("data.demo_task=sums",), ["data.demo_task=sums", "digits, distinct"]),
+], ids=["grpo-group", "reward-fn", "demo-task"])
+def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
+    """Refused before step 1 runs, so a long run does not fail at step 3."""
+    line = refused(capsys, tmp_path / "out", *argv)
+    assert all(name in line for name in names), line
