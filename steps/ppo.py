@@ -129,6 +129,7 @@ def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: 
 
 CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
 ALGORITHMS = ("ppo", *CRITIC_FREE)
+NAMES = {"ppo": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
 
 
 class KLSettings(NamedTuple):
@@ -539,7 +540,7 @@ def finish(cfg: DictConfig, models: Models, ema: Tensors | None, tracker: Tracke
     if mean_times:
         log("step 3 mean iteration: " + _breakdown_line(mean_times))
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
-    log(f"step 3 ({cfg.ppo.algorithm}) done: {iterations} iterations, "
+    log(f"step 3 ({NAMES[cfg.ppo.algorithm]}) done: {iterations} iterations, "
         + (f"{line}, " if line else "") + f"{elapsed:.1f}s, peak memory "
         f"{summary['memory/peak_mib']:.0f} MiB -> {step3}")
     return summary
