@@ -153,8 +153,9 @@ def check_settings(ppo: DictConfig) -> None:
     for key, allowed in choices.items():
         if ppo[key] not in allowed:
             raise UserError(f"ppo.{key}={ppo[key]}: choose one of {', '.join(allowed)}")
-    if ppo.samples_per_prompt < 1 or (ppo.algorithm in ("grpo", "rloo")
-                                      and ppo.samples_per_prompt < 2):
+    if ppo.samples_per_prompt < 1:
+        raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: give 1 or more")
+    if ppo.algorithm in ("grpo", "rloo") and ppo.samples_per_prompt < 2:
         raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
                         "compares the answers to one prompt; give 2 or more (e.g. 4)")
     if ppo.reward_fn:
