@@ -214,10 +214,10 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor],
         cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
         scores = scores - ppo.missing_eos_penalty * cut_off.to(scores.dtype)
 
-    kl_settings_ = kl_settings(ppo)
-    reward_kl_coef = 0.0 if kl_settings_.in_loss else kl_coef
+    penalty = kl_settings(ppo)
+    reward_kl_coef = 0.0 if penalty.in_loss else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
-                                       ppo.score_clip, kl_settings_.estimator)
+                                       ppo.score_clip, penalty.estimator)
     advantages, returns = estimate_advantages(ppo, rewards, scores, kl, values, actions,
                                               reward_kl_coef, group_size, dp)
     t2 = time.perf_counter()
