@@ -1,5 +1,4 @@
-"""
-Chat with a trained model: python chat.py --path output/step3/actor
+"""Chat with a trained model: python chat.py --path output/step3/actor
 
 Works on any Hugging Face causal-LM directory (config.json, weights, tokenizer files), or a hub
 name, loaded as train.py loads models (engine/models.py), and generates through the model's
@@ -14,6 +13,7 @@ piped, one user turn is read per line and each reply is printed as "Assistant: <
 """
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -146,8 +146,7 @@ def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
     out_ids = model.generate(input_ids, torch.ones_like(input_ids), sampling, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id, on_token=streamer)
     streamer.end()
-    new_ids = out_ids[0, len(prompt_ids) :].tolist()
-    return cut_reply(decode_new(tokenizer, prompt_ids, new_ids))
+    return cut_reply(decode_new(tokenizer, prompt_ids, out_ids[0, len(prompt_ids) :].tolist()))
 
 
 # -----------------------------------------------------------------------------
@@ -226,10 +225,8 @@ def main(argv=None) -> int:
     if args.seed is not None:
         set_seed(args.seed)
     if interactive:
-        try:  # line editing and arrow-key recall for input(); absent on some platforms
+        with contextlib.suppress(ImportError):  # line editing for input(), where available
             import readline  # noqa: F401
-        except ImportError:
-            pass
         print(f"chat.py: {args.path} on {device} ({dtype}); type 'clear' to reset, 'quit' to exit",
               file=sys.stderr)
 

@@ -26,6 +26,7 @@ from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from engine.errors import UserError
 from steps.config import DEFAULTS, LIST_KEYS, as_yaml, listing, register
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -112,8 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for title, rows in FLAGS.items():
         group = parser.add_argument_group(title) if title else parser
         for flag, key, options, text in rows:
-            group.add_argument(flag, **options, default=None,
-                               help=_flag_help(key, options, text))
+            group.add_argument(flag, **options, default=None, help=_flag_help(key, options, text))
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="Hydra overrides of the config keys listed below")
     # intermixed: `key=value` overrides may come before, between and after the flags
@@ -154,8 +154,6 @@ def build_config(args: argparse.Namespace) -> DictConfig:
         try:
             cfg = compose("config", overrides=overrides)
         except ValueError as err:  # hydra lets some malformed overrides (`=3`) through raw
-            from engine.errors import UserError
-
             raise UserError(f"bad override in {' '.join(args.overrides)}: "
                             f"{str(err).splitlines()[0]}") from None
     for rows in FLAGS.values():
@@ -169,8 +167,6 @@ def build_config(args: argparse.Namespace) -> DictConfig:
 
 def check_config(cfg: DictConfig) -> None:
     """Refuse a run that cannot work, before anything is loaded or written."""
-    from engine.errors import UserError
-
     steps = list(cfg.steps)
     if not steps or not set(steps) <= {1, 2, 3}:
         raise UserError(f"steps={steps}: choose from 1 2 3 (--step 1 2 3)")
@@ -190,6 +186,7 @@ def check_config(cfg: DictConfig) -> None:
     if 2 in steps and not cfg.reward_model:
         raise UserError("step 2 needs --reward-model (a local HF dir, hub name or preset)")
     from engine.models import check_model_arg
+    from steps.demo import TASKS
 
     if 1 in steps:
         check_model_arg(cfg.actor_model, "--actor-model")
@@ -200,8 +197,6 @@ def check_config(cfg: DictConfig) -> None:
     if len(cfg.data.split) != 3:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")
-    from steps.demo import TASKS
-
     if cfg.data.demo_task not in TASKS:
         raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
     if 3 in steps:
@@ -212,14 +207,11 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_zeropp(cfg: DictConfig) -> None:
-    from engine.errors import UserError
-
     z, per_node = cfg.engine.zeropp, cfg.engine.procs_per_node
     if per_node is not None and (per_node < 1 or cfg.engine.procs % per_node):
         raise UserError(f"engine.procs_per_node={per_node}: give a divisor of engine.procs="
                         f"{cfg.engine.procs}")
-    if (z.qwz or z.qgz or z.hpz != 1) and 3 not in (cfg.actor_zero_stage,
-                                                   cfg.reward_zero_stage):
+    if (z.qwz or z.qgz or z.hpz != 1) and 3 not in (cfg.actor_zero_stage, cfg.reward_zero_stage):
         raise UserError("ZeRO++ (engine.zeropp, --zero-quantized-weights/-gradients, "
                         "--zero-hpz-partition-size) works on ZeRO-3 models: add "
                         "--actor-zero-stage 3 and/or --reward-zero-stage 3")
@@ -227,16 +219,14 @@ def check_zeropp(cfg: DictConfig) -> None:
         raise UserError(f"engine.zeropp.weight_bits={z.weight_bits}, grad_bits={z.grad_bits}: "
                         "each must be 8 or 4")
     if z.block < 2 or z.block % 2:
-        raise UserError(f"engine.zeropp.block={z.block}: give an even number of values, e.g. "
-                        "256")
+        raise UserError(f"engine.zeropp.block={z.block}: give an even number of values, e.g. 256")
     q = cfg.engine.quantized_base
     lora_dims = {1: [cfg.sft.lora.dim], 2: [cfg.rm.lora.dim],
                  3: [cfg.ppo.actor_lora.dim, cfg.ppo.critic_lora.dim]}
     if q.enabled and not any(dim > 0 for step in cfg.steps for dim in lora_dims[step]):
-        raise UserError("engine.quantized_base (--zero-quantized-nontrainable-weights) "
-                        "quantizes the frozen base under LoRA, and no model of this run has "
-                        "LoRA: set sft.lora.dim, rm.lora.dim, ppo.actor_lora.dim or "
-                        "ppo.critic_lora.dim")
+        raise UserError("engine.quantized_base (--zero-quantized-nontrainable-weights) quantizes "
+                        "the frozen base under LoRA, and no model of this run has LoRA: set "
+                        "sft.lora.dim, rm.lora.dim, ppo.actor_lora.dim or ppo.critic_lora.dim")
     if q.bits not in (4, 8) or q.block < 2 or q.block % 2:
         raise UserError(f"engine.quantized_base.bits={q.bits}, block={q.block}: bits must "
                         "be 8 or 4, the block an even number of values (e.g. 64)")
@@ -251,7 +241,6 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     a step directory holds a complete checkpoint: checkpoints are dropped once a step
     has written its model."""
     from engine.checkpoint import complete_checkpoints
-    from engine.errors import UserError
     from steps.common import step_dir
 
     out = Path(cfg.output_dir)
@@ -265,19 +254,17 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     for step in cfg.steps:
         written = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm != "ppo" else \
             MODEL_DIRS[step]   # (critic-free algorithms write no critic)
-        finished = all((out / name).exists() for name in written)
-        if first is not None and step < first and finished:
+        if first is not None and step < first and all((out / n).exists() for n in written):
             plan.append((step, "skip"))
-            continue
-        if step == first:
+        elif step == first:
             plan.append((step, "resume"))
-            continue
-        for name in MODEL_DIRS[step]:
-            if (out / name).exists() and not cfg.overwrite:
-                raise UserError(f"{out / name} already holds a finished step-{step} model; "
-                                "pass overwrite=true to replace it or choose another "
-                                "--output-dir")
-        plan.append((step, "run"))
+        else:
+            for name in MODEL_DIRS[step]:
+                if (out / name).exists() and not cfg.overwrite:
+                    raise UserError(f"{out / name} already holds a finished step-{step} model; "
+                                    "pass overwrite=true to replace it or choose another "
+                                    "--output-dir")
+            plan.append((step, "run"))
     return plan
 
 
@@ -293,8 +280,8 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     torchrun."""
     import torch
 
-    from engine.errors import UserError
     from engine.launch import Launch, from_hostfile, run_torchrun
+    from steps.common import log
 
     lc = cfg.launch
     gpus = torch.cuda.device_count() if cfg.engine.device in ("auto", "cuda") else 0
@@ -302,17 +289,13 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     if gpus and procs > gpus:
         raise UserError(f"engine.procs={procs}, but this node has {gpus} GPU(s): one process "
                         "per GPU; lower engine.procs or set engine.device=cpu")
-    if cfg.deployment_type == "multi_node":
-        if lc.hostfile:
-            where = from_hostfile(lc.hostfile, lc.node_rank, lc.master_port)
-        else:
-            where = Launch(nproc_per_node=procs, nnodes=lc.nnodes, node_rank=lc.node_rank or 0,
-                           master_addr=lc.master_addr, master_port=lc.master_port,
-                           standalone=False)
-    else:
+    if cfg.deployment_type != "multi_node":
         where = Launch(nproc_per_node=procs)
-    from steps.common import log
-
+    elif lc.hostfile:
+        where = from_hostfile(lc.hostfile, lc.node_rank, lc.master_port)
+    else:
+        where = Launch(nproc_per_node=procs, nnodes=lc.nnodes, node_rank=lc.node_rank or 0,
+                       master_addr=lc.master_addr, master_port=lc.master_port, standalone=False)
     log(f"launching {where.nproc_per_node} processes on this node"
         + (f" (node {where.node_rank} of {where.nnodes}, master {where.master_addr}:"
            f"{where.master_port})" if not where.standalone else "") + " through torchrun")
@@ -322,7 +305,6 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
     from engine.comm_meter import logged_comm
-    from engine.errors import UserError
     from engine.runtime import seed_everything, setup_runtime
     from steps import demo, ppo, reward, sft
     from steps.common import log, step_dir
@@ -375,7 +357,6 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     (this file; a test harness passes its own wrapper)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from engine.errors import UserError
     from engine.runtime import launched_by_torchrun
     from steps.data import DataError
 
@@ -389,10 +370,9 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-        if rank is None:
-            run(cfg)
-        else:
+        if rank is not None:
             return _run_rank(cfg, rank)
+        run(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         reason = " ".join(str(err).split("\n")[:2]).strip()
         cause = str(err.__cause__).split("\n")[0] if err.__cause__ else ""
@@ -414,7 +394,6 @@ def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
     error, 1 a failure, PEER_LOST_EXIT stopped because another rank failed."""
     import torch.distributed as dist
 
-    from engine.errors import UserError
     from engine.launch import PEER_LOST_EXIT, lost_peer
     from steps.data import DataError
 

@@ -108,9 +108,6 @@ class Tensors:
 
 def complete_checkpoints(step_dir: Path) -> list[Path]:
     """The complete checkpoints under a step's directory, oldest first."""
-    directory = Path(step_dir) / "checkpoints"
-    if not directory.is_dir():
-        return []
-    done = [p for p in directory.iterdir()
-            if p.name.startswith(_PREFIX) and (p / "state.json").exists()]
+    done = [p for p in (Path(step_dir) / "checkpoints").glob(f"{_PREFIX}*")
+            if (p / "state.json").exists()]
     return sorted(done, key=lambda p: int(p.name.removeprefix(_PREFIX)))

@@ -22,11 +22,10 @@ def generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: t
              sampling: SamplingSettings, **kwargs) -> torch.Tensor:
     """See `_generate`. Decoding runs in inference mode (less bookkeeping per op); the
     answer is returned as an ordinary tensor, fit for training."""
-    with torch.inference_mode():
-        out = _generate(model, input_ids, attention_mask, sampling, **kwargs)
-    return out.clone()
+    return _generate(model, input_ids, attention_mask, sampling, **kwargs).clone()
 
 
+@torch.inference_mode()
 def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
               sampling: SamplingSettings, *, eos_token_id: int | list[int], pad_token_id: int,
               row_seeds: torch.Tensor | None = None, on_token: OnToken | None = None,
@@ -73,15 +72,14 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
                                 group_size)
 
     chooser = TokenChooser(sampling, row_seeds)
-    stops = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    eos = torch.tensor(stops, dtype=torch.long, device=device)
+    eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)   # 0-d or [E]
     out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
     out[:, :p] = input_ids
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     next_position = attention_mask.long().sum(-1)                   # [B]
     for t in range(n):
         token = chooser(logits, t)
-        token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
+        token = token.masked_fill(~unfinished, pad_token_id)
         out[:, p + t] = token
         unfinished &= ~torch.isin(token, eos)
         stop = on_token is not None and on_token(token)
@@ -100,14 +98,12 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
 
 def _check_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, g: int) -> None:
     """Raise ValueError unless the [B, P] rows form groups of g identical prompts."""
-    b, p = input_ids.shape
+    b = input_ids.shape[0]
     if g < 1 or b % g:
         raise ValueError(f"group_size {g} does not divide the batch of {b} rows")
-    if g == 1:
-        return
     for rows in (input_ids, attention_mask):
-        grouped = rows.reshape(b // g, g, p)
-        if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+        grouped = rows.unflatten(0, (-1, g))                      # [B/g, g, P]
+        if g > 1 and not torch.equal(grouped[:, 1:], grouped[:, :-1]):
             raise ValueError(f"group_size {g}: the rows of a group hold different prompts")
 
 

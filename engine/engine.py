@@ -43,14 +43,11 @@ def _param_groups(model: nn.Module, optim: OptimSettings) -> list[dict]:
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            key = (is_lora_param(name), param.ndim >= 2)
-            groups.setdefault(key, []).append(param)
-    return [
-        {"params": params,
-         "lr": optim.lora_lr if lora and optim.lora_lr is not None else optim.lr,
-         "weight_decay": optim.weight_decay if decay else 0.0}
-        for (lora, decay), params in groups.items()
-    ]
+            groups.setdefault((is_lora_param(name), param.ndim >= 2), []).append(param)
+    return [{"params": params,
+             "lr": optim.lora_lr if lora and optim.lora_lr is not None else optim.lr,
+             "weight_decay": optim.weight_decay if decay else 0.0}
+            for (lora, decay), params in groups.items()]
 
 
 class TrainEngine:
@@ -66,8 +63,7 @@ class TrainEngine:
         self.scheduler = get_scheduler(optim.lr_scheduler, self.optimizer,
                                        num_warmup_steps=optim.warmup_steps,
                                        num_training_steps=max(total_steps, 1))
-        self.micro_steps = 0
-        self.steps = 0
+        self.micro_steps = self.steps = 0
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -134,8 +130,7 @@ class TrainEngine:
         # a DTensor (sharded) counts its local shard
         return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
 
-    def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                     ) -> torch.Tensor:
+    def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] per-token outputs of a one-label scorer (see engine.models.token_values)."""
         return token_values(self.module, input_ids, attention_mask)
 
@@ -154,15 +149,12 @@ class TrainEngine:
         are left as they were. Collective: every process calls it."""
         if weights is None:
             return save_hf(self.module, tokenizer, out_dir, self.runtime)
-        live = self.copy_weights()
-        with torch.no_grad():
-            for param, value in zip(self.parameters(), weights.tensors.values(), strict=True):
-                param.copy_(value)
-            try:
-                return save_hf(self.module, tokenizer, out_dir, self.runtime)
-            finally:
-                for param, value in zip(self.parameters(), live.tensors.values(), strict=True):
-                    param.copy_(value)
+        live, params = self.copy_weights(), Tensors(dict(self.module.named_parameters()))
+        params.load_state_dict(weights.tensors)   # copied in place, by name
+        try:
+            return save_hf(self.module, tokenizer, out_dir, self.runtime)
+        finally:
+            params.load_state_dict(live.tensors)
 
     def eval(self) -> None:
         self.module.eval()

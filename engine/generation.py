@@ -109,12 +109,11 @@ class TokenChooser:
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
         if not self.sampling.do_sample:
             return logits.argmax(-1)
-        scores = logits
         for warp in self.warpers:
-            scores = warp(None, scores)
+            logits = warp(None, logits)
         if self.row_seeds is not None:
-            return _gumbel_scores(scores, self.row_seeds, step).argmax(-1)
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            return _gumbel_scores(logits, self.row_seeds, step).argmax(-1)
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
 
 
 class _OnToken(StoppingCriteria):

@@ -58,7 +58,7 @@ class HybridSettings:
 
 @dataclass
 class GenerationTimes:
-    """Seconds spent since the last `take`: gathering weights, and decoding."""
+    """Seconds spent since the last `take_times`: gathering weights, and decoding."""
 
     gather: float = 0.0
     generate: float = 0.0
@@ -72,13 +72,6 @@ def _base_module(model: nn.Module, name: str) -> tuple[nn.Module, nn.Module, str
     return owner, owner.get_base_layer() if isinstance(owner, LoraLayer) else owner, attr
 
 
-def _base_parameter(model: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor]:
-    """(owning module, attribute, tensor) of HF parameter `name`, looking through peft; a
-    quantized base weight comes dequantized (engine/quantized_base.py)."""
-    owner, base, attr = _base_module(model, name)
-    return owner, attr, effective_weight(base) if attr == "weight" else getattr(base, attr)
-
-
 def _shape(model: nn.Module, name: str) -> torch.Size:
     """Full shape of HF parameter `name`, sharded or not, quantized or not."""
     _, base, attr = _base_module(model, name)
@@ -86,12 +79,14 @@ def _shape(model: nn.Module, name: str) -> torch.Size:
 
 
 def merged_weight(model: nn.Module, name: str) -> torch.Tensor:
-    """Parameter `name` of `model` as the forward pass sees it: for a weight under a peft
-    LoRA layer, base + B @ A * scaling of the active adapters."""
-    owner, attr, value = _base_parameter(model, name)
-    if not isinstance(owner, LoraLayer):
-        return value
-    if attr == "weight" and not owner.merged and not owner.disable_adapters:
+    """Parameter `name` of `model` as the forward pass sees it: a quantized base weight
+    dequantized (engine/quantized_base.py), and for a weight under a peft LoRA layer,
+    base + B @ A * scaling of the active adapters."""
+    owner, base, attr = _base_module(model, name)
+    if attr != "weight":
+        return getattr(base, attr)
+    value = effective_weight(base)
+    if isinstance(owner, LoraLayer) and not owner.merged and not owner.disable_adapters:
         for adapter in owner.active_adapters:
             if adapter in owner.lora_A:
                 value = value + owner.get_delta_weight(adapter)
@@ -115,12 +110,12 @@ def gathered(units: list[nn.Module]) -> Iterator[None]:
 
 @dataclass
 class _Target:
-    """What a gather fills: the inference model or a plain HF copy, and for each of its
-    parameters the source parameters and the gather group they come with."""
+    """What a gather fills: the inference model or a plain HF copy, the source parameters
+    of each of its parameters, and its parameters by the gather group they come with."""
 
     model: nn.Module
     sources: dict[str, list[str]]
-    group_of: dict[str, int]
+    groups: dict[int, list[str]]
 
 
 class HybridEngine(TrainEngine):
@@ -134,17 +129,15 @@ class HybridEngine(TrainEngine):
         self._blocks = transformer_blocks(self.module)
         self._layer_prefixes = layer_prefixes(inner, self._blocks)
         self._plan = None
-        self.fallback_reason: str | None = None
         if self.hybrid.enabled:
+            reason = "kernel injection is off (engine.hybrid.kernel_injection)"
             if self.hybrid.kernel_injection:
                 try:
                     self._plan = plan(inner, self._layer_prefixes)
                 except Unsupported as why:
-                    self.fallback_reason = str(why)
-            else:
-                self.fallback_reason = "kernel injection is off (engine.hybrid.kernel_injection)"
-            if self.fallback_reason and runtime.is_main:
-                tqdm.write(f"hybrid engine: {type(inner).__name__}: {self.fallback_reason}; "
+                    reason = str(why)
+            if self._plan is None and runtime.is_main:
+                tqdm.write(f"hybrid engine: {type(inner).__name__}: {reason}; "
                            "generating with the gathered Hugging Face modules")
         self._target: _Target | None = None
 
@@ -159,29 +152,30 @@ class HybridEngine(TrainEngine):
                  group_size: int = 1) -> torch.Tensor:
         """Continue left-padded prompts [B, P] -> [B, P + N] (see engine.generation.generate,
         whose results this matches). Collective when sharded: every rank calls it.
-        `group_size`: the rows come in groups of that many consecutive rows sharing a prompt
-        (group sampling); the inference decoder computes each prompt's prefill once per
-        group. Generation with the Hugging Face modules ignores it (same answers)."""
+        `group_size`: rows in groups of that many sharing a prompt (group sampling; see
+        InferenceForm.generate)."""
         if group_size < 1 or input_ids.shape[0] % group_size:
             raise ValueError(f"group_size {group_size} does not divide the batch of "
                              f"{input_ids.shape[0]} rows")
         kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, row_seeds=row_seeds)
-        start = self._now()
-        if not self.hybrid.enabled:
+        start = gathered_at = self._now()
+        if self.hybrid.enabled:
+            target = self._gather()
+            gathered_at = self._now()
+            device = self.runtime.device
+            form = InferenceForm(target.model, device,
+                                 cuda_graph=self.hybrid.cuda_graphs and device.type == "cuda")
+            try:
+                out = form.generate(input_ids, attention_mask, sampling, group_size=group_size,
+                                    **kwargs)
+            finally:
+                self._release()
+        else:
             out = generate(self.module, input_ids, attention_mask, sampling, **kwargs)
-            self._add_times(start, start, self._now())
-            return out
-        target = self._gather()
-        gathered_at = self._now()
-        device = self.runtime.device
-        form = InferenceForm(target.model, device,
-                             cuda_graph=self.hybrid.cuda_graphs and device.type == "cuda")
-        try:
-            out = form.generate(input_ids, attention_mask, sampling, group_size=group_size,
-                                **kwargs)
-        finally:
-            self._release()
-        self._add_times(start, gathered_at, self._now())
+        end = self._now()
+        self.times.gather += gathered_at - start
+        self.times.generate += end - gathered_at
+        self.times.calls += 1
         return out
 
     def take_times(self) -> GenerationTimes:
@@ -207,17 +201,14 @@ class HybridEngine(TrainEngine):
         target = self._target
         params = dict(target.model.named_parameters())
         transforms = self._plan.transforms if self._plan is not None else {}
-        per_group: dict[int, list[str]] = {}
-        for name, group in target.group_of.items():
-            per_group.setdefault(group, []).append(name)
         size = max(self.hybrid.gather_group_size, 1)
         root_units = [m for m in inner.modules()
                       if isinstance(m, FSDPModule) and m not in self._blocks]
         with torch.no_grad():
-            for group in sorted(per_group):
+            for group, names in sorted(target.groups.items()):
                 units = root_units if group < 0 else self._blocks[group * size:(group + 1) * size]
                 with gathered(units):
-                    for name in per_group[group]:
+                    for name in names:
                         copy_sources(params[name], target.sources[name],
                                      lambda source: merged_weight(inner, source), transforms)
         return target
@@ -232,8 +223,10 @@ class HybridEngine(TrainEngine):
         else:
             model = self._plain_copy(inner, dtype, device)
             sources = {name: [name] for name, _ in model.named_parameters()}
-        group_of = {name: self._group(parts[0]) for name, parts in sources.items()}
-        return _Target(model.eval(), sources, group_of)
+        groups: dict[int, list[str]] = {}
+        for name, parts in sources.items():
+            groups.setdefault(self._group(parts[0]), []).append(name)
+        return _Target(model.eval(), sources, groups)
 
     def _plain_copy(self, inner: PreTrainedModel, dtype: torch.dtype,
                     device: torch.device) -> PreTrainedModel:
@@ -258,8 +251,6 @@ class HybridEngine(TrainEngine):
         return -1
 
     def _release(self) -> None:
-        if self._target is None:
-            return
         if not self.hybrid.pin_parameters:
             self._target = None
         elif self.hybrid.release_inference_cache and self.injected:
@@ -269,8 +260,3 @@ class HybridEngine(TrainEngine):
         if self.runtime.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
-
-    def _add_times(self, start: float, gathered_at: float, end: float) -> None:
-        self.times.gather += gathered_at - start
-        self.times.generate += end - gathered_at
-        self.times.calls += 1

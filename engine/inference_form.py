@@ -22,7 +22,7 @@ from engine import decode, generation, kernels
 from engine.errors import UserError
 from engine.generation import OnToken, SamplingSettings
 from engine.inference_modules import InferenceDecoder
-from engine.inference_plans import Plan, Unsupported, fused_shape, plan
+from engine.inference_plans import Plan, Unsupported, plan
 from engine.parallel import transformer_blocks
 
 log = logging.getLogger(__name__)
@@ -94,12 +94,12 @@ def allocate_decoder(plan: Plan, source_shape: Callable[[str], torch.Size],
     """The inference decoder of `plan` on `device`, its weights allocated but unset, each
     shaped as its sources (`source_shape` of an HF parameter name, through the plan's
     transforms); Triton kernels when `fused_kernels` and on CUDA."""
-    def shape(source: str) -> torch.Size:
+    def meta(source: str) -> torch.Tensor:   # the source's shape, without its storage
         full = torch.empty(source_shape(source), device="meta")
-        return plan.transforms.get(source, lambda w: w)(full).shape
+        return plan.transforms.get(source, lambda w: w)(full)
 
     decoder = InferenceDecoder(plan)
-    decoder.allocate({name: fused_shape([shape(s) for s in parts])
+    decoder.allocate({name: torch.cat([meta(s) for s in parts]).shape   # as copy_sources
                       for name, parts in plan.sources.items()}, dtype, device)
     decoder.use_fused_kernels(fused_kernels and device.type == "cuda"
                               and kernels.triton_available())
@@ -113,8 +113,6 @@ def copy_sources(param: torch.Tensor, sources: list[str],
     through its transform if it has one, in place (no concatenated copy)."""
     offset = 0
     for source in sources:
-        part = weight(source)
-        if source in transforms:
-            part = transforms[source](part)
+        part = transforms.get(source, lambda w: w)(weight(source))
         param[offset:offset + part.shape[0]].copy_(part)
         offset += part.shape[0]

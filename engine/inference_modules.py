@@ -99,14 +99,12 @@ class _Layer(nn.Module):
         attend); rope: (cos, sin) [B, 1, T, rotary_dim]. Attends over the first kv_len cache
         slots (all S when None: static shapes for CUDA graphs)."""
         spec = self.spec
-        b, t, _ = residual.shape
         residual, h = self.attn_norm(delta, residual)
         q, k, v = self.qkv(h).split(self.splits, dim=-1)
         if spec.scale_query_first:
             q = q * spec.head_dim ** -0.5
-        q = q.view(b, t, spec.heads, spec.head_dim).transpose(1, 2)
-        k = k.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
-        v = v.view(b, t, spec.kv_heads, spec.head_dim).transpose(1, 2)
+        # [B, T, heads * d] -> [B, heads, T, d]
+        q, k, v = (x.unflatten(-1, (-1, spec.head_dim)).transpose(1, 2) for x in (q, k, v))
         if rope is not None:
             q, k = _rotate(q, rope, spec.rotary_dim), _rotate(k, rope, spec.rotary_dim)
         keys.index_copy_(2, write_at, k)
@@ -158,16 +156,11 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dims: int
             ) -> torch.Tensor:
     """Rotary embedding of the first `dims` of each head's dims (all, except GPT-NeoX)."""
+    if dims < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :dims], rope, dims), x[..., dims:]), dim=-1)
     cos, sin = rope
-    if dims == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    turned, kept = x[..., :dims], x[..., dims:]
-    return torch.cat((turned * cos + _rotate_half(turned) * sin, kept), dim=-1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    half = dims // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class InferenceDecoder(nn.Module):
@@ -179,9 +172,8 @@ class InferenceDecoder(nn.Module):
         super().__init__()
         spec = self.spec = plan.spec
         self.embed = nn.Embedding(spec.vocab, spec.hidden, device="meta").requires_grad_(False)
-        self.positions = None
-        if not spec.rotary:
-            self.positions = nn.Embedding(1, spec.hidden, device="meta").requires_grad_(False)
+        self.positions = (None if spec.rotary
+                          else nn.Embedding(1, spec.hidden, device="meta").requires_grad_(False))
         self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.layers))
         self.norm = _Norm(spec)
         self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
@@ -193,9 +185,9 @@ class InferenceDecoder(nn.Module):
         """Give every weight storage of its source's shape (learned positions size from
         the checkpoint); contents are filled by the caller."""
         for name, shape in shapes.items():
-            owner, attr = self.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
-            setattr(owner, attr, nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
-                                              requires_grad=False))
+            path, attr = name.rsplit(".", 1)
+            weight = torch.empty(shape, dtype=dtype, device=device)
+            setattr(self.get_submodule(path), attr, nn.Parameter(weight, requires_grad=False))
         if self.rotary is not None:
             self.rotary.to(device)
         self.dtype, self.device = dtype, device

@@ -55,12 +55,10 @@ class Plan:
     """How to build the inference decoder from a Hugging Face causal LM.
 
     `sources[name]` lists the HF parameter names (relative to the transformers model) that
-    inference parameter `name` is the concatenation of; `layer_of[name]` is its layer
-    index, or None for the embeddings, final norm and head."""
+    inference parameter `name` is the concatenation of."""
 
     spec: DecoderSpec
     sources: dict[str, list[str]]
-    layer_of: dict[str, int | None]
     rotary: nn.Module | None    # a copy of the model's rotary-embedding module
     # sources stored in another layout, and the function that turns them into ours
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
@@ -217,12 +215,11 @@ def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, li
     biased += [name for name, on in (("qkv", spec.qkv_bias), ("out", spec.out_bias),
                                      ("up", spec.mlp_bias), ("down", spec.mlp_bias)) if on]
     root, layer = _with_biases(root, biased), _with_biases(layer, biased)
-    sources, layer_of = dict(root), dict.fromkeys(root)
+    sources = dict(root)
     for i, prefix in enumerate(layer_prefixes):
         for name, parts in layer.items():
             sources[f"layers.{i}.{name}"] = [f"{prefix}.{part}" for part in parts]
-            layer_of[f"layers.{i}.{name}"] = i
-    return Plan(spec, sources, layer_of, rotary, transforms or {})
+    return Plan(spec, sources, rotary, transforms or {})
 
 
 def _with_biases(entries: dict[str, list[str]], names: list[str]) -> dict[str, list[str]]:
@@ -231,8 +228,3 @@ def _with_biases(entries: dict[str, list[str]], names: list[str]) -> dict[str, l
     return {**entries, **{f"{name}.bias": [part.removesuffix(".weight") + ".bias"
                                            for part in entries[f"{name}.weight"]]
                           for name in names if f"{name}.weight" in entries}}
-
-
-def fused_shape(shapes: list[torch.Size]) -> torch.Size:
-    """Shape of the concatenation (along dim 0) of parameters of `shapes`."""
-    return torch.Size([sum(s[0] for s in shapes), *shapes[0][1:]])

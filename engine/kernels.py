@@ -13,7 +13,6 @@ with TRITON_INTERPRET=1 set before that, Triton's interpreter runs them on CPU t
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -43,38 +42,32 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# -- Triton ---------------------------------------------------------------------------------
-
-@functools.cache
-def _kernels():
-    """The compiled kernels' module (imports Triton only when a kernel is first used)."""
-    return importlib.import_module("engine.triton_kernels")
-
+# -- Triton (engine/triton_kernels.py, imported only when a kernel is first used) -------------
 
 def add_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, eps: float, rms: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused `add_norm_reference`: one pass over [..., H] contiguous rows."""
-    module = _kernels()
+    from engine import triton_kernels as tk
     residual = residual.contiguous()
     n_cols = residual.shape[-1]
     out = torch.empty_like(residual)
     total = residual if delta is None else torch.empty_like(residual)
-    module.add_norm_kernel[(residual.numel() // n_cols,)](
+    tk.add_norm_kernel[(residual.numel() // n_cols,)](
         residual if delta is None else delta.contiguous(), residual, weight,
         weight if bias is None else bias, total, out, n_cols, eps,
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms,
-        BLOCK=module.triton.next_power_of_2(n_cols))
+        BLOCK=tk.triton.next_power_of_2(n_cols))
     return total, out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Fused `silu_mul_reference` over [..., 2F] -> [..., F]."""
-    module = _kernels()
+    from engine import triton_kernels as tk
     gate_up = gate_up.contiguous()
     n_cols = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n_cols, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(module.triton.next_power_of_2(n_cols), 1024)
-    module.silu_mul_kernel[(gate_up.numel() // (2 * n_cols), module.triton.cdiv(n_cols, block))](
+    block = min(tk.triton.next_power_of_2(n_cols), 1024)
+    tk.silu_mul_kernel[(gate_up.numel() // (2 * n_cols), tk.triton.cdiv(n_cols, block))](
         gate_up, out, n_cols, BLOCK=block)
     return out

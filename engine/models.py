@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from huggingface_hub import try_to_load_from_cache
+from huggingface_hub import snapshot_download, try_to_load_from_cache
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tokenizer_models
 from transformers import (
@@ -90,20 +90,16 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                    model_max_length=_TINY["positions"])
 
 
-_MODEL_FILES = ("config.json",)
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-
-
-def _source(spec: str, flag: str, files: tuple[str, ...] = _MODEL_FILES) -> str:
-    """Classify a model (or, with `files=_TOKENIZER_FILES`, tokenizer) argument as 'preset',
-    'local' or 'hub'; fail early on a bad path."""
+def _source(spec: str, flag: str, tokenizer: bool = False) -> str:
+    """Classify a model (or tokenizer) argument as 'preset', 'local' or 'hub'; fail early on
+    a bad path. A tokenizer directory holds no config.json, only tokenizer files."""
     if spec in PRESETS:
         return "preset"
     path = Path(spec).expanduser()
     if path.is_dir():
+        files = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
         if not any((path / name).exists() for name in files):
-            what = "model directory (e.g. output/actor)" if files == _MODEL_FILES \
-                else "tokenizer directory"
+            what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
             raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "
                             f"Hugging Face {what}")
         return "local"
@@ -146,11 +142,9 @@ def _hub_local_only(spec: str, flag: str) -> bool:
 
 
 def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False) -> None:
-    """Fail fast, in one line, on a model (or tokenizer) argument that cannot load: a bad
-    path, or a hub name while the hub is unreachable and the name is not cached. train.py
-    calls this before any data is read or anything is written."""
-    files = _TOKENIZER_FILES if tokenizer else _MODEL_FILES
-    if _source(spec, flag, files) == "hub":
+    """Fail fast, in one line and before train.py reads or writes anything, on a model (or
+    tokenizer) argument that cannot load: a bad path, or an unreachable hub name not cached."""
+    if _source(spec, flag, tokenizer=tokenizer) == "hub":
         _hub_local_only(spec, flag)
 
 
@@ -175,8 +169,7 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
         tok = byte_tokenizer()
     else:
         flag = "tokenizer=" if tokenizer else flag
-        # a tokenizer directory (tokenizer=DIR) holds no config.json, only tokenizer files
-        kind = _source(source, flag, _TOKENIZER_FILES if tokenizer else _MODEL_FILES)
+        kind = _source(source, flag, tokenizer=bool(tokenizer))
         tok = _from_hub_or_dir(AutoTokenizer.from_pretrained, source, kind, flag, "tokenizer",
                                trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
@@ -190,22 +183,19 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     return tok
 
 
-def preset_config(spec: str, tok: PreTrainedTokenizerBase) -> PretrainedConfig:
+def preset_config(spec: str, tok: PreTrainedTokenizerBase, **overrides) -> PretrainedConfig:
     return PRESETS[spec](len(tok), pad_token_id=tok.pad_token_id,
                          bos_token_id=tok.bos_token_id or tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id)
+                         eos_token_id=tok.eos_token_id, **overrides)
 
 
 def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype: torch.dtype,
           trust_remote_code: bool, seed: int, **kwargs) -> PreTrainedModel:
     kind = _source(spec, flag)
     if kind == "preset":
-        config = preset_config(spec, tok)
-        for key, value in kwargs.items():
-            setattr(config, key, value)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return auto_cls.from_config(config, dtype=dtype)
+            return auto_cls.from_config(preset_config(spec, tok, **kwargs), dtype=dtype)
     model = _from_hub_or_dir(auto_cls.from_pretrained, spec, kind, flag, "model", dtype=dtype,
                              trust_remote_code=trust_remote_code, **kwargs)
     if model.config.pad_token_id is None:
@@ -215,16 +205,13 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
 
 def _snapshot(spec: str, local_files_only: bool = False) -> Path:
     """A hub model's local snapshot (configs and safetensors only)."""
-    from huggingface_hub import snapshot_download
-
     return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors"],
                                   local_files_only=local_files_only))
 
 
 def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings, *,
-                   flag: str | None = None,
-                   dtype: torch.dtype, head_dtype: torch.dtype, device: torch.device,
-                   trust_remote_code: bool = False, seed: int = 0):
+                   flag: str | None = None, dtype: torch.dtype, head_dtype: torch.dtype,
+                   device: torch.device, trust_remote_code: bool = False, seed: int = 0):
     """A causal LM (`kind` "causal_lm") or one-label reward model ("reward_model") with its
     frozen Linear/Embedding weights quantized while loading (engine/quantized_base.py),
     never materialized in full precision; returns (model, LoadReport)."""
@@ -233,9 +220,7 @@ def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings,
     flag = flag or ("--actor-model" if kind == "causal_lm" else "--reward-model")
     source, checkpoint = _source(spec, flag), None
     if source == "preset":
-        config = preset_config(spec, tok)
-        for key, value in extra.items():
-            setattr(config, key, value)
+        config = preset_config(spec, tok, **extra)
     else:
         checkpoint = Path(spec) if source == "local" else \
             _from_hub_or_dir(_snapshot, spec, source, flag, "model")

@@ -79,11 +79,6 @@ def _mixed_precision(rt: Runtime) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
 
 
-def _offload_policy(offload: bool, rt: Runtime) -> OffloadPolicy:
-    # on a CPU run there is nowhere else to put the weights: offloading is a no-op
-    return CPUOffloadPolicy() if offload and rt.device.type == "cuda" else OffloadPolicy()
-
-
 def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
           trainable: bool = True) -> nn.Module:
     """Place a model: FSDP2 over all ranks when distributed, else just the device. Loaded
@@ -98,8 +93,10 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     if settings.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero stage {settings.zero_stage}: choose 0, 1, 2 or 3")
     zeropp = settings.zeropp if settings.zero_stage == 3 else ZeroPPSettings()
+    # on a CPU run there is nowhere else to put the weights: offloading is a no-op
+    offload = settings.offload and rt.device.type == "cuda"
     kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=_mixed_precision(rt),
-                  offload_policy=_offload_policy(settings.offload, rt),
+                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                   reshard_after_forward=settings.zero_stage == 3)
     kwargs.update(hpz_kwargs(zeropp, rt.world_size))   # hpZ: an int reshard_after_forward
 

@@ -64,11 +64,6 @@ class Placement:
                    quantized_base=QuantizedBaseSettings(**engine_cfg["quantized_base"]),
                    share_reference=engine_cfg["share_reference"])
 
-    def load_dtype(self, trained: bool) -> torch.dtype:
-        """Trained weights load as the master copy (fp32 when sharded under mixed
-        precision), frozen ones in the compute dtype."""
-        return self.runtime.master_dtype if trained else self.runtime.dtype
-
     def causal_lm(self, spec: str, tokenizer, *, trained: bool,
                   lora: LoraSettings | None = None, **kwargs) -> nn.Module:
         """A causal LM; a trained one gets its LoRA adapters (`lora`) here."""
@@ -96,7 +91,9 @@ class Placement:
                 tqdm.write(f"quantized base: {spec} trains without LoRA here, so its weights "
                            "stay in full precision")
             load = load_causal_lm if kind == "causal_lm" else load_reward_model
-            model = load(spec, tokenizer, dtype=self.load_dtype(trained), **kwargs)
+            # trained weights load as the master copy (fp32 when sharded under mixed
+            # precision), frozen ones in the compute dtype
+            model = load(spec, tokenizer, dtype=rt.master_dtype if trained else rt.dtype, **kwargs)
         if not trained:
             return model
         model = apply_lora(model, lora)
@@ -118,8 +115,7 @@ class Placement:
 
     def rollout_actor(self, model: nn.Module, optim: OptimSettings,
                       total_steps: int) -> HybridEngine:
-        """Step 3's actor: trained as the "actor" role, generating through the hybrid
-        engine."""
+        """Step 3's actor: trained as the "actor" role, generating through the hybrid engine."""
         return HybridEngine(model, optim, total_steps, self.runtime, self._sharding("actor"),
                             self.hybrid)
 

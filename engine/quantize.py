@@ -33,8 +33,6 @@ all-gather's output) keep their scales aligned and can be unpacked in place.
 
 from __future__ import annotations
 
-import functools
-import importlib
 from typing import NamedTuple
 
 import torch
@@ -170,12 +168,6 @@ def dequantize_reference(q: QuantizedBlocks, dtype: torch.dtype = torch.float32
 
 # -- Triton ---------------------------------------------------------------------------------
 
-@functools.cache
-def _kernels():
-    """The compiled kernels' module (imports Triton only when a kernel is first used)."""
-    return importlib.import_module("engine.triton_quantize")
-
-
 def _launch(module, n_blocks: int, block: int) -> tuple[tuple[int], dict]:
     width = module.triton.next_power_of_2(block)
     rows = max(1, _TILE // width)
@@ -188,7 +180,7 @@ def quantize_triton(x: torch.Tensor, bits: int, block: int,
     """Fused `quantize_reference` (absmax, scale, round, pack in one pass); `out` as in
     `quantize`."""
     _check_input(x, bits, block)
-    module = _kernels()
+    from engine import triton_quantize as module  # Triton, imported on first use
     numel, n_blocks = x.numel(), x.numel() // block
     if out is None:
         payload = torch.empty(numel * bits // 8, device=x.device,
@@ -205,7 +197,7 @@ def quantize_triton(x: torch.Tensor, bits: int, block: int,
 def dequantize_triton(q: QuantizedBlocks, dtype: torch.dtype = torch.float32,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Fused `dequantize_reference` (one pass); `out` as in `dequantize`."""
-    module = _kernels()
+    from engine import triton_quantize as module  # Triton, imported on first use
     if out is None:
         out = torch.empty(q.numel, dtype=dtype, device=q.payload.device)
     n_blocks = q.numel // q.block

@@ -3,6 +3,7 @@ started this process (one rank of N: gloo on CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import resource
@@ -52,8 +53,7 @@ class Runtime:
 
     def total(self, *numbers: float) -> list[float]:
         """Sum plain numbers over the ranks: one all-reduce for several counters."""
-        summed = self.all_sum(torch.tensor(numbers, dtype=torch.float64, device=self.device))
-        return summed.tolist()
+        return self.all_sum(torch.tensor(numbers, dtype=torch.float64, device=self.device)).tolist()
 
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
@@ -82,7 +82,7 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in _DTYPES:
         raise UserError(f"engine.dtype={dtype}: unknown; use one of auto, {', '.join(_DTYPES)}")
-    rank = world_size = local_rank = None
+    rank, world_size, local_rank = 0, 1, 0
     if launched_by_torchrun():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -93,13 +93,12 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                     timeout=timedelta(seconds=timeout_s))
     seed_everything(seed)
-    world_size = world_size or 1
     per_node = procs_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:
         raise UserError(f"engine.procs_per_node={per_node} does not divide the {world_size} "
                         "ranks into whole nodes")
-    return Runtime(device=torch.device(device), dtype=_DTYPES[dtype], rank=rank or 0,
-                   world_size=world_size, local_rank=local_rank or 0, ranks_per_node=per_node)
+    return Runtime(device=torch.device(device), dtype=_DTYPES[dtype], rank=rank,
+                   world_size=world_size, local_rank=local_rank, ranks_per_node=per_node)
 
 
 def seed_everything(seed: int) -> None:
@@ -131,11 +130,8 @@ def reset_memory_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def memory_peak(device: torch.device) -> int:
@@ -143,11 +139,8 @@ def memory_peak(device: torch.device) -> int:
     the CPU, the process's resident set (which includes Python and the libraries)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -29,8 +29,7 @@ class Tracker:
     row_sources: list[Callable[[], dict[str, Any]]] = []
 
     def __init__(self, step_dir: Path, *, wandb_settings: dict | None = None,
-                 config: dict | None = None, enabled: bool = True,
-                 keep_rows: int | None = None):
+                 config: dict | None = None, enabled: bool = True, keep_rows: int | None = None):
         """`keep_rows`: continue a resumed run's metrics.jsonl after its first `keep_rows`
         rows (those written before the checkpoint); None starts the file afresh."""
         self.enabled = enabled
@@ -51,9 +50,8 @@ class Tracker:
 
             self._wandb = wandb.init(
                 project=ws.get("project"), name=ws.get("run_name"), group=ws.get("group"),
-                dir=str(self.path.parent), config=config, mode=_wandb_mode(ws.get("mode", "auto")),
-                reinit="finish_previous",
-            )
+                dir=str(self.path.parent), config=config, reinit="finish_previous",
+                mode=_wandb_mode(ws.get("mode", "auto")))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

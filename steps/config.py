@@ -91,15 +91,13 @@ class EngineConfig:
     procs_per_node: Optional[int] = val(None, "ranks per node for ZeRO++ (default: "  # noqa: UP045
                                         "torchrun's); fewer than engine.procs simulates "
                                         "nodes on one machine")
-    timeout_s: float = val(600.0, "collective timeout: a dead or hung rank stops the job "
-                           "within it")
+    timeout_s: float = val(600.0, "collective timeout: a dead or hung rank stops the job within it")
     gradient_checkpointing: bool = val(False, "activation checkpointing of the trained models")
     offload: bool = val(False, "ZeRO-Offload: trained models' params and optimizer state on "
                         "the CPU (CUDA runs)")
     shard_frozen_models: bool = val(True, "step 3 reference and reward models: ZeRO-3 "
                                     "sharded (true) or replicated")
-    offload_reference_model: bool = val(False, "keep the reference model on the CPU between "
-                                        "uses")
+    offload_reference_model: bool = val(False, "keep the reference model on the CPU between uses")
     offload_reward_model: bool = False
     checkpoint_every: int = val(200, "optimizer steps (steps 1, 2) / PPO iterations (step 3) "
                                 "between checkpoints; 0 = none")
@@ -172,16 +170,14 @@ class PPOConfig:
     lr_scheduler: str = "linear"
     warmup_steps: int = 0
     grad_clip: float = 1.0
-    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp (the last three train no "
-                         "critic)")
+    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp (the last three train no critic)")
     samples_per_prompt: int = val(1, "answers sampled per prompt, a group (GRPO and RLOO need "
                                   ">= 2); rollout_batch_size counts prompts")
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
     reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer) -> float: "  # noqa: UP045
                                    "a rule-based reward (the demo's: steps.demo:score)")
     reward_fn_weight: float = 1.0
-    reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not "
-                                     "needed)")
+    reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)")
     kl_coef: float = 0.1
     kl_penalty: str = val("auto", "reward | loss | auto (loss for grpo, reward otherwise)")
     kl_estimator: str = val("auto", "k1 | k2 | k3 | auto (k3 as a loss, k1 in the reward)")

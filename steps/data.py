@@ -96,9 +96,7 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
 
 def _data_suffix(path: Path) -> str | None:
     """The known data suffix of `path` ('.jsonl.gz', '.parquet', ...) or None."""
-    name = path.name.lower()
-    return next((s for s in sorted(_DATA_SUFFIXES, key=len, reverse=True) if name.endswith(s)),
-                None)
+    return next((s for s in _DATA_SUFFIXES if path.name.lower().endswith(s)), None)
 
 
 @contextlib.contextmanager
@@ -166,14 +164,10 @@ def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             text = f.read()
-        if text.lstrip().startswith("["):
-            records = json.loads(text)
-        else:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        records = (json.loads(text) if text.lstrip().startswith("[")
+                   else [json.loads(line) for line in text.splitlines() if line.strip()])
     except (OSError, ValueError):
         return {}  # keep the values `datasets` decoded
-    if not isinstance(records, list):
-        return {}
     return {name: [r.get(name) if isinstance(r, dict) else None for r in records] for name in names}
 
 
@@ -306,6 +300,5 @@ def train_eval_split(items: list, eval_fraction: float, seed: int) -> tuple[list
     n = len(items)
     n_eval = min(max(round(n * eval_fraction), 1), n - 1) if eval_fraction > 0 and n >= 2 else 0
     held_out = set(permutation(n, seed)[:n_eval])
-    train = [x for i, x in enumerate(items) if i not in held_out]
-    evals = [x for i, x in enumerate(items) if i in held_out]
-    return train, evals
+    return ([x for i, x in enumerate(items) if i not in held_out],
+            [x for i, x in enumerate(items) if i in held_out])

@@ -121,8 +121,7 @@ def make_pairs(num_pairs: int, seed: int, task: str = "digits") -> list[Preferen
         else:
             prompt = prompt_text(rng.choice(TEMPLATES).format(rule))
             a = _sample_answer(rng, rule)
-            b = (_degenerate_answer(rng) if rng.random() < 0.15
-                 else _sample_answer(rng, rule))
+            b = _degenerate_answer(rng) if rng.random() < 0.15 else _sample_answer(rng, rule)
         score_a, score_b = score(prompt, a), score(prompt, b)
         if score_a == score_b:
             continue

@@ -59,6 +59,7 @@ from steps.common import (
 from steps.data import PreferencePair, permutation, train_eval_split
 from steps.rewards import Rewards, RewardScorer, load_reward_fn
 from steps.rlhf import (
+    KL_ESTIMATORS,
     adaptive_kl_coef,
     answer_mask,
     ema_update,
@@ -148,7 +149,7 @@ def kl_settings(ppo: DictConfig) -> KLSettings:
 def check_settings(ppo: DictConfig) -> None:
     """Refuse step-3 settings that cannot work, naming the key."""
     choices = {"algorithm": ALGORITHMS, "kl_penalty": ("auto", "reward", "loss"),
-               "kl_estimator": ("auto", "k1", "k2", "k3"),
+               "kl_estimator": ("auto", *KL_ESTIMATORS),
                "loss_aggregation": ("token-mean", "seq-mean")}
     for key, allowed in choices.items():
         if ppo[key] not in allowed:

@@ -55,20 +55,16 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
-                               lora=lora_settings(rm.lora),
-                               trust_remote_code=cfg.trust_remote_code)
-    pad = tokenizer.pad_token_id
+                               lora=lora_settings(rm.lora), trust_remote_code=cfg.trust_remote_code)
+    pad, nan = tokenizer.pad_token_id, float("nan")
     task = supervised.Task(
-        step=2, role="reward", section=rm, examples=train,
+        step=2, name="reward model", role="reward", section=rm, examples=train,
         collate=partial(collate_pairs, pad_token_id=pad), loss=pair_loss,
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)
         if evals else {},
+        results=lambda summary: (f"eval accuracy {summary.get('eval/accuracy', nan):.3f} (chosen "
+                                 f"{summary.get('eval/chosen_score', nan):.3f} vs rejected "
+                                 f"{summary.get('eval/rejected_score', nan):.3f})"),
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "reward")
-    summary, engine = supervised.run(cfg, task, model, dp, place, resume)
-    nan = float("nan")
-    supervised.done_line(task, "reward model", engine, summary, (
-        f"eval accuracy {summary.get('eval/accuracy', nan):.3f} (chosen "
-        f"{summary.get('eval/chosen_score', nan):.3f} vs rejected "
-        f"{summary.get('eval/rejected_score', nan):.3f})"))
-    return summary
+    return supervised.run(cfg, task, model, dp, place, resume)

@@ -22,12 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AdvantagesOut", "PolicyLossOut", "RewardLossOut", "RewardsOut", "ValueLossOut",
-           "adaptive_kl_coef", "answer_mask", "ema_update", "gae", "group_normalized_advantages",
-           "kl_estimate", "kl_penalized_rewards", "leave_one_out_advantages", "logprobs_of_tokens",
-           "loss_weights", "masked_mean", "masked_sum", "masked_var", "pairwise_reward_loss",
-           "policy_loss", "returns_to_go", "sequence_rewards", "sft_loss", "value_loss", "whiten"]
-
 
 class RewardsOut(NamedTuple):
     rewards: Tensor  # [B, N] per-token reward (KL penalty + clipped score at the last action)
@@ -181,7 +175,10 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
 # Rewards and advantages (constants for the optimiser: computed under no_grad)
 
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+# d = logprobs - ref_logprobs -> the per-token estimate (see kl_estimate)
+KL_ESTIMATORS = {"k1": lambda d: d, "k2": lambda d: 0.5 * d ** 2,
+                 "k3": lambda d: torch.expm1(-d) + d}
+
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
@@ -201,14 +198,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
     """
     d = torch.where(mask != 0, logprobs.float() - ref_logprobs.float(),
                     torch.zeros((), device=logprobs.device))
-    if estimator == "k1":
-        kl = d
-    elif estimator == "k2":
-        kl = 0.5 * d ** 2
-    elif estimator == "k3":
-        kl = torch.expm1(-d) + d
-    else:
-        raise ValueError(f"KL estimator {estimator!r}: choose one of {KL_ESTIMATORS}")
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"KL estimator {estimator!r}: choose one of {', '.join(KL_ESTIMATORS)}")
+    kl = KL_ESTIMATORS[estimator](d)
     return _select(kl, mask)
 
 

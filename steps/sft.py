@@ -55,17 +55,14 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
 
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,
-                            lora=lora_settings(sft.lora),
-                            trust_remote_code=cfg.trust_remote_code)
+                            lora=lora_settings(sft.lora), trust_remote_code=cfg.trust_remote_code)
     pad = tokenizer.pad_token_id
     task = supervised.Task(
-        step=1, role="actor", section=sft, examples=train,
+        step=1, name="SFT", role="actor", section=sft, examples=train,
         collate=partial(collate_sft, pad_token_id=pad), loss=batch_loss,
         tokens=lambda batch: sum(len(ex.input_ids) for ex in batch),
         evaluate=lambda engine: {"eval/perplexity": perplexity(
             engine, evals, pad, sft.eval_batch_size, dp) if evals else float("nan")},
+        results=lambda summary: f"eval perplexity {summary['eval/perplexity']:.3f}",
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "actor")
-    summary, engine = supervised.run(cfg, task, model, dp, place, resume)
-    supervised.done_line(task, "SFT", engine, summary,
-                         f"eval perplexity {summary['eval/perplexity']:.3f}")
-    return summary
+    return supervised.run(cfg, task, model, dp, place, resume)

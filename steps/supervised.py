@@ -34,6 +34,7 @@ LossFn = Callable[[TrainEngine, dict[str, torch.Tensor], list],
 
 class Task(NamedTuple):
     step: int                    # 1 or 2
+    name: str                    # what it trains, for the closing line: "SFT", "reward model"
     role: str                    # the trained model's placement role: "actor" or "reward"
     section: DictConfig          # cfg.sft or cfg.rm
     examples: list               # tokenized training examples
@@ -41,20 +42,20 @@ class Task(NamedTuple):
     loss: LossFn
     tokens: Callable[[list], int]                         # tokens in a batch of examples
     evaluate: Callable[[TrainEngine], dict[str, float]]   # held-out metrics (eval mode)
+    results: Callable[[dict], str]       # the closing line's eval results, from the summary
     tokenizer: object
     export_dir: Path
 
 
 def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
-        place: Placement, resume: bool) -> tuple[dict, TrainEngine]:
+        place: Placement, resume: bool) -> dict:
     """Train `model` (loaded with the section's LoRA adapters) on the task's examples, evaluate it
-    and export it; returns the summary metrics (also logged) and the engine."""
+    and export it; returns the summary metrics (also logged)."""
     out = start_step(cfg, task.step, dp, resume=resume)
     section = task.section
     steps_per_epoch = num_batches(len(task.examples), section.batch_size)
     engine = place.trainer(model, optim_settings(section, section.lr, section.lora),
-                           section.epochs * steps_per_epoch // section.grad_accum,
-                           role=task.role)
+                           section.epochs * steps_per_epoch // section.grad_accum, role=task.role)
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
@@ -71,7 +72,9 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     tracker.close()
     engine.export(task.tokenizer, task.export_dir)
     ckpt.clear()
-    return summary, engine
+    log(f"step {task.step} ({task.name}) done: {engine.steps} steps, final loss "
+        f"{position['loss']:.4f}, {task.results(summary)}, {elapsed:.1f}s -> {task.export_dir}")
+    return summary
 
 
 def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
@@ -111,9 +114,3 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
                 "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start},
                 tracker)
     return {"tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start}
-
-
-def done_line(task: Task, name: str, engine: TrainEngine, summary: dict, results: str) -> None:
-    log(f"step {task.step} ({name}) done: {engine.steps} steps, final loss "
-        f"{summary['train/loss']:.4f}, {results}, {summary['time/seconds']:.1f}s -> "
-        f"{task.export_dir}")

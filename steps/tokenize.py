@@ -44,55 +44,38 @@ def _eos_id(tokenizer: Any) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
-        raise DataError(
-            f"tokenizer {name} has no eos_token_id; answers need an end-of-sequence token "
-            "(set tokenizer.eos_token)"
-        )
+        raise DataError(f"tokenizer {name} has no eos_token_id; answers need an "
+                        "end-of-sequence token (set tokenizer.eos_token)")
     return int(eos)
-
-
-def _prompt_ids(pairs: Sequence[PreferencePair], tokenizer: Any) -> list[list[int]]:
-    """Token ids of every prompt, with the tokenizer's special tokens (e.g. BOS)."""
-    if not pairs:
-        return []
-    return tokenizer([p.prompt for p in pairs])["input_ids"]
 
 
 def _answer_ids(answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int
                 ) -> tuple[list[list[int]], list[bool]]:
     """answer ids + [eos], cut to max_answer_len tokens; returns (ids, was_truncated)."""
-    if not answers:
-        return [], []
     ids = [a + [eos_id] for a in tokenizer(answers, add_special_tokens=False)["input_ids"]]
     return [a[:max_answer_len] for a in ids], [len(a) > max_answer_len for a in ids]
-
-
-def _check_lengths(max_prompt_len: int, max_answer_len: int = 1) -> None:
-    if max_prompt_len < 1 or max_answer_len < 1:
-        raise ValueError(f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
-                         f"{max_answer_len}")
 
 
 def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
               max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any]
               ) -> tuple[list, TokenizeStats]:
-    """`make(prompt ids, *answer ids)` for every pair whose prompt fits in max_prompt_len
-    tokens, the answers being its `sides` ("chosen", "rejected") + EOS, each cut to
-    max_answer_len tokens (truncated_answer counts examples with any answer cut)."""
-    _check_lengths(max_prompt_len, max_answer_len)
+    """`make(prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
+    tokens, e.g. BOS) fits in max_prompt_len tokens, the answers being its `sides` ("chosen",
+    "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts examples with
+    any answer cut). The tokenizer needs an EOS even with no sides: generation stops on it."""
+    if max_prompt_len < 1 or max_answer_len < 1:
+        raise ValueError(f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
+                         f"{max_answer_len}")
     eos = _eos_id(tokenizer)
-    prompts = _prompt_ids(pairs, tokenizer)
+    if not pairs:   # tokenizers refuse an empty batch
+        return [], TokenizeStats(0, 0, 0)
+    prompts = tokenizer([p.prompt for p in pairs])["input_ids"]
     answers = [_answer_ids([getattr(p, side) for p in pairs], tokenizer, eos, max_answer_len)
                for side in sides]
-    examples = []
-    dropped = truncated = 0
-    for i, prompt in enumerate(prompts):
-        if len(prompt) > max_prompt_len:
-            dropped += 1
-            continue
-        truncated += any(was_cut[i] for _, was_cut in answers)
-        examples.append(make(prompt, *(ids[i] for ids, _ in answers)))
-    return examples, TokenizeStats(len(examples), dropped, truncated)
+    kept = [i for i, prompt in enumerate(prompts) if len(prompt) <= max_prompt_len]
+    examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
+    truncated = sum(any(was_cut[i] for _, was_cut in answers) for i in kept)
+    return examples, TokenizeStats(len(kept), len(prompts) - len(kept), truncated)
 
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
@@ -117,10 +100,7 @@ def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt
                      ) -> tuple[list[list[int]], TokenizeStats]:
     """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
     max_prompt_len tokens; longer prompts are dropped and counted."""
-    _check_lengths(max_prompt_len)
-    _eos_id(tokenizer)  # generation needs an EOS to stop on
-    kept = [p for p in _prompt_ids(pairs, tokenizer) if len(p) <= max_prompt_len]
-    return kept, TokenizeStats(len(kept), len(pairs) - len(kept), 0)
+    return _examples(pairs, tokenizer, max_prompt_len, 1, (), lambda prompt: prompt)
 
 
 # ---------------------------------------------------------------------------------------------
