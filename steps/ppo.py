@@ -381,9 +381,8 @@ def _paths(cfg: DictConfig) -> tuple[str, str | None]:
     """The actor's and the reward model's directories (None: no reward model)."""
     out = Path(cfg.output_dir)
     actor_path = cfg.ppo.actor_path or str(out / "actor")
-    reward_path = None
-    if cfg.ppo.reward_model_weight != 0:
-        reward_path = cfg.ppo.reward_path or str(out / "reward")
+    reward_path = (cfg.ppo.reward_path or str(out / "reward")
+                   if cfg.ppo.reward_model_weight != 0 else None)
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path")):
         if path is not None and not (Path(path) / "config.json").exists():

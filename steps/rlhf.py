@@ -57,35 +57,21 @@ class RewardLossOut(NamedTuple):
 
 
 def answer_mask(answer_ids: Tensor, eos_token_id: int | Sequence[int] | None) -> Tensor:
-    """Action mask of generated answers.
-
-    Args:
-        answer_ids: LongTensor [B, N], the generated tokens (prompt already removed).
-        eos_token_id: an id, or a list/tuple of ids (any of them ends the answer). ``None`` means
-            no EOS (every token is an action).
-
-    Returns:
-        FloatTensor [B, N] (float32): 1.0 up to and including the first EOS of each row, 0.0 after.
-    """
+    """Action mask [B, N] (float32) of generated answers ``answer_ids`` [B, N] (prompt
+    removed): 1.0 up to and including the first EOS of each row, 0.0 after. ``eos_token_id``:
+    an id, or several (any of them ends the answer); ``None``: every token is an action."""
     if eos_token_id is None:
         return torch.ones(answer_ids.shape, dtype=torch.float32, device=answer_ids.device)
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    eos = torch.tensor(ids, dtype=answer_ids.dtype, device=answer_ids.device)
+    eos = torch.tensor(eos_token_id, dtype=answer_ids.dtype, device=answer_ids.device)
     is_eos = torch.isin(answer_ids, eos).to(torch.int32)
     eos_strictly_before = torch.cumsum(is_eos, dim=-1) - is_eos  # [B, N]
     return (eos_strictly_before == 0).to(torch.float32)
 
 
 def logprobs_of_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Log-probability of ``tokens`` under ``logits`` (no shifting is done here).
-
-    Args:
-        logits: [B, T, V], any float dtype (bf16 is upcast inside the softmax kernel).
-        tokens: LongTensor [B, T]; ``logits[:, t]`` is the distribution of ``tokens[:, t]``.
-
-    Returns:
-        float32 [B, T]: ``log_softmax(logits)[b, t, tokens[b, t]]``.
-    """
+    """float32 [B, T] log-probability ``log_softmax(logits)[b, t, tokens[b, t]]`` of
+    ``tokens`` [B, T] under ``logits`` [B, T, V] of any float dtype: ``logits[:, t]`` is the
+    distribution of ``tokens[:, t]`` (no shifting is done here)."""
     # One extra [B, T, V] float32 tensor (the log-softmax); on CUDA a bf16 input is read
     # directly by the kernel (half_to_float), without a separate float copy of the logits.
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -102,15 +88,8 @@ def _select(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Sum of ``x`` over the masked entries.
-
-    Args:
-        x: [...] values. mask: same shape as ``x`` (or broadcastable), 1.0 = keep, 0.0 = drop.
-        dim: reduce over this dim; ``None`` reduces everything.
-
-    Returns:
-        scalar if ``dim is None`` else ``x`` reduced over ``dim``.
-    """
+    """Sum of ``x`` [...] where ``mask`` (same shape or broadcastable; 1.0 keep, 0.0 drop) is
+    set: a scalar, or with ``dim`` the entries reduced over that dim."""
     y = _select(x, mask)
     return y.sum() if dim is None else y.sum(dim=dim)
 
@@ -132,15 +111,8 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of ``x`` over all masked entries.
-
-    Args:
-        x: [...] values. mask: same shape as ``x``.
-        unbiased: apply Bessel's correction n / (n - 1) (skipped when n <= 1).
-
-    Returns:
-        scalar; 0 when the mask is empty or holds a single entry.
-    """
+    """Scalar variance of ``x`` [...] over the entries where ``mask`` (same shape) is set;
+    ``unbiased`` applies Bessel's n / (n - 1). 0 when the mask holds fewer than two."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     if unbiased:
@@ -277,15 +249,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
 
 @torch.no_grad()
 def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Discounted return of each action, ``G_t = sum_{k>=t} gamma^(k-t) r_k`` (REINFORCE,
-    no critic): GAE with zero values and lambda 1.
-
-    Args:
-        rewards: [B, N] per-token rewards. mask: [B, N] action mask. gamma: discount.
-
-    Returns:
-        [B, N] float32, 0 outside the mask. Detached.
-    """
+    """[B, N] discounted return of each action of ``rewards`` [B, N] under ``mask`` [B, N],
+    ``G_t = sum_{k>=t} gamma^(k-t) r_k`` (REINFORCE, no critic): GAE with zero values and
+    lambda 1. float32, 0 outside the mask, detached."""
     return gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), mask, gamma,
                1.0).returns
 
@@ -293,16 +259,9 @@ def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 @torch.no_grad()
 def sequence_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
                      score_clip: float) -> Tensor:
-    """One reward per answer for the critic-free group estimators: the clipped score minus
-    ``kl_coef`` times the answer's summed KL (0 when the KL is a loss term instead).
-
-    Args:
-        scores: [B]. kl: [B, N] per-token KL estimate (0 outside the mask). mask: [B, N].
-        kl_coef: weight of the KL penalty. score_clip: scores clamped to +-score_clip.
-
-    Returns:
-        [B] float32; a row without actions gets 0. Detached.
-    """
+    """[B] float32: one reward per answer for the critic-free group estimators, its score
+    [B] clamped to +-score_clip minus ``kl_coef`` (0 when the KL is a loss term instead) times
+    its summed per-token KL ``kl`` [B, N] under ``mask`` [B, N]. A row without actions gets 0."""
     has_action = (mask != 0).any(dim=-1)
     reward = scores.float().clamp(-score_clip, score_clip) - kl_coef * masked_sum(kl, mask, -1)
     return torch.where(has_action, reward, torch.zeros_like(reward))
@@ -339,14 +298,9 @@ def group_normalized_advantages(rewards: Tensor, group_size: int, scale: bool = 
 @torch.no_grad()
 def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """RLOO (Ahmadian et al., 2024): each answer's reward minus the mean reward of the
-    other answers to the same prompt, ``r_i - (sum_j r_j - r_i) / (k - 1)``.
-
-    Args:
-        rewards: [B] one reward per answer, each prompt's ``group_size`` (>= 2) consecutive.
-
-    Returns:
-        [B] float32 advantages (broadcast over each answer's tokens).
-    """
+    other answers to the same prompt, ``r_i - (sum_j r_j - r_i) / (k - 1)``. ``rewards``: [B],
+    one per answer, each prompt's ``group_size`` (>= 2) consecutive. Returns [B] float32
+    advantages (broadcast over each answer's tokens)."""
     groups = _groups(rewards, group_size)
     others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
     return (groups - others).flatten()
