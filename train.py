@@ -242,6 +242,7 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     has written its model."""
     from engine.checkpoint import complete_checkpoints
     from steps.common import step_dir
+    from steps.ppo import CRITIC_FREE
 
     out = Path(cfg.output_dir)
     resumable = [] if cfg.resume == "false" else [
@@ -252,8 +253,8 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     first = resumable[0] if resumable else None
     plan = []
     for step in cfg.steps:
-        written = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm != "ppo" else \
-            MODEL_DIRS[step]   # (critic-free algorithms write no critic)
+        written = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm in CRITIC_FREE \
+            else MODEL_DIRS[step]   # (critic-free algorithms write no critic)
         if first is not None and step < first and all((out / n).exists() for n in written):
             plan.append((step, "skip"))
         elif step == first:
