@@ -306,6 +306,7 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
     from engine.comm_meter import logged_comm
+    from engine.errors import NonFiniteError
     from engine.runtime import seed_everything, setup_runtime
     from steps import demo, ppo, reward, sft
     from steps.common import log, step_dir
@@ -340,9 +341,10 @@ def run(cfg: DictConfig) -> dict[int, float]:
                     reward.run(cfg, rm_pairs, rt, resume)
                 else:
                     ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume)
-            except (UserError, DataError):
-                # a refused step (bad model, no data left after filtering) leaves nothing behind
-                if fresh and rt.is_main:
+            except (UserError, DataError) as err:
+                # a refused step (bad model, no data left after filtering) leaves nothing
+                # behind; one stopped by non-finite numbers keeps its metrics and checkpoints
+                if fresh and rt.is_main and not isinstance(err, NonFiniteError):
                     shutil.rmtree(step_dir(cfg, step), ignore_errors=True)
                 if rt.is_main and not out_existed and out.is_dir() and not any(out.iterdir()):
                     out.rmdir()

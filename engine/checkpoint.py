@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from engine.errors import NonFiniteError
 from engine.runtime import Runtime, rng_state, set_rng_state
 
 _PREFIX = "step-"
@@ -41,8 +43,11 @@ class Checkpointer:
 
     def save(self, tag: int, stateful: dict[str, Any], state: dict) -> Path:
         """Write models/optimizers (`stateful`: objects with state_dict/load_state_dict)
-        and the plain `state`; collective: every rank calls it."""
+        and the plain `state`; collective: every rank calls it. Refuses (NonFiniteError)
+        state holding NaN or inf, before anything is written."""
         final = self.directory / f"{_PREFIX}{tag:08d}"
+        require_finite(_tensors([obj.state_dict() for obj in stateful.values()]), self.rt,
+                       f"checkpoint {final}")
         tmp = self.directory / f".{final.name}.tmp"
         if self.rt.is_main:
             for stale in self.directory.glob(".*.tmp"):
@@ -111,3 +116,25 @@ def complete_checkpoints(step_dir: Path) -> list[Path]:
     done = [p for p in (Path(step_dir) / "checkpoints").glob(f"{_PREFIX}*")
             if (p / "state.json").exists()]
     return sorted(done, key=lambda p: int(p.name.removeprefix(_PREFIX)))
+
+
+def _tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a nested state dict (lists, dicts, tensors and plain values)."""
+    if torch.is_tensor(state):
+        yield state
+    elif isinstance(state, dict | list | tuple):
+        for value in state.values() if isinstance(state, dict) else state:
+            yield from _tensors(value)
+
+
+def require_finite(tensors: Iterable[torch.Tensor], rt: Runtime, what: str) -> None:
+    """Raise NonFiniteError unless every floating-point value of `tensors` (this rank's
+    shards of them) is finite on every rank. Collective."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    counts = [(~torch.isfinite(t.detach())).sum().to(rt.device, torch.float64) for t in local
+              if t.is_floating_point() and t.numel()]   # summed on the device: one sync
+    bad = int(rt.all_sum(torch.stack(counts).sum() if counts
+                         else torch.zeros((), dtype=torch.float64, device=rt.device)))
+    if bad:
+        raise NonFiniteError(f"{what}: {bad} values are NaN or inf; nothing was written "
+                             "(the last good checkpoint and model stay as they were)")

@@ -84,6 +84,7 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
         unfinished &= ~torch.isin(token, eos)
         stop = on_token is not None and on_token(token)
         if stop or t == n - 1 or not bool(unfinished.any()):
+            chooser.check()
             return out[:, :p + t + 1]
         key_valid[:, p + t] = True
         slot = torch.tensor([p + t], device=device)

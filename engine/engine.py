@@ -5,10 +5,16 @@ placed, sharded and reduced stays in here (engine/parallel.py).
 The loss contract with several ranks: each rank passes its share of the objective, and the
 objective is the sum of the shares over the ranks (a mean over a global batch is each
 rank's sum divided by the global count). Gradients then equal a single process's on the
-whole batch, however the batch was split."""
+whole batch, however the batch was split.
+
+Guards: an update whose loss or gradient norm is not finite (on any rank) is skipped: the
+weights and the optimizer's state are left as they were, the gradients dropped, and the
+skip counted (`skipped_steps`); `max_skipped_steps` skips in a row stop the run with a
+NonFiniteError. Nothing is exported or checkpointed with a non-finite weight."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
-from engine.checkpoint import Tensors
+from engine.checkpoint import Tensors, require_finite
+from engine.errors import NonFiniteError
 from engine.export import save_hf
 from engine.lora import is_lora_param
 from engine.models import sequence_scores, token_values
@@ -52,9 +59,10 @@ def _param_groups(model: nn.Module, optim: OptimSettings) -> list[dict]:
 
 class TrainEngine:
     def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
-                 runtime: Runtime, sharding: ShardSettings | None = None):
-        self.runtime = runtime
-        self.optim = optim
+                 runtime: Runtime, sharding: ShardSettings | None = None, *,
+                 name: str = "model", max_skipped_steps: int = 5):
+        self.runtime, self.optim, self.name = runtime, optim, name
+        self.max_skipped_steps = max_skipped_steps
         self.module = shard(model, runtime, sharding or ShardSettings())
         self.module.train()
         fused = runtime.device.type == "cuda" and not (sharding and sharding.offload)
@@ -64,21 +72,26 @@ class TrainEngine:
                                        num_warmup_steps=optim.warmup_steps,
                                        num_training_steps=max(total_steps, 1))
         self.micro_steps = self.steps = 0
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=runtime.device)
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with self.runtime.precision.trained_forward(self.runtime.device,
+                                                    autocast=not self.runtime.distributed):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of this rank's share of the loss; ranks exchange
         gradients only on the last micro-step of an accumulation window."""
         self.micro_steps += 1
         set_gradient_sync(self.module, self.micro_steps % self.optim.grad_accum == 0)
+        self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync
         # FSDP2 averages gradients over ranks; the objective is their sum (see above)
         (loss * (self.runtime.world_size / self.optim.grad_accum)).backward()
 
     def step(self) -> float | None:
         """Apply the optimizer at the end of an accumulation window; returns the gradient
-        norm before clipping then, else None."""
+        norm before clipping then (NaN or inf when the update was skipped), else None."""
         if self.micro_steps % self.optim.grad_accum != 0:
             return None
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -86,11 +99,32 @@ class TrainEngine:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):  # DTensor when sharded
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
+        # one number for all ranks: the norm is global, a rank's loss is its own
+        loss_bad = float(self.runtime.all_sum(self._loss_nonfinite.float()))
+        grad_norm = float(grad_norm)
+        self._loss_nonfinite.zero_()
+        if loss_bad or not torch.isfinite(torch.tensor(grad_norm)):
+            self._skip("loss" if loss_bad else f"gradient norm ({grad_norm})")
+        else:
+            self.skipped_in_a_row = 0
+            self.optimizer.step()
+        with warnings.catch_warnings():   # a skipped first update: the schedule moves on
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return float(grad_norm)
+        return grad_norm
+
+    def _skip(self, what: str) -> None:
+        """Leave the weights as they are; stop after max_skipped_steps skips in a row."""
+        self.skipped_steps += 1
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= self.max_skipped_steps:
+            raise NonFiniteError(
+                f"{self.name}: {self.skipped_in_a_row} updates in a row skipped "
+                f"(engine.max_skipped_steps={self.max_skipped_steps}), the last at optimizer "
+                f"step {self.steps + 1} for a non-finite {what}; nothing was exported: lower "
+                "the learning rate, check the data, or use engine.dtype=float32")
 
     def state_dict(self) -> dict:
         """Model and optimizer state, sharded as the model is (for a DCP checkpoint)."""
@@ -104,10 +138,13 @@ class TrainEngine:
     def progress_state(self) -> dict:
         """Counters and schedule: plain values, stored beside the tensors."""
         return {"steps": self.steps, "micro_steps": self.micro_steps,
+                "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row,
                 "scheduler": self.scheduler.state_dict()}
 
     def load_progress_state(self, state: dict) -> None:
         self.steps, self.micro_steps = state["steps"], state["micro_steps"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
         self.scheduler.load_state_dict(state["scheduler"])
 
     @property
@@ -132,12 +169,12 @@ class TrainEngine:
 
     def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] per-token outputs of a one-label scorer (see engine.models.token_values)."""
-        return token_values(self.module, input_ids, attention_mask)
+        return token_values(self.module, input_ids, attention_mask, call=self)
 
     def sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
                         ) -> torch.Tensor:
         """[B] a scorer's output at each sequence's last real token."""
-        return sequence_scores(self.module, input_ids, attention_mask)
+        return sequence_scores(self.module, input_ids, attention_mask, call=self)
 
     def copy_weights(self) -> Tensors:
         """A detached copy of the parameters, sharded as they are (e.g. an EMA)."""
@@ -146,9 +183,13 @@ class TrainEngine:
     def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None) -> Path:
         """Write the model (LoRA merged) as a plain Hugging Face directory; with `weights`
         (a `copy_weights` of it, e.g. its EMA) those weights instead of the live ones, which
-        are left as they were. Collective: every process calls it."""
+        are left as they were. Collective: every process calls it. Refuses (NonFiniteError)
+        weights that are not all finite, before anything is written."""
+        what = f"{self.name} export to {out_dir}"
         if weights is None:
+            require_finite(self.module.parameters(), self.runtime, what)
             return save_hf(self.module, tokenizer, out_dir, self.runtime)
+        require_finite(weights.tensors.values(), self.runtime, what)
         live, params = self.copy_weights(), Tensors(dict(self.module.named_parameters()))
         params.load_state_dict(weights.tensors)   # copied in place, by name
         try:

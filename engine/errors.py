@@ -3,3 +3,9 @@
 
 class UserError(Exception):
     """Bad input (a flag, a path, a config value). The message says what to do."""
+
+
+class NonFiniteError(UserError):
+    """Training produced NaN or inf where it must not go on: updates skipped too many times
+    in a row, or non-finite weights about to be written, or sampling from non-finite
+    scores. Nothing is written after it; the step's metrics and checkpoints stay."""

@@ -27,6 +27,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from engine.errors import NonFiniteError
+
 # a per-step callback (streaming): called with the [B] tokens chosen at each step, pad after
 # a row's end; a true return ends generation there
 OnToken = Callable[[torch.Tensor], bool | None]
@@ -96,17 +98,46 @@ class RowSeededSampling(LogitsProcessor):
         return _gumbel_scores(scores, self.row_seeds, input_ids.shape[1] - self.prompt_len)
 
 
+def _nonfinite(scores: torch.Tensor) -> torch.Tensor:
+    """0-d bool: `scores` hold a NaN or +inf (-inf is a masked-out token, which is fine)."""
+    return torch.isnan(scores).any() | torch.isposinf(scores).any()
+
+
+def _refuse_nonfinite() -> NonFiniteError:
+    return NonFiniteError("generation: the model's next-token scores hold NaN or inf, so no "
+                          "token can be sampled; its weights or inputs went non-finite")
+
+
+class RefuseNonFinite(LogitsProcessor):
+    """Stops `generate` with a NonFiniteError on NaN or +inf scores (generate waits for the
+    device every step anyway, so checking each step costs nothing extra)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if bool(_nonfinite(scores)):
+            raise _refuse_nonfinite()
+        return scores
+
+
 class TokenChooser:
     """Each row's next token from fp32 logits [B, V], exactly as Hugging Face `generate`
     picks it under the same settings: argmax when greedy; with sampling, the warpers, then
     row-seeded Gumbel-max (`row_seeds` given) or `torch.multinomial` on torch's global
-    generator (same draws as generate's)."""
+    generator (same draws as generate's). Non-finite logits are noted on the device and
+    refused by `check()`, which the decoder calls once the answers are complete."""
 
     def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor | None = None):
         self.sampling, self.row_seeds = sampling, row_seeds
         self.warpers = _warpers(sampling)
+        self.saw_nonfinite: torch.Tensor | None = None
+
+    def check(self) -> None:
+        """Raise NonFiniteError if any logits chosen from so far were NaN or +inf."""
+        if self.saw_nonfinite is not None and bool(self.saw_nonfinite):
+            raise _refuse_nonfinite()
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        bad = _nonfinite(logits)
+        self.saw_nonfinite = bad if self.saw_nonfinite is None else self.saw_nonfinite | bad
         if not self.sampling.do_sample:
             return logits.argmax(-1)
         for warp in self.warpers:
@@ -155,7 +186,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         top_k=sampling.top_k if native_sampling else None,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     processors = LogitsProcessorList(
-        [RowSeededSampling(sampling, row_seeds, input_ids.shape[1])] if row_seeded else [])
+        [RefuseNonFinite()]
+        + ([RowSeededSampling(sampling, row_seeds, input_ids.shape[1])] if row_seeded else []))
     stopping = StoppingCriteriaList([_OnToken(on_token)] if on_token is not None else [])
     was_training = model.training
     model.eval()

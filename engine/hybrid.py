@@ -121,8 +121,8 @@ class _Target:
 class HybridEngine(TrainEngine):
     def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
                  runtime: Runtime, sharding: ShardSettings | None = None,
-                 hybrid: HybridSettings | None = None):
-        super().__init__(model, optim, total_steps, runtime, sharding)
+                 hybrid: HybridSettings | None = None, **guards):
+        super().__init__(model, optim, total_steps, runtime, sharding, **guards)
         self.hybrid = hybrid or HybridSettings()
         self.times = GenerationTimes()
         inner = hf_model(self.module)

@@ -268,24 +268,25 @@ def _score_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def token_values(model: torch.nn.Module, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token outputs [B, T] of a one-label sequence-classification model (the reward
-    at every position, or the critic's values). The model is called as a whole, so wrappers
-    (peft, FSDP) run their hooks; the head's output is captured on the way out."""
+                 attention_mask: torch.Tensor, call=None) -> torch.Tensor:
+    """Per-token outputs [B, T] (fp32) of a one-label sequence-classification model (the
+    reward at every position, or the critic's values). The model is called as a whole
+    (through `call`, e.g. its TrainEngine, when given), so wrappers (peft, FSDP) run their
+    hooks; the head's output is captured on the way out."""
     captured = []
     handle = _score_head(model).register_forward_hook(lambda m, i, out: captured.append(out))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask,
-              position_ids=position_ids(attention_mask))
+        (call or model)(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids(attention_mask))
     finally:
         handle.remove()
     return captured[0].squeeze(-1).float()
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,
-                    attention_mask: torch.Tensor) -> torch.Tensor:
+                    attention_mask: torch.Tensor, call=None) -> torch.Tensor:
     """[B] reward-model score at the last real token of each sequence (left or right padding)."""
-    values = token_values(model, input_ids, attention_mask)
+    values = token_values(model, input_ids, attention_mask, call)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (positions * attention_mask.long()).argmax(-1)   # [B] the rightmost real token
     return values.gather(1, last[:, None]).squeeze(1)

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
-    MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
@@ -71,19 +69,11 @@ def _mesh(rt: Runtime, zero_stage: int) -> DeviceMesh:
     return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("shard",))
 
 
-def _mixed_precision(rt: Runtime) -> MixedPrecisionPolicy:
-    """Compute in the run's dtype (bf16 on GPU) over fp32 master weights; reduce gradients
-    in fp32 so that summing over many ranks loses nothing."""
-    if rt.dtype == torch.float32:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=rt.dtype, reduce_dtype=torch.float32)
-
-
 def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
           trainable: bool = True) -> nn.Module:
-    """Place a model: FSDP2 over all ranks when distributed, else just the device. Loaded
-    trainable weights must be fp32 in the distributed case (they become the master copy;
-    `rt.dtype` is the compute dtype)."""
+    """Place a model: FSDP2 over all ranks when distributed, else just the device. Trained
+    weights come loaded in the master dtype (engine/precision.py), frozen ones in the
+    compute dtype."""
     if settings.activation_checkpointing:
         # non-reentrant checkpointing composes with FSDP2's hooks and keeps parameter names
         hf_model(model).gradient_checkpointing_enable(
@@ -95,7 +85,7 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     zeropp = settings.zeropp if settings.zero_stage == 3 else ZeroPPSettings()
     # on a CPU run there is nowhere else to put the weights: offloading is a no-op
     offload = settings.offload and rt.device.type == "cuda"
-    kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=_mixed_precision(rt),
+    kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=rt.precision.fsdp_policy(),
                   offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                   reshard_after_forward=settings.zero_stage == 3)
     kwargs.update(hpz_kwargs(zeropp, rt.world_size))   # hpZ: an int reshard_after_forward

@@ -48,6 +48,7 @@ class Placement:
     zeropp: ZeroPPSettings = ZeroPPSettings()
     quantized_base: QuantizedBaseSettings = QuantizedBaseSettings()
     share_reference: bool = True
+    max_skipped_steps: int = 5          # non-finite updates in a row before the run stops
 
     @classmethod
     def from_config(cls, engine_cfg: Mapping, runtime: Runtime, *, actor_zero_stage: int,
@@ -62,7 +63,8 @@ class Placement:
                    hybrid=HybridSettings(**engine_cfg["hybrid"]),
                    zeropp=zeropp_settings(engine_cfg["zeropp"], runtime),
                    quantized_base=QuantizedBaseSettings(**engine_cfg["quantized_base"]),
-                   share_reference=engine_cfg["share_reference"])
+                   share_reference=engine_cfg["share_reference"],
+                   max_skipped_steps=engine_cfg["max_skipped_steps"])
 
     def causal_lm(self, spec: str, tokenizer, *, trained: bool,
                   lora: LoraSettings | None = None, **kwargs) -> nn.Module:
@@ -81,7 +83,7 @@ class Placement:
             # filled module by module where it will run (sharding moves blocks to the device)
             model, report = load_quantized(
                 kind, spec, tokenizer, self.quantized_base, dtype=rt.dtype,
-                head_dtype=rt.master_dtype, device=torch.device("cpu") if rt.distributed
+                head_dtype=rt.precision.master, device=torch.device("cpu") if rt.distributed
                 else rt.device, **kwargs)
             if rt.is_main:
                 tqdm.write(describe(report, spec, self.quantized_base))
@@ -91,9 +93,8 @@ class Placement:
                 tqdm.write(f"quantized base: {spec} trains without LoRA here, so its weights "
                            "stay in full precision")
             load = load_causal_lm if kind == "causal_lm" else load_reward_model
-            # trained weights load as the master copy (fp32 when sharded under mixed
-            # precision), frozen ones in the compute dtype
-            model = load(spec, tokenizer, dtype=rt.master_dtype if trained else rt.dtype, **kwargs)
+            # trained weights load as the fp32 master copy, frozen ones in the compute dtype
+            model = load(spec, tokenizer, dtype=rt.precision.load_dtype(trained), **kwargs)
         if not trained:
             return model
         model = apply_lora(model, lora)
@@ -109,15 +110,17 @@ class Placement:
                              zeropp=self.zeropp)
 
     def trainer(self, model: nn.Module, optim: OptimSettings, total_steps: int, *,
-                role: str) -> TrainEngine:
-        """A trained model of `role` ("actor" or "reward") with its optimizer."""
-        return TrainEngine(model, optim, total_steps, self.runtime, self._sharding(role))
+                role: str, name: str | None = None) -> TrainEngine:
+        """A trained model of `role` ("actor" or "reward") with its optimizer; `name` (the
+        role by default) is what its errors call it."""
+        return TrainEngine(model, optim, total_steps, self.runtime, self._sharding(role),
+                           name=name or role, max_skipped_steps=self.max_skipped_steps)
 
     def rollout_actor(self, model: nn.Module, optim: OptimSettings,
                       total_steps: int) -> HybridEngine:
         """Step 3's actor: trained as the "actor" role, generating through the hybrid engine."""
         return HybridEngine(model, optim, total_steps, self.runtime, self._sharding("actor"),
-                            self.hybrid)
+                            self.hybrid, name="actor", max_skipped_steps=self.max_skipped_steps)
 
     def reference(self, actor: TrainEngine, spec: str, tokenizer, **kwargs):
         """Step 3's KL anchor, the step-1 model `spec` that `actor` started from: the actor

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import UserError
+from engine.precision import Precision
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -22,7 +23,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
-    dtype: torch.dtype          # compute dtype (sharded runs keep fp32 master weights)
+    dtype: torch.dtype          # compute dtype (trained weights stay fp32: engine/precision.py)
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -33,10 +34,9 @@ class Runtime:
         return self.rank == 0
 
     @property
-    def master_dtype(self) -> torch.dtype:
-        """Dtype to load trainable weights in: fp32 master weights under FSDP2's mixed
-        precision when sharded; the compute dtype itself in a plain single process."""
-        return torch.float32 if self.distributed else self.dtype
+    def precision(self) -> Precision:
+        """Load, master, compute and reduce dtypes of every model (engine/precision.py)."""
+        return Precision(compute=self.dtype)
 
     @property
     def distributed(self) -> bool:

@@ -84,8 +84,8 @@ class QuantizedBaseConfig:
 @dataclass
 class EngineConfig:
     device: str = val("auto", "auto | cpu | cuda")
-    dtype: str = val("auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; sharded "
-                     "runs keep fp32 master weights")
+    dtype: str = val("auto", "compute dtype: auto (bf16 on CUDA, fp32 on CPU) | float32 | "
+                     "bfloat16; trained weights and optimizer state stay fp32")
     procs: int = val(1, "processes on this node; >1 starts them through torchrun (gloo on "
                      "CPU, NCCL on CUDA)")
     procs_per_node: Optional[int] = val(None, "ranks per node for ZeRO++ (default: "  # noqa: UP045
@@ -99,6 +99,8 @@ class EngineConfig:
                                     "sharded (true) or replicated")
     offload_reference_model: bool = val(False, "keep the reference model on the CPU between uses")
     offload_reward_model: bool = False
+    max_skipped_steps: int = val(5, "updates with a non-finite loss or gradient norm are "
+                                 "skipped; this many in a row stop the run")
     checkpoint_every: int = val(200, "optimizer steps (steps 1, 2) / PPO iterations (step 3) "
                                 "between checkpoints; 0 = none")
     keep_checkpoints: int = 1

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel, Share
 from engine.engine import TrainEngine
-from engine.errors import UserError
+from engine.errors import NonFiniteError, UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
 from engine.models import disable_dropout, load_tokenizer, position_ids
@@ -115,11 +115,13 @@ def row_seeds(seed: int, stream: int, rows: list[int]) -> torch.Tensor:
 
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                    prompt_len: int) -> torch.Tensor:
-    """[B, N] log-probability of each answer token under `model`."""
+                    prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
+    """[B, N] fp32 log-probability of each answer token under `model` at the sampling
+    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T)."""
     logits = model(input_ids=sequences, attention_mask=attention_mask,
                    position_ids=position_ids(attention_mask)).logits
-    return logprobs_of_tokens(logits[:, prompt_len - 1:-1], sequences[:, prompt_len:])
+    return logprobs_of_tokens(logits[:, prompt_len - 1:-1], sequences[:, prompt_len:],
+                              temperature)
 
 
 def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -202,9 +204,10 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor],
     attention_mask = torch.cat([prompts["attention_mask"], answered.long()], 1)
 
     actor.eval()
-    logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len)
+    logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len, sampling.temperature)
     actor.train()
-    ref_logprobs = answer_logprobs(models.reference, sequences, attention_mask, prompt_len)
+    ref_logprobs = answer_logprobs(models.reference, sequences, attention_mask, prompt_len,
+                                   sampling.temperature)
     values = torch.zeros_like(logprobs)
     if critic is not None:
         critic.eval()
@@ -262,7 +265,8 @@ def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: f
     processes are the micro-batch's)."""
     exp, prompt_len, actor = experience, experience.prompt_len, models.actor
     weights, _ = loss_weights(exp.action_mask, ppo.loss_aggregation)
-    logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len)
+    logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len,
+                               ppo.temperature)
     actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, weights, ppo.clip_range,
                             count)
     loss, stats = actor_out.loss, {}
@@ -277,8 +281,7 @@ def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: f
         loss = loss + ppo.ptx.coef * ptx_loss
         stats["train/ptx_loss"] = ptx_loss.item()
     actor.backward(loss)
-    actor.step()
-    stats.update({"train/policy_loss": actor_out.loss.item(),
+    stats.update({"train/grad_norm": actor.step(), "train/policy_loss": actor_out.loss.item(),
                   "train/clip_fraction": float(actor_out.clip_fraction),
                   "train/approx_kl": float(actor_out.approx_kl),
                   "train/ratio": float(actor_out.ratio_mean)})
@@ -287,8 +290,8 @@ def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: f
         critic_out = value_loss(values, exp.values, exp.returns, weights,
                                 ppo.value_clip_range, count)
         models.critic.backward(critic_out.loss)
-        models.critic.step()
-        stats.update({"train/value_loss": critic_out.loss.item(),
+        stats.update({"train/critic_grad_norm": models.critic.step(),
+                      "train/value_loss": critic_out.loss.item(),
                       "train/value_clip_fraction": float(critic_out.clip_fraction)})
     return stats
 
@@ -465,7 +468,7 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     actor = place.rollout_actor(actor, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
     if critic is not None:
         critic = place.trainer(critic, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
-                               updates, role="reward")
+                               updates, role="reward", name="critic")
     # LoRA over a frozen base: the actor with its adapters off is the reference
     reference = place.reference(actor, actor_path, tokenizer, trust_remote_code=trc)
     return Models(actor, critic, reference, rewards, tokenizer,
@@ -506,9 +509,12 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                 prompts.train, ppo.rollout_batch_size, seed=seed + epoch,
                 skip=position["round"] if epoch == position["epoch"] else 0,
                 desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports):
-            times, ptx_batches, kl_coef = iterate(cfg, models, prompts, prompt_batch, sampling,
-                                                  ema, dp, tracker, iteration, ptx_batches,
-                                                  kl_coef)
+            try:
+                times, ptx_batches, kl_coef = iterate(cfg, models, prompts, prompt_batch,
+                                                      sampling, ema, dp, tracker, iteration,
+                                                      ptx_batches, kl_coef)
+            except NonFiniteError as err:
+                raise NonFiniteError(f"step 3 iteration {iteration + 1}: {err}") from None
             iteration += 1
             time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
             epoch_done = round_index == rounds
@@ -566,7 +572,9 @@ def iterate(cfg: DictConfig, models: Models, prompts: Prompts, prompt_batch: lis
                                 prompts.ptx, ptx_batches, ema, cfg.seed, iteration, kl_coef)
     t2 = time.perf_counter()
     metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id, dp),
-               "kl_coef": kl_coef}
+               "kl_coef": kl_coef, "train/skipped_steps": models.actor.skipped_steps}
+    if models.critic is not None:
+        metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
                             len(prompt_batch) * group, metrics.pop("answer/tokens"),
                             ppo.ppo_epochs)

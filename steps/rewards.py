@@ -11,7 +11,7 @@ from numbers import Real
 
 import torch
 
-from engine.errors import UserError
+from engine.errors import NonFiniteError, UserError
 from engine.models import sequence_scores
 from steps.common import to_device
 from steps.tokenize import collate_prompts
@@ -72,7 +72,12 @@ class Rewards:
         """[B] scores of left-padded prompts (P = `prompt_len` columns) + answers [B, P+N]."""
         total = torch.zeros(len(sequences), device=sequences.device)
         if self.scorer is not None:
-            total += self.model_weight * self.scorer(sequences, attention_mask).float()
+            scores = self.scorer(sequences, attention_mask).float()
+            if not bool(torch.isfinite(scores).all()):
+                raise NonFiniteError(f"the reward model scored {int((~scores.isfinite()).sum())}"
+                                     f" of {len(scores)} answers NaN or inf; its weights or "
+                                     "inputs went non-finite")
+            total += self.model_weight * scores
         if self.fn is not None:
             decode = self.tokenizer.batch_decode
             # generate pads after EOS, so the special tokens are all that must go

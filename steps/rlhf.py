@@ -68,10 +68,14 @@ def answer_mask(answer_ids: Tensor, eos_token_id: int | Sequence[int] | None) ->
     return (eos_strictly_before == 0).to(torch.float32)
 
 
-def logprobs_of_tokens(logits: Tensor, tokens: Tensor) -> Tensor:
-    """float32 [B, T] log-probability ``log_softmax(logits)[b, t, tokens[b, t]]`` of
-    ``tokens`` [B, T] under ``logits`` [B, T, V] of any float dtype: ``logits[:, t]`` is the
-    distribution of ``tokens[:, t]`` (no shifting is done here)."""
+def logprobs_of_tokens(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """float32 [B, T] log-probability ``log_softmax(logits / temperature)[b, t, tokens[b, t]]``
+    of ``tokens`` [B, T] under ``logits`` [B, T, V] of any float dtype: ``logits[:, t]`` is
+    the distribution of ``tokens[:, t]`` (no shifting is done here). ``temperature``: the
+    one the tokens were sampled at, so that the log-probs are those of the sampling
+    distribution."""
+    if temperature != 1.0:   # in fp32: a bf16 quotient would round the logits again
+        logits = logits.float() / temperature
     # One extra [B, T, V] float32 tensor (the log-softmax); on CUDA a bf16 input is read
     # directly by the kernel (half_to_float), without a separate float copy of the logits.
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from engine.data_parallel import DataParallel
 from engine.engine import TrainEngine
+from engine.errors import NonFiniteError
 from engine.placement import Placement
 from engine.tracking import Tracker
 from steps.common import (
@@ -99,7 +100,11 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
             tokens += task.tokens(examples)
             for name, value in {"train/loss": batch_loss, **stats}.items():
                 window[name] = window.get(name, 0.0) + float(value.detach()) * share.weight
-            grad_norm = engine.step()
+            try:
+                grad_norm = engine.step()
+            except NonFiniteError as err:
+                raise NonFiniteError(f"step {task.step} epoch {epoch + 1} batch {index}: "
+                                     f"{err}") from None
             if grad_norm is None:
                 continue
             means = {name: total / section.grad_accum
@@ -107,7 +112,8 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
             window, loss = {}, means["train/loss"]
             if engine.steps % section.log_every == 0:
                 tracker.log({**means, "train/lr": engine.lr, "train/grad_norm": grad_norm,
-                             "epoch": epoch}, engine.steps)
+                             "train/skipped_steps": engine.skipped_steps, "epoch": epoch},
+                            engine.steps)
             epoch_done = index == steps_per_epoch
             ckpt.save_if_due(engine.steps, {
                 "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,

@@ -603,17 +603,19 @@ def dropout_opt_dirs(root: Path) -> tuple[Path, Path]:
     return dirs
 
 
-@pytest.mark.parametrize("disable", ["true", "false"])
-def test_first_ppo_update_has_ratio_one_despite_dropout(tmp_path, disable):
+@pytest.mark.parametrize("disable, temperature", [("true", 1.0), ("true", 0.7),
+                                                  ("false", 1.0)])
+def test_first_ppo_update_has_ratio_one_despite_dropout(tmp_path, disable, temperature):
     """Old log-probs (rollout) and new ones (first update, same weights, same rows) agree
-    exactly when dropout is off in step 3, as by default; with OPT's dropout left on they
-    do not, which is the defect ppo.disable_dropout fixes."""
+    exactly when dropout is off in step 3, as by default, also when sampling at a
+    temperature; with OPT's dropout left on they do not, which is the defect
+    ppo.disable_dropout fixes."""
     actor, reward = dropout_opt_dirs(tmp_path)
     run_train("--actor-model", "tiny-opt", "--reward-model", "tiny-opt", "--step", "3",
               "--output-dir", tmp_path / "out", settings=SMALL,
               **{"ppo.actor_path": actor, "ppo.reward_path": reward, "ppo.log_every": 1,
                  "ppo.micro_batch_size": SMALL["ppo.rollout_batch_size"],
-                 "ppo.disable_dropout": disable}).check()
+                 "ppo.disable_dropout": disable, "ppo.temperature": temperature}).check()
     first = next(r for r in metrics(tmp_path / "out" / "step3" / "metrics.jsonl")
                  if "train/ratio" in r)
     if disable == "true":
@@ -696,3 +698,71 @@ def test_step_1_then_3_with_a_reward_function_alone(tmp_path, algorithm):
     assert all(r["reward/score"] <= r["answer/ended_with_eos"] + 1e-6 for r in rows)
     summary = metrics(out / "step3" / "metrics.jsonl")[-1]
     assert summary["memory/peak_mib"] > 0 and summary["memory/trained_mib"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerical guards through train.py
+
+
+def poison_updates(monkeypatch, module, name: str, poisoned: set[int]) -> None:
+    """Make `module.name` (a loss function returning a loss or a (loss, ...) result) return a
+    NaN loss on its calls numbered in `poisoned` (from 1)."""
+    original, calls = getattr(module, name), [0]
+
+    def loss_fn(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] not in poisoned:
+            return out
+        if isinstance(out, tuple) and not hasattr(out, "_replace"):
+            return (out[0] * float("nan"), *out[1:])
+        return out._replace(loss=out.loss * float("nan"))
+
+    monkeypatch.setattr(module, name, loss_fn)
+
+
+def test_non_finite_update_in_step3_is_skipped_and_logged(llama_run, tmp_path, monkeypatch):
+    """A NaN policy loss on the third update: that update is skipped, the run goes on, every
+    later metrics row counts it, and the exported actor is finite."""
+    from steps import ppo
+
+    out, _ = llama_run
+    poison_updates(monkeypatch, ppo, "policy_loss", {3})
+    run_train("--step", "3", "--output-dir", tmp_path, settings=SMALL,
+              **{"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward",
+                 "ppo.log_every": 1, "engine.max_skipped_steps": 2}).check()
+    rows = [r for r in metrics(tmp_path / "step3" / "metrics.jsonl") if "train/grad_norm" in r]
+    skipped = [r["train/skipped_steps"] for r in rows]
+    assert skipped[0] == 0 and skipped[-1] == 1 and skipped == sorted(skipped)
+    assert all(r["train/critic_skipped_steps"] == 0 for r in rows)
+    assert any(math.isnan(r["train/grad_norm"]) for r in rows)
+    assert all(torch.isfinite(w).all() for w in weights(tmp_path / "step3" / "actor").values())
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_non_finite_updates_in_a_row_stop_the_run(llama_run, tmp_path, monkeypatch, step):
+    """engine.max_skipped_steps NaN updates in a row: exit 2 with one line naming the step,
+    where it stopped and what went non-finite; no model is exported, the metrics stay."""
+    from steps import ppo, sft
+
+    out, _ = llama_run
+    if step == 1:
+        poison_updates(monkeypatch, sft, "batch_loss", set(range(3, 100)))
+        args = ("--actor-model", "tiny-llama", "--step", "1")
+        extra = {"sft.log_every": 1, "sft.batch_size": 2}
+    else:
+        poison_updates(monkeypatch, ppo, "policy_loss", set(range(3, 100)))
+        args = ("--step", "3")
+        extra = {"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward",
+                 "ppo.rollout_batch_size": 8, "ppo.micro_batch_size": 4}   # 2 updates each
+    result = run_train(*args, "--output-dir", tmp_path / "out", settings=SMALL,
+                       **{**extra, "engine.max_skipped_steps": 3})
+    assert result.rc == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    where = "step 1 epoch 1 batch 5: actor" if step == 1 else "step 3 iteration 3: actor"
+    assert lines[0].startswith(f"train.py: {where}: 3 updates in a row skipped"), lines[0]
+    assert "non-finite loss" in lines[0]
+    assert not (tmp_path / "out" / "actor").exists()
+    assert not (tmp_path / "out" / "step3" / "actor").exists()
+    assert metrics(tmp_path / "out" / f"step{step}" / "metrics.jsonl")

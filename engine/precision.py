@@ -1,0 +1,73 @@
+"""The run's precision policy, decided here for every path (one process or FSDP2 at any
+world size, full fine-tuning, LoRA, a frozen quantized base):
+
+  load     trained weights in `master`, frozen models (reference, reward model, a LoRA
+           model's frozen base) in `compute`
+  master   fp32: trained weights and the optimizer's state, whatever the compute dtype
+  compute  the matmuls of every forward and backward: `engine.dtype` (bf16 on a GPU).
+           Under FSDP2 its MixedPrecisionPolicy casts the gathered weights; in a single
+           process the trained model's forward runs under autocast.
+  reduce   fp32: gradients summed over ranks
+  export   the master weights (fp32), as Hugging Face's Trainer writes them under autocast;
+           a quantized base is written in the compute dtype it ran in
+
+Log-probs, KL, values, advantages and losses are fp32 by construction: steps/rlhf.py
+computes them from the logits and values in fp32.
+
+Attention in differentiated forwards avoids cuDNN's SDPA kernels on CUDA: their
+backward returns NaN query gradients (PyTorch issue 196678, Hopper, torch 2.11 to 2.13,
+bf16/fp16) when a mask is given, the sequence length is 64 mod 128 and a query row's
+log-sum-exp is below -88.7, which every left-padded row's padding positions have (they
+attend to nothing). That is what turned bf16 step 3 NaN on an H100 at the first rollout
+batch 64 tokens long. Flash and memory-efficient attention take over at the same speed
+for these shapes; forward-only passes (no backward) keep cuDNN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# every SDPA backend but cuDNN's, in torch's own order of preference
+_TRAINING_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: torch.dtype = torch.float32
+    master: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+
+    @property
+    def mixed(self) -> bool:
+        """True when compute runs in a lower precision than the master weights."""
+        return self.compute != self.master
+
+    def load_dtype(self, trained: bool) -> torch.dtype:
+        """The dtype to load a model's weights in: the master copy of a trained model,
+        the compute dtype of a frozen one."""
+        return self.master if trained else self.compute
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2's casts: gathered weights in the compute dtype, gradients reduced in fp32."""
+        if not self.mixed:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=self.reduce)
+
+    @contextlib.contextmanager
+    def trained_forward(self, device: torch.device, *, autocast: bool) -> Iterator[None]:
+        """The context of a trained model's forward: autocast to the compute dtype where
+        nothing else casts (`autocast`: a single process, weights in `master`), and on
+        CUDA attention kernels whose backward is sound (see the module docstring)."""
+        with contextlib.ExitStack() as stack:
+            if autocast and self.mixed:
+                stack.enter_context(torch.autocast(device.type, dtype=self.compute))
+            if device.type == "cuda":
+                stack.enter_context(sdpa_kernel(_TRAINING_ATTENTION))
+            yield

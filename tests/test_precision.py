@@ -1,0 +1,237 @@
+"""The precision policy (engine/precision.py) and the numerical guards: fp32 master weights
+and optimizer state under bf16 compute in one process, attention kernels of differentiated
+forwards, updates skipped on a non-finite loss or gradient (weights untouched, counted, a
+clean stop after too many in a row), no checkpoint or export of non-finite weights, no
+sampling from non-finite scores, and log-probs at the sampling temperature."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine.checkpoint import Checkpointer, Tensors
+from engine.engine import OptimSettings, TrainEngine
+from engine.errors import NonFiniteError
+from engine.generation import SamplingSettings, TokenChooser, generate
+from engine.inference_form import inference_form
+from engine.models import byte_tokenizer, load_causal_lm
+from engine.placement import Placement
+from engine.precision import Precision
+from engine.runtime import Runtime
+from steps.ppo import answer_logprobs
+from steps.rlhf import logprobs_of_tokens, sft_loss
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+CPU_BF16 = Runtime(device=torch.device("cpu"), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, 200, (4, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def engine_for(model, rt: Runtime = CPU, **guards) -> TrainEngine:
+    settings = OptimSettings(lr=1e-2, lr_scheduler="constant")
+    return TrainEngine(model, settings, total_steps=10, runtime=rt, **guards)
+
+
+def train_step(engine: TrainEngine, ids: torch.Tensor, poison: float = 1.0) -> float | None:
+    engine.backward(sft_loss(engine(input_ids=ids).logits, ids) * poison)
+    return engine.step()
+
+
+def snapshot(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    state = {f"param/{n}": p.detach().clone() for n, p in engine.module.named_parameters()}
+    for i, s in enumerate(engine.optimizer.state.values()):
+        state.update({f"adam{i}/{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return state
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy
+
+
+def test_policy_dtypes():
+    bf16 = Precision(compute=torch.bfloat16)
+    assert bf16.mixed and bf16.master == bf16.reduce == torch.float32
+    assert (bf16.load_dtype(trained=True), bf16.load_dtype(trained=False)) == (
+        torch.float32, torch.bfloat16)
+    policy = bf16.fsdp_policy()
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert not Precision().mixed and Precision().fsdp_policy().param_dtype is None
+
+
+def test_one_process_bf16_trains_fp32_master_weights_under_autocast(tok):
+    """Trained weights and AdamW state stay fp32 in a single bf16 process (they were bf16
+    before), the forward computes in bf16, and the update is the fp32 one to bf16 rounding;
+    frozen models load in bf16."""
+    place = Placement(CPU_BF16, {"actor": 0, "reward": 0})
+    model = place.causal_lm("tiny-llama", tok, trained=True, seed=0)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    frozen = place.causal_lm("tiny-llama", tok, trained=False, seed=0)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+
+    start = copy.deepcopy(model.state_dict())
+    bf16, fp32 = engine_for(model, CPU_BF16), engine_for(load_causal_lm("tiny-llama", tok, seed=0))
+    assert bf16(input_ids=batch()).logits.dtype == torch.bfloat16
+    for engine in (bf16, fp32):
+        assert train_step(engine, batch()) > 0
+    assert {v.dtype for s in bf16.optimizer.state.values() for v in s.values()
+            if torch.is_tensor(v) and v.ndim} == {torch.float32}
+    updates = [torch.cat([(e.module.state_dict()[k] - start[k]).flatten() for k in start])
+               for e in (bf16, fp32)]
+    assert torch.cosine_similarity(*updates, dim=0) > 0.99
+
+
+def test_differentiated_attention_never_runs_on_cudnn():
+    """On CUDA the trained forward excludes cuDNN's SDPA kernels (their backward returns
+    NaN for left-padded batches of 64 mod 128 tokens; tests/harness/bf16_checks.py shows it
+    on a GPU); everything is restored afterwards."""
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    with Precision(compute=torch.bfloat16).trained_forward(torch.device("cuda"), autocast=False):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards in the optimizer step
+
+
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_non_finite_update_is_skipped_and_counted(tok, poison):
+    """A NaN loss, or a finite loss with an inf gradient: no update (weights and AdamW
+    state bit for bit as before), the step counted as skipped, the next good step trains."""
+    engine = engine_for(load_causal_lm("tiny-llama", tok, seed=0), max_skipped_steps=3)
+    assert train_step(engine, batch(0)) > 0
+    before = snapshot(engine)
+    if poison == "loss":
+        grad_norm = train_step(engine, batch(1), poison=float("nan"))
+    else:
+        weight = engine.module.model.layers[0].mlp.up_proj.weight
+        handle = weight.register_hook(lambda grad: grad * float("inf"))
+        grad_norm = train_step(engine, batch(1))
+        handle.remove()
+    assert not torch.isfinite(torch.tensor(grad_norm))
+    assert_same(snapshot(engine), before)
+    assert (engine.skipped_steps, engine.skipped_in_a_row, engine.steps) == (1, 1, 2)
+    assert all(p.grad is None for p in engine.module.parameters())
+
+    assert train_step(engine, batch(2)) > 0
+    assert (engine.skipped_steps, engine.skipped_in_a_row) == (1, 0)
+    after = snapshot(engine)
+    assert not torch.equal(after["param/lm_head.weight"], before["param/lm_head.weight"])
+    assert engine.progress_state()["skipped_steps"] == 1
+
+
+def test_too_many_skips_in_a_row_stop_with_one_line(tok):
+    engine = engine_for(load_causal_lm("tiny-llama", tok, seed=0), name="actor",
+                        max_skipped_steps=2)
+    train_step(engine, batch(0), poison=float("nan"))
+    train_step(engine, batch(1))                     # a good step resets the run of skips
+    train_step(engine, batch(2), poison=float("inf"))
+    with pytest.raises(NonFiniteError) as err:
+        train_step(engine, batch(3), poison=float("nan"))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("actor: 2 updates in a row skipped (engine.max_skipped_steps=2)")
+    assert "optimizer step 4" in message and "non-finite loss" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing non-finite is written or sampled from
+
+
+def poisoned(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        model.get_output_embeddings().weight[5, 3] = float("nan")
+    return model
+
+
+def test_export_and_checkpoint_refuse_non_finite_weights(tok, tmp_path):
+    engine = engine_for(load_causal_lm("tiny-llama", tok, seed=0), name="actor")
+    ema = engine.copy_weights()
+    poisoned(engine.module)
+    with pytest.raises(NonFiniteError, match=r"actor export to .*: 1 values are NaN or inf"):
+        engine.export(tok, tmp_path / "actor")
+    assert not (tmp_path / "actor").exists() and not list(tmp_path.iterdir())
+
+    engine.export(tok, tmp_path / "actor_ema", weights=ema)    # the EMA copy is finite
+    assert (tmp_path / "actor_ema" / "model.safetensors").exists()
+    ema.tensors["lm_head.weight"][0, 0] = float("inf")
+    with pytest.raises(NonFiniteError):
+        engine.export(tok, tmp_path / "ema_again", weights=ema)
+
+    ckpt = Checkpointer(tmp_path / "step3", CPU, every=1)
+    with pytest.raises(NonFiniteError, match="checkpoint"):
+        ckpt.save(1, {"actor": engine, "ema": Tensors(ema.tensors)}, {})
+    assert ckpt.latest() is None and not (tmp_path / "step3").exists()
+
+
+def test_sampler_refuses_non_finite_scores(tok):
+    chooser = TokenChooser(SamplingSettings(do_sample=False))
+    chooser(torch.tensor([[0.0, 1.0, float("-inf")]]), 0)     # -inf: a masked-out token
+    chooser.check()
+    chooser(torch.tensor([[0.0, float("nan"), 1.0]]), 1)
+    chooser(torch.tensor([[0.0, 1.0, 2.0]]), 2)
+    with pytest.raises(NonFiniteError, match="next-token scores hold NaN"):
+        chooser.check()
+
+    model = poisoned(load_causal_lm("tiny-llama", tok, seed=0)).eval()
+    ids = torch.tensor([[1, 40, 41, 42]])
+    mask = torch.ones_like(ids)
+    sampling = SamplingSettings(max_new_tokens=4)
+    seeds = torch.tensor([7])
+    with pytest.raises(NonFiniteError):
+        generate(model, ids, mask, sampling, eos_token_id=2, pad_token_id=0, row_seeds=seeds)
+    with pytest.raises(NonFiniteError):
+        inference_form(model, CPU.device, torch.float32).generate(
+            ids, mask, sampling, eos_token_id=2, pad_token_id=0, row_seeds=seeds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs at the sampling temperature
+
+
+def test_logprobs_at_the_sampling_temperature():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]]])     # [B=1, T=2, V=3]
+    tokens = torch.tensor([[0, 2]])
+    t = 0.7
+    # by hand: log(exp(x_k / t) / sum_j exp(x_j / t))
+    want = [2 / t - torch.logsumexp(torch.tensor([2 / t, 0.0, -1 / t]), 0),
+            3 / t - torch.logsumexp(torch.tensor([0.5 / t, 0.5 / t, 3 / t]), 0)]
+    got = logprobs_of_tokens(logits, tokens, temperature=t)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.stack(want)[None], rtol=0, atol=1e-6)
+    torch.testing.assert_close(logprobs_of_tokens(logits.bfloat16(), tokens, temperature=t),
+                               got, rtol=0, atol=5e-2)
+
+
+def test_answer_logprobs_are_the_sampling_distributions(tok):
+    """answer_logprobs at T equals log_softmax(logits / T) of the actor's own forward, gathered
+    at the answer tokens; at T = 1 it differs (what the ratio and KL used before)."""
+    model = load_causal_lm("tiny-llama", tok, seed=0).eval()
+    ids = torch.tensor([[0, 1, 40, 41, 42, 43, 44], [1, 50, 51, 52, 53, 54, 55]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        got = answer_logprobs(model, ids, mask, prompt_len=4, temperature=0.7)
+        logits = model(input_ids=ids, attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        want = torch.log_softmax(logits[:, 3:-1].float() / 0.7, -1).gather(
+            -1, ids[:, 4:, None]).squeeze(-1)
+        plain = answer_logprobs(model, ids, mask, prompt_len=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert (got - plain).abs().max() > 1e-2
