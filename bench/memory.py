@@ -29,6 +29,7 @@ training step.
 
 Run:  python bench/memory.py        (options: --help; about 3 minutes on 2 CPU cores)
       python bench/memory.py --lora (about 5 minutes)
+      python bench/memory.py --precision (one process: the fp32 master copy's cost)
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", action="store_true", help="LoRA over bf16/INT8/INT4 frozen bases")
+    p.add_argument("--precision", action="store_true",
+                   help="one process, bf16 compute: what the fp32 master copy costs")
     p.add_argument("--bases", default="bf16,int8,int4", help="with --lora")
     # child-only
     p.add_argument("--base", default="bf16", help=argparse.SUPPRESS)
@@ -333,6 +336,8 @@ def main() -> None:
     print(f"command: {shlex.join(['python', *sys.argv])}")
     if args.lora:
         return lora_table(args, worlds)
+    if args.precision:
+        return precision_table(args)
     child = child_command(args, worlds[0], stages[0], False, "ROW.json")
     print(f"child, e.g.: PYTHONPATH=. OMP_NUM_THREADS=<cores / world> python "
           f"{shlex.join(child[1:]).replace(str(REPO) + '/', '')}")
@@ -388,6 +393,60 @@ not plain PyTorch (so gathered parameters are a second copy of the weights).
   RSS (ref)           peak resident memory of the whole rank process: includes the full
                       model each rank builds before sharding, Python and libraries
 total time {time.monotonic() - started:.0f} s""")
+
+
+def precision_table(args: argparse.Namespace) -> None:
+    """One process, bf16 compute, the same model and batch: weights trained in bf16 (the
+    single-process policy before engine/precision.py) against fp32 master weights and AdamW
+    state under bf16 autocast (the policy now, as under FSDP2 at any world size)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import LlamaForCausalLM
+
+    from engine.engine import OptimSettings, TrainEngine
+    from engine.runtime import setup_runtime
+
+    rt = setup_runtime(args.device, "bfloat16", seed=args.seed)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(args.seed)).to(rt.device)
+    rows = {}
+    for label, weights in (("bf16 weights and AdamW (before)", torch.bfloat16),
+                           ("fp32 master, bf16 compute (now)", torch.float32)):
+        torch.manual_seed(args.seed)
+        model = LlamaForCausalLM(model_config(args)).to(weights)
+        engine = TrainEngine(model, OptimSettings(lr=1e-4), total_steps=10, runtime=rt)
+        grads = []
+
+        def train_step(engine=engine, grads=grads) -> float:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            grads.append(local_nbytes(p.grad for p in engine.module.parameters()))
+            engine.step()
+            return float(loss)
+
+        train_step()
+        gc.collect()
+        tracker = MemTracker()
+        tracker.track_external(engine.module, engine.optimizer)
+        if rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(rt.device)
+        with tracker:
+            loss = train_step()
+        peak = (torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else
+                tracker.get_tracker_snapshot("peak")[rt.device]["Total"])
+        rows[label] = (local_nbytes(engine.module.parameters()), grads[-1],
+                       local_nbytes(v for st in engine.optimizer.state.values()
+                                    for v in st.values() if torch.is_tensor(v)), peak, loss)
+        del engine, model
+        gc.collect()
+    print(f"{'one process, bf16 compute':<33}  {'weights':>8}  {'grads':>8}  {'AdamW':>8}  "
+          f"{'peak':>8}  {'vs before':>9}  {'loss (2nd step)':>15}")
+    base = next(iter(rows.values()))[3]
+    for label, (w, g, o, peak, loss) in rows.items():
+        print(f"{label:<33}  {mib(w):>8}  {mib(g):>8}  {mib(o):>8}  {mib(peak):>8}  "
+              f"{peak / base:>8.2f}x  {loss:>15.4f}")
+    print("MiB; peak of the 2nd step: " + ("torch.cuda.max_memory_allocated" if
+          rt.device.type == "cuda" else "live tensor storages (torch's MemTracker)"))
 
 
 def lora_table(args: argparse.Namespace, worlds: list[int]) -> None:

@@ -258,11 +258,12 @@ def estimate_advantages(ppo: DictConfig, rewards: torch.Tensor, scores: torch.Te
 
 
 def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: float,
-             count: float, ptx: PtxRows | None) -> dict[str, float]:
+             count: float, ptx: PtxRows | None) -> tuple[dict[str, float], dict[str, float]]:
     """One optimisation step of the actor (and critic) on this process's rows of a
     micro-batch. `count`: the micro-batch's loss divisor over all processes (see
     loss_weights). Returns this process's shares of the statistics (their sums over
-    processes are the micro-batch's)."""
+    processes are the micro-batch's), and the gradient norms (the whole micro-batch's
+    already: NaN or inf where the update was skipped)."""
     exp, prompt_len, actor = experience, experience.prompt_len, models.actor
     weights, _ = loss_weights(exp.action_mask, ppo.loss_aggregation)
     logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len,
@@ -281,7 +282,8 @@ def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: f
         loss = loss + ppo.ptx.coef * ptx_loss
         stats["train/ptx_loss"] = ptx_loss.item()
     actor.backward(loss)
-    stats.update({"train/grad_norm": actor.step(), "train/policy_loss": actor_out.loss.item(),
+    norms = {"train/grad_norm": actor.step()}
+    stats.update({"train/policy_loss": actor_out.loss.item(),
                   "train/clip_fraction": float(actor_out.clip_fraction),
                   "train/approx_kl": float(actor_out.approx_kl),
                   "train/ratio": float(actor_out.ratio_mean)})
@@ -290,10 +292,10 @@ def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: f
         critic_out = value_loss(values, exp.values, exp.returns, weights,
                                 ppo.value_clip_range, count)
         models.critic.backward(critic_out.loss)
-        stats.update({"train/critic_grad_norm": models.critic.step(),
-                      "train/value_loss": critic_out.loss.item(),
+        norms["train/critic_grad_norm"] = models.critic.step()
+        stats.update({"train/value_loss": critic_out.loss.item(),
                       "train/value_clip_fraction": float(critic_out.clip_fraction)})
-    return stats
+    return stats, norms
 
 
 class PtxRows(NamedTuple):
@@ -325,6 +327,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: 
     (and a PTX batch, an EMA update). Returns the statistics' means over the updates and
     the PTX stream's new position."""
     sums: dict[str, float] = {}
+    norm_sums: dict[str, float] = {}
     updates = 0
     for ppo_epoch in range(ppo.ppo_epochs):
         order = torch.tensor(permutation(batch_size, seed + iteration * 131 + ppo_epoch))
@@ -337,13 +340,15 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: 
                 ptx_batch = ptx_rows(ptx, ptx_batches, ppo.ptx.batch_size, seed,
                                      models.tokenizer.pad_token_id, dp)
                 ptx_batches += 1
-            for name, value in train_on(rows, models, ppo, kl_coef, count, ptx_batch).items():
-                sums[name] = sums.get(name, 0.0) + value
+            stats, norms = train_on(rows, models, ppo, kl_coef, count, ptx_batch)
+            for totals, values in ((sums, stats), (norm_sums, norms)):
+                for name, value in values.items():
+                    totals[name] = totals.get(name, 0.0) + value
             updates += 1
             if ema is not None:
                 ema_update(ema.tensors.values(), models.actor.parameters(), ppo.ema.beta)
-    totals = dp.sum(*sums.values())
-    return {name: total / updates for name, total in zip(sums, totals, strict=True)}, ptx_batches
+    totals = dict(zip(sums, dp.sum(*sums.values()), strict=True))
+    return {name: total / updates for name, total in {**totals, **norm_sums}.items()}, ptx_batches
 
 
 @torch.no_grad()

@@ -98,7 +98,10 @@ def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_
         for row_got, row_want in zip(rows_got, rows_want, strict=True):
             assert row_got.keys() == row_want.keys()
             for key, value in row_want.items():
-                assert row_got[key] == pytest.approx(value, rel=rtol, abs=atol), \
+                # a gradient norm sums the squares of every shard's gradients, in an order
+                # that depends on the sharding: it rounds differently by a few 1e-5
+                loose = 10 if key.endswith("grad_norm") else 1
+                assert row_got[key] == pytest.approx(value, rel=rtol * loose, abs=atol), \
                     f"step {step} row {row_want['step']} {key}"
     for name in models:
         got_w, want_w = _weights(got, name), _weights(want, name)

@@ -634,9 +634,9 @@ def test_logged_losses_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch
     seen_ppo, seen_sft = [], []
 
     def recording_train_on(*args, **kwargs):
-        stats = train_on(*args, **kwargs)
+        stats, norms = train_on(*args, **kwargs)
         seen_ppo.append(stats)
-        return stats
+        return stats, norms
 
     def recording_loss(*args, **kwargs):
         loss, stats = batch_loss(*args, **kwargs)
