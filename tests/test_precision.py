@@ -16,13 +16,17 @@ from engine.engine import OptimSettings, TrainEngine
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
+from engine.lora import LoraSettings
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.placement import Placement
 from engine.precision import Precision
+from engine.quantized_base import QuantizedBaseSettings
 from engine.runtime import Runtime
 from steps.ppo import answer_logprobs
 from steps.rlhf import logprobs_of_tokens, sft_loss
 
+pytestmark = pytest.mark.filterwarnings(   # library noise: peft on transformers 5
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 CPU_BF16 = Runtime(device=torch.device("cpu"), dtype=torch.bfloat16)
 
@@ -93,6 +97,28 @@ def test_one_process_bf16_trains_fp32_master_weights_under_autocast(tok):
     updates = [torch.cat([(e.module.state_dict()[k] - start[k]).flatten() for k in start])
                for e in (bf16, fp32)]
     assert torch.cosine_similarity(*updates, dim=0) > 0.99
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_one_process_bf16_lora_over_a_frozen_base(tok, bits):
+    """LoRA over a frozen bf16, INT8 or INT4 base in a bf16 process: the adapters (and only
+    they) train, in fp32; the base stays as it was loaded; the step is taken."""
+    quantized = QuantizedBaseSettings(enabled=bits is not None, bits=bits or 8)
+    place = Placement(CPU_BF16, {"actor": 0, "reward": 0}, quantized_base=quantized)
+    model = place.causal_lm("tiny-llama", tok, trained=True, seed=0,
+                            lora=LoraSettings(dim=4, only_optimize_lora=True))
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert {p.dtype for p in trained.values()} == {torch.float32}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert {p.dtype for p in frozen.values()} <= {torch.bfloat16, torch.int8, torch.uint8}
+    engine = engine_for(model, CPU_BF16)
+    lora_before = {n: p.detach().clone() for n, p in trained.items()}
+    for seed in range(2):   # LoRA's B starts at zero: A moves only from the second step
+        assert 0 < train_step(engine, batch(seed)) < float("inf")
+    assert engine.skipped_steps == 0
+    assert all(not torch.equal(p, lora_before[n]) for n, p in trained.items())
+    assert_same({n: p for n, p in model.named_parameters() if not p.requires_grad}, frozen)
 
 
 def test_differentiated_attention_never_runs_on_cudnn():
