@@ -422,7 +422,7 @@ def precision_table(args: argparse.Namespace) -> None:
             engine.backward(loss)
             grads.append(local_nbytes(p.grad for p in engine.module.parameters()))
             engine.step()
-            return float(loss)
+            return float(loss.detach())
 
         train_step()
         gc.collect()
