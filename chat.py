@@ -197,31 +197,36 @@ def parse_args(argv=None):
     return args
 
 
+def load(args: argparse.Namespace):
+    """(tokenizer, model in its inference form, device, dtype, prompt budget in tokens)
+    for the parsed arguments; a UserError for anything that cannot load."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    # loaded as train.py loads them, so bad paths and an unreachable hub fail in one line
+    remote = args.trust_remote_code  # runs Python shipped with the model: only when asked
+    tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote)
+    model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype,
+                           trust_remote_code=remote)
+    # leave room for the reply inside the model's context window
+    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    budget = max_pos - args.max_new_tokens if max_pos else None
+    if budget is not None and budget < 2:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the "
+                        f"conversation in the model's context of {max_pos} tokens")
+    # the fused form copies the weights onto the device: the loaded model is then dropped
+    return tokenizer, inference_form(model, device, dtype), device, dtype, budget
+
+
 def main(argv=None) -> int:
     interactive = sys.stdin.isatty()
     if not interactive:  # scripted use: keep stderr for real problems
         hf_logging.disable_progress_bar()
     try:
         args = parse_args(argv)
-        device = pick_device(args.device)
-        dtype = pick_dtype(args.dtype, device)
-        # loaded as train.py loads them, so bad paths and an unreachable hub fail in one line
-        remote = args.trust_remote_code  # runs Python shipped with the model: only when asked
-        tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote)
-        model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype,
-                               trust_remote_code=remote)
-        # leave room for the reply inside the model's context window
-        max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        budget = max_pos - args.max_new_tokens if max_pos else None
-        if budget is not None and budget < 2:
-            raise UserError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the "
-                            f"conversation in the model's context of {max_pos} tokens")
+        tokenizer, model, device, dtype, budget = load(args)
     except UserError as e:
         print(f"chat.py: {e}", file=sys.stderr)
         return 2
-    # the fused form copies the weights onto the device: the loaded model is then dropped
-    model = inference_form(model, device, dtype)
-
     if args.seed is not None:
         set_seed(args.seed)
     if interactive:
@@ -229,7 +234,13 @@ def main(argv=None) -> int:
             import readline  # noqa: F401
         print(f"chat.py: {args.path} on {device} ({dtype}); type 'clear' to reset, 'quit' to exit",
               file=sys.stderr)
+    converse(model, tokenizer, args, budget, interactive)
+    return 0
 
+
+def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
+             interactive: bool) -> None:
+    """Read user turns until EOF or quit, and stream each reply."""
     def encode(text: str) -> list[int]:
         return tokenizer(text)["input_ids"]  # default special tokens, as in training (BOS)
 
@@ -265,7 +276,6 @@ def main(argv=None) -> int:
             continue
         history += answer  # raw text (leading space included), as in the training data
         print("\n" if interactive else "", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.errors import UserError
-from steps.config import DEFAULTS, LIST_KEYS, as_yaml, listing, register
+from steps.config import DEFAULTS, LIST_KEYS, as_yaml, listing, register, validate
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
@@ -166,21 +166,23 @@ def build_config(args: argparse.Namespace) -> DictConfig:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Refuse a run that cannot work, before anything is loaded or written."""
+    """Refuse a run that cannot work, before anything is loaded or written: every key in
+    its schema's range (steps/config.py), then the rules between keys, paths and models."""
+    try:
+        validate(cfg)
+    except ValueError as err:   # "key=value: what is allowed", with the key's flag if any
+        key, _, rest = str(err).partition("=")
+        value, _, allowed = rest.partition(": ")
+        flag = next((f" ({row[0]})" for rows in FLAGS.values() for row in rows
+                     if row[1] == key), "")
+        raise UserError(f"{key}={value}{flag}: {allowed}") from None
     steps = list(cfg.steps)
-    if not steps or not set(steps) <= {1, 2, 3}:
-        raise UserError(f"steps={steps}: choose from 1 2 3 (--step 1 2 3)")
-    if cfg.deployment_type not in DEPLOYMENTS:
-        raise UserError(f"deployment_type={cfg.deployment_type}: choose one of "
-                        f"{', '.join(DEPLOYMENTS)}")
-    if cfg.resume not in ("auto", "true", "false"):
-        raise UserError(f"resume={cfg.resume}: choose auto, true or false")
-    if cfg.engine.procs < 1:
-        raise UserError(f"engine.procs={cfg.engine.procs}: give 1 or more processes")
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {out}: a file, not a directory; choose another path")
+    if sum(cfg.data.split) <= 0:
+        raise UserError(f"data.split={list(cfg.data.split)}: give at least one weight above 0")
     check_zeropp(cfg)
-    if cfg.engine.hybrid.gather_group_size < 1:
-        raise UserError(f"engine.hybrid.gather_group_size={cfg.engine.hybrid.gather_group_size}"
-                        " (--tp-gather-partition-size): give 1 or more decoder layers")
     if 1 in steps and not cfg.actor_model:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
     if 2 in steps and not cfg.reward_model:
@@ -189,9 +191,9 @@ def check_config(cfg: DictConfig) -> None:
     from steps.demo import TASKS
 
     if 1 in steps:
-        check_model_arg(cfg.actor_model, "--actor-model")
+        check_model_arg(cfg.actor_model, "--actor-model", own_tokenizer=not cfg.tokenizer)
     if 2 in steps:
-        check_model_arg(cfg.reward_model, "--reward-model")
+        check_model_arg(cfg.reward_model, "--reward-model", own_tokenizer=not cfg.tokenizer)
     if cfg.tokenizer:
         check_model_arg(cfg.tokenizer, "tokenizer=", tokenizer=True)
     if len(cfg.data.split) != 3:
@@ -215,11 +217,6 @@ def check_zeropp(cfg: DictConfig) -> None:
         raise UserError("ZeRO++ (engine.zeropp, --zero-quantized-weights/-gradients, "
                         "--zero-hpz-partition-size) works on ZeRO-3 models: add "
                         "--actor-zero-stage 3 and/or --reward-zero-stage 3")
-    if z.weight_bits not in (4, 8) or z.grad_bits not in (4, 8):
-        raise UserError(f"engine.zeropp.weight_bits={z.weight_bits}, grad_bits={z.grad_bits}: "
-                        "each must be 8 or 4")
-    if z.block < 2 or z.block % 2:
-        raise UserError(f"engine.zeropp.block={z.block}: give an even number of values, e.g. 256")
     q = cfg.engine.quantized_base
     lora_dims = {1: [cfg.sft.lora.dim], 2: [cfg.rm.lora.dim],
                  3: [cfg.ppo.actor_lora.dim, cfg.ppo.critic_lora.dim]}
@@ -227,12 +224,6 @@ def check_zeropp(cfg: DictConfig) -> None:
         raise UserError("engine.quantized_base (--zero-quantized-nontrainable-weights) quantizes "
                         "the frozen base under LoRA, and no model of this run has LoRA: set "
                         "sft.lora.dim, rm.lora.dim, ppo.actor_lora.dim or ppo.critic_lora.dim")
-    if q.bits not in (4, 8) or q.block < 2 or q.block % 2:
-        raise UserError(f"engine.quantized_base.bits={q.bits}, block={q.block}: bits must "
-                        "be 8 or 4, the block an even number of values (e.g. 64)")
-    if z.hpz < 0:   # whether it divides the ranks is checked once they are known
-        raise UserError(f"engine.zeropp.hpz={z.hpz} (--zero-hpz-partition-size): give 1 (off), "
-                        "0 (one node's ranks) or the partition's rank count")
 
 
 def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:

@@ -115,12 +115,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from engine.engine import OptimSettings
     from engine.generation import SamplingSettings, generate
     from engine.hybrid import HybridEngine, HybridSettings
     from engine.models import byte_tokenizer
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
+    from engine.trainer import OptimSettings
     from steps.tokenize import collate_prompts
 
     rt = setup_runtime("cpu", "float32", seed=0, timeout_s=300)
@@ -302,10 +302,10 @@ def cpu_shared_prefill(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.engine import OptimSettings
     from engine.hybrid import HybridEngine, HybridSettings
     from engine.models import byte_tokenizer
     from engine.runtime import Runtime
+    from engine.trainer import OptimSettings
 
     tok = byte_tokenizer()
     rt = Runtime(torch.device("cpu"), torch.float32)
@@ -365,10 +365,10 @@ def gpu_main(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-    from engine.engine import OptimSettings
     from engine.generation import SamplingSettings
     from engine.hybrid import HybridEngine, HybridSettings
     from engine.runtime import Runtime
+    from engine.trainer import OptimSettings
 
     if not torch.cuda.is_available():
         sys.exit("--gpu: no CUDA device here")

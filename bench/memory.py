@@ -116,9 +116,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaForCausalLM
 
-    from engine.engine import OptimSettings, TrainEngine
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
+    from engine.trainer import OptimSettings, TrainEngine
 
     # a short collective timeout: a stuck rank fails the job rather than eating its budget
     rt = setup_runtime(args.device, "float32", seed=args.seed, timeout_s=120)
@@ -200,13 +200,13 @@ def lora_worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from engine.comm_meter import CommMeter
-    from engine.engine import OptimSettings
     from engine.lora import LoraSettings
     from engine.models import byte_tokenizer
     from engine.parallel import hf_model
     from engine.placement import Placement
     from engine.quantized_base import QuantizedBaseSettings
     from engine.runtime import setup_runtime
+    from engine.trainer import OptimSettings
 
     rt = setup_runtime(args.device, "bfloat16", seed=args.seed, timeout_s=300)
     bits = {"bf16": 0, "int8": 8, "int4": 4}[args.base]
@@ -403,8 +403,8 @@ def precision_table(args: argparse.Namespace) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import LlamaForCausalLM
 
-    from engine.engine import OptimSettings, TrainEngine
     from engine.runtime import setup_runtime
+    from engine.trainer import OptimSettings, TrainEngine
 
     rt = setup_runtime(args.device, "bfloat16", seed=args.seed)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),

@@ -7,7 +7,7 @@ Part 1, communication (`--part comm`; it starts its own 4 ranks through torchrun
   embeddings; 125.2M parameters), random weights, dropout 0, fp32 master weights and
   all-gathers (--bf16: bf16 all-gathers). Chosen over a Llama of similar shape because it
   is a released model's exact shape and one step of it takes seconds on 2 cores.
-  Sharded THROUGH THE ENGINE: a TrainEngine (engine/engine.py; it calls engine/parallel.py
+  Sharded THROUGH THE ENGINE: a TrainEngine (engine/trainer.py; it calls engine/parallel.py
   `shard` with ShardSettings(zero_stage=3, zeropp=ZeroPPSettings(...)): FSDP2 per decoder
   layer + root, hpZ/qwZ/qgZ per unit) on the Runtime of `setup_runtime(procs_per_node=2)`
   (ranks_per_node=2). One training step = forward + backward + optimizer step (grad-norm
@@ -126,9 +126,9 @@ def _comm_rank(steps: int, seq: int, bf16: bool) -> None:
     import torch.distributed as dist
 
     from engine.comm_meter import CommMeter
-    from engine.engine import OptimSettings, TrainEngine
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
+    from engine.trainer import OptimSettings, TrainEngine
 
     torch.set_num_threads(1)
     rt = setup_runtime(device="cpu", dtype="bfloat16" if bf16 else "float32", seed=0,

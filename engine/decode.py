@@ -52,17 +52,7 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     width = cache.keys.shape[3] if static else length
     keys, values = cache.view(b, width)
     device = input_ids.device
-    prompt_mask = attention_mask.bool()
-    # key slots a query may attend: real prompt tokens, then every answer slot once
-    # written; causality and "a pad token attends to itself" (so that no row of the
-    # softmax is empty) are added per call
-    key_valid = torch.zeros(b, width, dtype=torch.bool, device=device)
-    key_valid[:, :p] = prompt_mask
-    positions = attention_mask.long().cumsum(-1) - 1
-    positions = positions.masked_fill(~prompt_mask, 1)    # as HF generate does
-    slots = torch.arange(p, device=device)
-    causal = slots[None, :] <= slots[:, None]                          # [P, P]
-    mask = (key_valid[:, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=device)
+    key_valid, positions, slots, mask = _prompt_layout(attention_mask, width)
     # (a new static step runs warm-ups that write one cache slot: before the prefill)
     step = _StaticDecodeStep.get(model, b, width, cuda_graph) if static else None
     if group_size == 1:
@@ -95,6 +85,24 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
                            key_valid[:, None, None, :p + t + 1], keys, values,
                            kv_len=p + t + 1)
     return out[:, :p]  # max_new_tokens == 0
+
+
+def _prompt_layout(attention_mask: torch.Tensor, width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For left-padded prompts ([B, P] mask) and a cache `width` slots wide: the key slots
+    a query may attend ([B, width]: real prompt tokens, then each answer slot once written),
+    the prompt's positions ([B, P], as HF generate gives them), its slots ([P]) and the
+    prefill's attention mask ([B, P, P]: causal over real tokens, and a pad token attends
+    to itself, so that no row of the softmax is empty)."""
+    b, p = attention_mask.shape
+    prompt_mask, device = attention_mask.bool(), attention_mask.device
+    key_valid = torch.zeros(b, width, dtype=torch.bool, device=device)
+    key_valid[:, :p] = prompt_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(~prompt_mask, 1)
+    slots = torch.arange(p, device=device)
+    causal = slots[None, :] <= slots[:, None]                          # [P, P]
+    mask = (key_valid[:, None, :p] & causal) | torch.eye(p, dtype=torch.bool, device=device)
+    return key_valid, positions, slots, mask
 
 
 def _check_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, g: int) -> None:

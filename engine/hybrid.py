@@ -33,7 +33,6 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from engine.engine import OptimSettings, TrainEngine
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
 from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
@@ -43,6 +42,7 @@ from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings, TrainEngine
 
 
 @dataclass(frozen=True)

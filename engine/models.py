@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import torch
 from huggingface_hub import snapshot_download, try_to_load_from_cache
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tokenizer_models
 from transformers import (
@@ -34,7 +35,10 @@ from transformers import (
 )
 
 from engine.errors import UserError
-from engine.quantized_base import load_quantized as load_quantized_model
+from engine.quantized_base import build_quantized
+
+# what a directory must hold for AutoTokenizer to load from it (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 # Small enough to train on two CPU cores in seconds, big enough to learn the demo task.
 _TINY = dict(hidden=128, layers=2, heads=4, ffn=512, positions=1024)
@@ -141,20 +145,32 @@ def _hub_local_only(spec: str, flag: str) -> bool:
     return True
 
 
-def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False) -> None:
+def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
+                    own_tokenizer: bool = False) -> None:
     """Fail fast, in one line and before train.py reads or writes anything, on a model (or
-    tokenizer) argument that cannot load: a bad path, or an unreachable hub name not cached."""
-    if _source(spec, flag, tokenizer=tokenizer) == "hub":
+    tokenizer) argument that cannot load: a bad path, an unreachable hub name not cached, a
+    model directory without the tokenizer it must bring (`own_tokenizer`)."""
+    kind = _source(spec, flag, tokenizer=tokenizer)
+    if kind == "hub":
         _hub_local_only(spec, flag)
+    elif kind == "local" and own_tokenizer and not any(
+            (Path(spec) / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(f"{flag} {spec}: the directory has no tokenizer files (one of "
+                        f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
+                        "tokenizer=DIR")
 
 
 def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs):
-    """`load(spec, local_files_only=..., **kwargs)`, with hub/IO failures as one-line errors."""
+    """`load(spec, local_files_only=..., **kwargs)`, with hub/IO failures and unreadable
+    files (truncated or corrupt weights, a broken config.json, an unknown architecture) as
+    one-line errors."""
     local_only = kind == "hub" and _hub_local_only(spec, flag)
     try:
         return load(spec, local_files_only=local_only, **kwargs)
-    except OSError as err:
-        why = str(err).splitlines()[0]
+    except (OSError, ValueError, SafetensorError) as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, SafetensorError):
+            why = f"a weights file is truncated or not safetensors: {why}"
         if kind == "hub":
             raise _hub_error(spec, flag, why) from None
         raise UserError(f"{flag} {spec}: cannot load the {what} ({why})") from None
@@ -170,6 +186,10 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     else:
         flag = "tokenizer=" if tokenizer else flag
         kind = _source(source, flag, tokenizer=bool(tokenizer))
+        if kind == "local" and not any((Path(source) / name).exists() for name in TOKENIZER_FILES):
+            raise UserError(f"{flag} {source}: the directory has no tokenizer files (one of "
+                            f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
+                            "tokenizer=DIR")
         tok = _from_hub_or_dir(AutoTokenizer.from_pretrained, source, kind, flag, "tokenizer",
                                trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
@@ -226,7 +246,7 @@ def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings,
             _from_hub_or_dir(_snapshot, spec, source, flag, "model")
         config = _from_hub_or_dir(AutoConfig.from_pretrained, str(checkpoint), "local", flag,
                                   "model config", trust_remote_code=trust_remote_code, **extra)
-    model, report = load_quantized_model(auto_cls, config, settings, dtype=dtype,
+    model, report = build_quantized(auto_cls, config, settings, dtype=dtype,
                                          head_dtype=head_dtype, device=device,
                                          checkpoint=checkpoint, seed=seed)
     if kind == "reward_model" or model.config.pad_token_id is None:

@@ -26,13 +26,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.engine import OptimSettings, TrainEngine
 from engine.hybrid import HybridEngine, HybridSettings
 from engine.lora import BaseWithoutAdapters, LoraSettings, apply_lora, frozen_base
 from engine.models import load_causal_lm, load_quantized, load_reward_model
 from engine.parallel import ShardSettings, frozen
 from engine.quantized_base import QuantizedBaseSettings, describe
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings, TrainEngine
 from engine.zeropp import ZeroPPSettings
 
 

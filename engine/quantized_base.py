@@ -14,7 +14,7 @@ a `QuantizedLinear` like any `nn.Linear`, so only the adapters train.
   |w - q * scale| <= scale / 2      (rounding the scale down moves absmax by at most
                                      2^-9 of it in bf16, less than half a step)
 
-`load_quantized` builds the model on the meta device, then fills it one module at a time
+`build_quantized` builds the model on the meta device, then fills it one module at a time
 (from safetensors, or a preset's random init) and quantizes each module as it is filled:
 at most one module's full-precision weights exist at once, on the host or on the device.
 """
@@ -261,7 +261,7 @@ class LoadReport(NamedTuple):
     seconds: float
 
 
-def load_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseSettings, *,
+def build_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseSettings, *,
                    dtype: torch.dtype, head_dtype: torch.dtype, device: torch.device,
                    checkpoint: Path | None = None, seed: int = 0
                    ) -> tuple[PreTrainedModel, LoadReport]:

@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
 from engine.data_parallel import DataParallel
-from engine.engine import OptimSettings, TrainEngine
 from engine.lora import LoraSettings
 from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
+from engine.trainer import OptimSettings, TrainEngine
 from steps import demo
 from steps.data import DataError, permutation, train_eval_split
 from steps.tokenize import TokenizeStats

@@ -13,10 +13,10 @@ import torch
 from omegaconf import DictConfig
 
 from engine.data_parallel import DataParallel
-from engine.engine import TrainEngine
 from engine.errors import NonFiniteError
 from engine.placement import Placement
 from engine.tracking import Tracker
+from engine.trainer import TrainEngine
 from steps.common import (
     StepCheckpoints,
     epoch_batches,

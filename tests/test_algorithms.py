@@ -13,7 +13,6 @@ from omegaconf import OmegaConf
 from engine.errors import UserError
 from steps import demo, ppo
 from steps.config import PPOConfig
-from steps.rewards import Rewards, load_reward_fn
 from steps.rlhf import (
     adaptive_kl_coef,
     group_normalized_advantages,
@@ -26,6 +25,7 @@ from steps.rlhf import (
     returns_to_go,
     sequence_rewards,
 )
+from steps.scoring import Rewards, load_reward_fn
 
 
 def close(got, want, tol=1e-6):

@@ -408,6 +408,28 @@ def test_error_dir_without_config(tmp_path, capsys):
     assert err.count("\n") == 1 and "config.json" in err
 
 
+@pytest.mark.parametrize("broken, said", [
+    ("weights", "a weights file is truncated or not safetensors"),
+    ("tokenizer", "the directory has no tokenizer files"),
+    ("config", "is not a valid JSON file")])
+def test_error_unreadable_model_dir(tmp_path, capsys, broken, said):
+    """A truncated weights file, a folder without tokenizer files, a broken config.json:
+    one line naming the path, as train.py says it."""
+    model = preset_model_dir("tiny-llama", tmp_path / "m")
+    if broken == "weights":
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif broken == "tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (model / name).unlink(missing_ok=True)
+    else:
+        (model / "config.json").write_text("{not json")
+    capsys.readouterr()   # (saving the model printed a progress bar)
+    assert chat.main(["--path", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--path {model}" in err and said in err, err
+
+
 def test_error_hub_name_offline(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # so the name cannot match a local folder

@@ -11,11 +11,11 @@ import torch
 
 import train
 from engine.checkpoint import Checkpointer
-from engine.engine import OptimSettings, TrainEngine
 from engine.errors import UserError
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
 from engine.tracking import Tracker
+from engine.trainer import OptimSettings, TrainEngine
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 

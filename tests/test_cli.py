@@ -303,3 +303,95 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     """Refused before step 1 runs, so a long run does not fail at step 3."""
     line = refused(capsys, tmp_path / "out", *argv)
     assert all(name in line for name in names), line
+
+
+# ---------------------------------------------------------------------------------------------
+# every key in its schema's range, unreadable models and an unusable output dir: one line,
+# naming the key or path, nothing written
+
+
+@pytest.mark.parametrize("override, said", [
+    ("sft.lr=-1e-3", "sft.lr=-0.001: give a number above 0"),
+    ("ppo.actor_lr=0", "ppo.actor_lr=0.0: give a number above 0"),
+    ("rm.batch_size=0", "rm.batch_size=0: give 1 or more"),
+    ("ppo.micro_batch_size=0", "ppo.micro_batch_size=0: give 1 or more"),
+    ("sft.epochs=-1", "sft.epochs=-1: give 1 or more"),
+    ("data.split=[1,-1,1]", "data.split=[1.0, -1.0, 1.0]: give 0 or more, for every entry"),
+    ("data.split=[0,0,0]", "data.split=[0.0, 0.0, 0.0]: give at least one weight above 0"),
+    ("data.eval_fraction=1", "data.eval_fraction=1.0: give a number in [0, 1)"),
+    ("engine.device=tpu", "engine.device=tpu: choose auto, cpu, cuda or cuda:N"),
+    ("engine.dtype=int8", "engine.dtype=int8: choose one of auto, float32"),
+    ("ppo.temperature=0", "ppo.temperature=0.0: give a number above 0"),
+    ("ppo.top_p=1.5", "ppo.top_p=1.5: give a number in (0, 1]"),
+    ("ppo.gamma=2", "ppo.gamma=2.0: give a number in [0, 1]"),
+    ("sft.lr_scheduler=sine", "sft.lr_scheduler=sine: choose one of linear, cosine"),
+    ("ppo.algorithm=dpo", "ppo.algorithm=dpo: choose one of ppo, grpo, rloo, reinforce_pp"),
+    ("engine.max_skipped_steps=0", "engine.max_skipped_steps=0: give 1 or more"),
+    ("ppo.actor_lora.dropout=1", "ppo.actor_lora.dropout=1.0: give a number in [0, 1)"),
+    ("actor_zero_stage=5", "actor_zero_stage=5 (--actor-zero-stage): choose one of 0, 1, 2, 3"),
+    ("engine.hybrid.gather_group_size=0", "(--tp-gather-partition-size): give 1 or more"),
+], ids=lambda v: v.split("=")[0] if "=" in v else None)
+def test_out_of_range_values_are_refused_naming_the_key(capsys, tmp_path, override, said):
+    line = refused(capsys, tmp_path / "out", override)
+    assert said in line, line
+
+
+def test_every_key_with_a_rule_accepts_its_default():
+    steps.config.validate(OmegaConf.structured(steps.config.RunConfig))
+    steps.config.validate(config())   # the demo recipe's values
+
+
+def test_an_output_dir_that_is_a_file_is_refused(capsys, tmp_path):
+    out = tmp_path / "out"
+    out.write_text("not a directory")
+    code, err = run_main(capsys, "--output-dir", str(out), *SMALL)
+    assert code == 2 and one_line(err) == (f"train.py: --output-dir {out}: a file, not a "
+                                           "directory; choose another path")
+    assert out.read_text() == "not a directory"
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory) -> Path:
+    from engine.models import byte_tokenizer, load_causal_lm
+
+    good = tmp_path_factory.mktemp("models") / "good"
+    load_causal_lm("tiny-llama", byte_tokenizer()).save_pretrained(good)
+    byte_tokenizer().save_pretrained(good)
+    return good
+
+
+def broken_copy(good: Path, where: Path, kind: str) -> Path:
+    """A copy of the model directory `good` broken in one way (`kind`)."""
+    import shutil
+
+    broken = where / kind
+    shutil.copytree(good, broken)
+    weights = broken / "model.safetensors"
+    if kind == "truncated-weights":
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    elif kind == "not-safetensors":
+        weights.write_bytes(b"PK\x03\x04 a zip, not safetensors")
+    elif kind == "bad-config":
+        (broken / "config.json").write_text("{not json")
+    elif kind == "unknown-architecture":
+        (broken / "config.json").write_text('{"model_type": "no-such-arch"}')
+    elif kind == "no-tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (broken / name).unlink(missing_ok=True)
+    return broken
+
+
+BROKEN = {"truncated-weights": "a weights file is truncated or not safetensors",
+          "not-safetensors": "a weights file is truncated or not safetensors",
+          "bad-config": "config.json' is not a valid JSON file",
+          "unknown-architecture": "no-such-arch",
+          "no-tokenizer": "the directory has no tokenizer files"}
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+def test_an_unreadable_model_dir_is_one_line_and_leaves_nothing(capsys, tmp_path, saved_model,
+                                                                 kind):
+    broken = broken_copy(saved_model, tmp_path, kind)
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", str(broken),
+                   "data.path=[demo]")
+    assert f"--actor-model {broken}" in line and BROKEN[kind] in line, line

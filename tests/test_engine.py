@@ -11,7 +11,6 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import steps.ppo as ppo
 from engine.data_parallel import DataParallel
-from engine.engine import OptimSettings, TrainEngine
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.generation import SamplingSettings
@@ -29,9 +28,10 @@ from engine.models import (
 )
 from engine.parallel import frozen
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings, TrainEngine
 from steps.config import PPOConfig
-from steps.rewards import Rewards, RewardScorer
 from steps.rlhf import sft_loss
+from steps.scoring import Rewards, RewardScorer
 from steps.tokenize import collate_prompts
 
 pytestmark = [  # library noise: peft on transformers 5, peft's GPT-2 Conv1D notice

@@ -20,13 +20,13 @@ import torch
 from transformers import BloomConfig, BloomForCausalLM
 
 from engine import decode
-from engine.engine import OptimSettings
 from engine.generation import SamplingSettings, generate
 from engine.hybrid import HybridEngine, HybridSettings
 from engine.inference_form import inference_form
 from engine.inference_plans import Unsupported, plan
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings
 from steps.tokenize import collate_prompts
 from tests.harness.hybrid_check import (
     POST_NORM_OPT,

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpointer, Tensors
-from engine.engine import OptimSettings, TrainEngine
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
@@ -22,6 +21,7 @@ from engine.placement import Placement
 from engine.precision import Precision
 from engine.quantized_base import QuantizedBaseSettings
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings, TrainEngine
 from steps.ppo import answer_logprobs
 from steps.rlhf import logprobs_of_tokens, sft_loss
 

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engine.quantized_base as qb
-from engine.engine import OptimSettings, TrainEngine
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
@@ -18,6 +17,7 @@ from engine.lora import BaseWithoutAdapters, LoraSettings
 from engine.models import byte_tokenizer, load_causal_lm, load_quantized
 from engine.placement import Placement
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings, TrainEngine
 from steps.tokenize import collate_prompts
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)

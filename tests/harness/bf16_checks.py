@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.engine import OptimSettings, TrainEngine
 from engine.models import byte_tokenizer, load_causal_lm, position_ids
 from engine.runtime import Runtime
+from engine.trainer import OptimSettings, TrainEngine
 from steps.rlhf import sft_loss
 
 if not torch.cuda.is_available():

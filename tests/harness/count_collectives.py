@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from engine.engine import OptimSettings, TrainEngine  # noqa: E402
 from engine.models import byte_tokenizer, load_causal_lm  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
+from engine.trainer import OptimSettings, TrainEngine  # noqa: E402
 
 
 class CountGradientReductions(TorchDispatchMode):

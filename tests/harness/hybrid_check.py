@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engine.engine import OptimSettings  # noqa: E402
 from engine.generation import SamplingSettings, generate  # noqa: E402
 from engine.hybrid import HybridEngine, HybridSettings  # noqa: E402
 from engine.lora import LoraSettings, apply_lora  # noqa: E402
 from engine.models import byte_tokenizer, load_causal_lm, preset_config  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import Runtime, setup_runtime  # noqa: E402
+from engine.trainer import OptimSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
 PROMPTS = ["hello there", "a", "The quick brown fox jumps over", "12+34=", "Why is the sky",

@@ -76,11 +76,11 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     from engine import decode
-    from engine.engine import OptimSettings
     from engine.generation import SamplingSettings, generate
     from engine.hybrid import HybridEngine
     from engine.models import byte_tokenizer
     from engine.runtime import Runtime
+    from engine.trainer import OptimSettings
     from steps.tokenize import collate_prompts
     from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end
 

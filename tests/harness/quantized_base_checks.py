@@ -23,7 +23,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
-from engine.engine import OptimSettings  # noqa: E402
 from engine.export import full_copy  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.lora import LoraSettings  # noqa: E402
@@ -31,6 +30,7 @@ from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
 from engine.quantized_base import QuantizedBaseSettings  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
+from engine.trainer import OptimSettings  # noqa: E402
 from engine.zeropp import ZeroPPSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 

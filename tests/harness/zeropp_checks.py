@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
-from engine.engine import OptimSettings  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.hybrid import HybridEngine  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.quantize import QMAX  # noqa: E402
 from engine.runtime import Runtime  # noqa: E402
+from engine.trainer import OptimSettings  # noqa: E402
 from engine.zeropp import (  # noqa: E402
     QuantizedAllGather,
     QuantizedReduceScatter,
