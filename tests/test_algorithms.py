@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from engine.errors import UserError
 from steps import demo, ppo
-from steps.config import PPOConfig
+from steps.config import PPOConfig, RunConfig, validate
 from steps.rlhf import (
     adaptive_kl_coef,
     group_normalized_advantages,
@@ -159,8 +159,13 @@ def settings(**changes):
      "ppo.micro_batch_size must not exceed"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
-    with pytest.raises(UserError, match=said.replace(".", r"\.").replace("(", r"\(")) as error:
-        ppo.check_settings(settings(**changes))
+    """Each key's own range is the schema's (steps/config.py), the rules between keys
+    check_settings': both run before step 1."""
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": changes})
+    with pytest.raises((UserError, ValueError), match=said.replace(".", r"\.")
+                       .replace("(", r"\(")) as error:
+        validate(cfg)
+        ppo.check_settings(cfg.ppo)
     assert "\n" not in str(error.value)
 
 

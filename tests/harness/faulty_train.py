@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train  # noqa: E402
-from engine import checkpoint, engine  # noqa: E402
+from engine import checkpoint, trainer  # noqa: E402
 
 
 def _inject(fault: str) -> None:
@@ -38,7 +38,7 @@ def _inject(fault: str) -> None:
         checkpoint.Checkpointer.save = save_then_die
     elif kind in ("raise", "hang"):
         rank, n = int(args[0]), int(args[1])
-        step, calls = engine.TrainEngine.step, []
+        step, calls = trainer.TrainEngine.step, []
 
         def faulty_step(self):
             calls.append(1)
@@ -48,7 +48,7 @@ def _inject(fault: str) -> None:
                 raise RuntimeError(f"injected fault at optimizer step {n}")
             return step(self)
 
-        engine.TrainEngine.step = faulty_step
+        trainer.TrainEngine.step = faulty_step
     elif kind:
         raise SystemExit(f"RLHF_TEST_FAULT={fault}: unknown fault")
 
