@@ -14,6 +14,7 @@ NonFiniteError. Nothing is exported or checkpointed with a non-finite weight."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class TrainEngine:
         loss_bad = float(self.runtime.all_sum(self._loss_nonfinite.float()))
         grad_norm = float(grad_norm)
         self._loss_nonfinite.zero_()
-        if loss_bad or not torch.isfinite(torch.tensor(grad_norm)):
+        if loss_bad or not math.isfinite(grad_norm):
             self._skip("loss" if loss_bad else f"gradient norm ({grad_norm})")
         else:
             self.skipped_in_a_row = 0
