@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -129,9 +130,47 @@ def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: 
     return critic.token_values(sequences, attention_mask)[:, prompt_len - 1:-1]
 
 
-CRITIC_FREE = ("grpo", "rloo", "reinforce_pp")
-ALGORITHMS = ("ppo", *CRITIC_FREE)
-NAMES = {"ppo": "PPO", "grpo": "GRPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
+# Advantage estimators: (ppo settings, rewards [B, N], scores [B], kl [B, N], values [B, N],
+# actions [B, N], the reward's KL weight, group size, dp) -> (advantages, returns) [B, N]
+def _gae(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
+    advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
+    if ppo.whiten_advantages:
+        advantages = whiten(advantages, actions, moments=dp.masked_moments(advantages, actions))
+    return advantages, returns
+
+
+def _returns_to_go(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
+    returns = returns_to_go(rewards, actions, ppo.gamma)
+    return whiten(returns, actions, moments=dp.masked_moments(returns, actions)), returns
+
+
+def _per_answer(baseline):
+    """A critic-free estimator over each answer's reward (score minus its KL), compared
+    within its group by `baseline(per_answer [B], group_size, ppo) -> [B]`."""
+    def estimate(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
+        per_answer = sequence_rewards(scores, kl, actions, kl_coef, ppo.score_clip)
+        advantage = baseline(per_answer, group_size, ppo)
+        return advantage[:, None] * actions, per_answer[:, None] * actions
+    return estimate
+
+
+class Algorithm(NamedTuple):
+    name: str                     # as the log writes it
+    critic: bool                  # trains a critic (PPO's value model)
+    groups: bool                  # compares the answers to one prompt: samples_per_prompt >= 2
+    kl_in_loss: bool              # where ppo.kl_penalty=auto puts the KL: a loss term
+    advantages: Callable          # the estimator (above)
+
+
+ALGORITHMS = {
+    "ppo": Algorithm("PPO", True, False, False, _gae),
+    "grpo": Algorithm("GRPO", False, True, True, _per_answer(
+        lambda r, g, ppo: group_normalized_advantages(r, g, ppo.grpo_scale_rewards))),
+    "rloo": Algorithm("RLOO", False, True, False, _per_answer(
+        lambda r, g, ppo: leave_one_out_advantages(r, g))),
+    "reinforce_pp": Algorithm("REINFORCE++", False, False, False, _returns_to_go),
+}
+CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorithm.critic)
 
 
 class KLSettings(NamedTuple):
@@ -142,7 +181,8 @@ class KLSettings(NamedTuple):
 def kl_settings(ppo: DictConfig) -> KLSettings:
     """`ppo.kl_penalty` and `ppo.kl_estimator` with "auto" resolved: GRPO's KL is a k3 loss
     term (DeepSeekMath), the others' a k1 penalty in the reward (InstructGPT)."""
-    in_loss = ppo.kl_penalty == "loss" or (ppo.kl_penalty == "auto" and ppo.algorithm == "grpo")
+    in_loss = ppo.kl_penalty == "loss" or (ppo.kl_penalty == "auto"
+                                           and ALGORITHMS[ppo.algorithm].kl_in_loss)
     estimator = ppo.kl_estimator if ppo.kl_estimator != "auto" else "k3" if in_loss else "k1"
     return KLSettings(in_loss, estimator)
 
@@ -150,7 +190,7 @@ def kl_settings(ppo: DictConfig) -> KLSettings:
 def check_settings(ppo: DictConfig) -> None:
     """Refuse step-3 settings that cannot work together, naming the keys (each key's own
     range is the schema's: steps/config.py)."""
-    if ppo.algorithm in ("grpo", "rloo") and ppo.samples_per_prompt < 2:
+    if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
         raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
                         "compares the answers to one prompt; give 2 or more (e.g. 4)")
     if ppo.reward_fn:
@@ -228,33 +268,19 @@ def estimate_advantages(ppo: DictConfig, rewards: torch.Tensor, scores: torch.Te
     come in groups of `group_size` answers to one prompt. `rewards` are per token (KL
     penalty + score on the last action), `scores` [B] per answer, `kl_coef` the reward's KL
     weight (0 when the KL is a loss term). Returns (advantages, returns) [B, N]."""
-    if ppo.algorithm == "ppo":
-        advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
-            advantages = whiten(advantages, actions,
-                                moments=dp.masked_moments(advantages, actions))
-        return advantages, returns
-    if ppo.algorithm == "reinforce_pp":
-        returns = returns_to_go(rewards, actions, ppo.gamma)
-        return whiten(returns, actions, moments=dp.masked_moments(returns, actions)), returns
-    per_answer = sequence_rewards(scores, kl, actions, kl_coef, ppo.score_clip)
-    if ppo.algorithm == "grpo":
-        advantage = group_normalized_advantages(per_answer, group_size,
-                                                ppo.grpo_scale_rewards)
-    else:
-        advantage = leave_one_out_advantages(per_answer, group_size)
-    return advantage[:, None] * actions, per_answer[:, None] * actions
+    return ALGORITHMS[ppo.algorithm].advantages(ppo, rewards, scores, kl, values, actions,
+                                                kl_coef, group_size, dp)
 
 
 def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: float,
-             count: float, ptx: PtxRows | None) -> tuple[dict[str, float], dict[str, float]]:
+             weights: torch.Tensor, count: float, ptx: PtxRows | None
+             ) -> tuple[dict[str, float], dict[str, float]]:
     """One optimisation step of the actor (and critic) on this process's rows of a
-    micro-batch. `count`: the micro-batch's loss divisor over all processes (see
-    loss_weights). Returns this process's shares of the statistics (their sums over
+    micro-batch. `weights` [B, N], `count`: each action's loss weight and the micro-batch's
+    loss divisor over all processes (see loss_weights). Returns this process's shares of the statistics (their sums over
     processes are the micro-batch's), and the gradient norms (the whole micro-batch's
     already: NaN or inf where the update was skipped)."""
     exp, prompt_len, actor = experience, experience.prompt_len, models.actor
-    weights, _ = loss_weights(exp.action_mask, ppo.loss_aggregation)
     logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len,
                                ppo.temperature)
     actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, weights, ppo.clip_range,
@@ -323,13 +349,14 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: 
         for micro in order.split(ppo.micro_batch_size):
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
-            count = dp.sum(float(loss_weights(rows.action_mask, ppo.loss_aggregation)[1]))[0]
+            weights, local_count = loss_weights(rows.action_mask, ppo.loss_aggregation)
+            count = dp.sum(float(local_count))[0]
             ptx_batch = None
             if ptx:
                 ptx_batch = ptx_rows(ptx, ptx_batches, ppo.ptx.batch_size, seed,
                                      models.tokenizer.pad_token_id, dp)
                 ptx_batches += 1
-            stats, norms = train_on(rows, models, ppo, kl_coef, count, ptx_batch)
+            stats, norms = train_on(rows, models, ppo, kl_coef, weights, count, ptx_batch)
             for totals, values in ((sums, stats), (norm_sums, norms)):
                 for name, value in values.items():
                     totals[name] = totals.get(name, 0.0) + value
@@ -443,14 +470,14 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         if scorer.same_tokenizer:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
             critic_tokenizer = reward_tokenizer
-        elif ppo.algorithm == "ppo":
+        elif ALGORITHMS[ppo.algorithm].critic:
             log("step 3: reward model and actor tokenizers differ; the critic starts from "
                 "the actor with a new value head, and rewards are scored on re-tokenized text")
     rewards = Rewards(tokenizer, scorer, ppo.reward_model_weight,
                       load_reward_fn(ppo.reward_fn) if ppo.reward_fn else None,
                       ppo.reward_fn_weight, ppo.reward_fn)
     critic = None
-    if ppo.algorithm not in CRITIC_FREE:
+    if ALGORITHMS[ppo.algorithm].critic:
         critic = place.reward_model(**critic_start, tokenizer=tokenizer, trained=True,
                                     lora=lora_settings(ppo.critic_lora), trust_remote_code=trc)
     actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc,
@@ -541,7 +568,7 @@ def finish(cfg: DictConfig, models: Models, ema: Tensors | None, tracker: Tracke
     if mean_times:
         log("step 3 mean iteration: " + _breakdown_line(mean_times))
     line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
-    log(f"step 3 ({NAMES[cfg.ppo.algorithm]}) done: {iterations} iterations, "
+    log(f"step 3 ({ALGORITHMS[cfg.ppo.algorithm].name}) done: {iterations} iterations, "
         + (f"{line}, " if line else "") + f"{elapsed:.1f}s, peak memory "
         f"{summary['memory/peak_mib']:.0f} MiB -> {step3}")
     return summary

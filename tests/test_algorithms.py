@@ -5,6 +5,7 @@ bad step-3 settings and reward functions."""
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -167,6 +168,12 @@ def test_bad_settings_are_refused_naming_the_key(changes, said):
         validate(cfg)
         ppo.check_settings(cfg.ppo)
     assert "\n" not in str(error.value)
+
+
+def test_the_schema_accepts_every_algorithm_of_the_table():
+    rule = next(f for f in fields(PPOConfig) if f.name == "algorithm").metadata["ok"]
+    assert all(rule.test(name) for name in ppo.ALGORITHMS) and not rule.test("dpo")
+    assert ppo.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp")
 
 
 def test_the_group_algorithms_accept_their_settings():
