@@ -208,6 +208,33 @@ def ended_with_eos(answer_ids: torch.Tensor, actions: torch.Tensor, eos_token_id
     return ((answer_ids == eos_token_id) & (actions > 0)).any(1)
 
 
+class Rollout(NamedTuple):
+    """Answers sampled for left-padded prompts (P columns), N answer columns."""
+
+    sequences: torch.Tensor       # [B, P+N] prompt + answer token ids, pad after EOS
+    attention_mask: torch.Tensor  # [B, P+N] 1 on real prompt tokens and on answer tokens
+    answered: torch.Tensor        # [B, N] 1.0 on answer tokens up to and including EOS
+
+    @property
+    def prompt_len(self) -> int:
+        return self.sequences.shape[1] - self.answered.shape[1]
+
+
+@torch.no_grad()
+def rollout(models: Models, prompts: dict[str, torch.Tensor], sampling: SamplingSettings,
+            seeds: torch.Tensor | None, group_size: int = 1) -> Rollout:
+    """The actor's answers to left-padded prompts (row `seeds`, see row_seeds; rows in
+    groups of `group_size` copies of a prompt), for training and evaluation alike."""
+    tokenizer = models.tokenizer
+    sequences = models.actor.generate(prompts["input_ids"], prompts["attention_mask"],
+                                      sampling, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, row_seeds=seeds,
+                                      group_size=group_size)
+    answered = answer_mask(sequences[:, prompts["input_ids"].shape[1]:], tokenizer.eos_token_id)
+    return Rollout(sequences, torch.cat([prompts["attention_mask"], answered.long()], 1),
+                   answered)
+
+
 @torch.no_grad()
 def make_experience(models: Models, prompts: dict[str, torch.Tensor],
                     sampling: SamplingSettings, ppo: DictConfig, dp: DataParallel, *,
@@ -219,18 +246,13 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor],
     masks of a stand-in); batch statistics (whitening) use the whole batch. Returns the
     experience and the seconds spent: gathering the actor for generation, generating, and
     computing the rest."""
-    actor, critic, tokenizer = models.actor, models.critic, models.tokenizer
-    eos = tokenizer.eos_token_id
+    actor, critic, eos = models.actor, models.critic, models.tokenizer.eos_token_id
     actor.take_times()
-    sequences = actor.generate(prompts["input_ids"], prompts["attention_mask"], sampling,
-                               eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                               row_seeds=seeds, group_size=group_size)
+    sequences, attention_mask, answered = rollout(models, prompts, sampling, seeds, group_size)
     t1 = time.perf_counter()
     generation = actor.take_times()
     prompt_len = prompts["input_ids"].shape[1]
-    answered = answer_mask(sequences[:, prompt_len:], eos)
     actions = answered * weight
-    attention_mask = torch.cat([prompts["attention_mask"], answered.long()], 1)
 
     actor.eval()
     logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len, sampling.temperature)
@@ -381,17 +403,13 @@ def evaluate_policy(models: Models, prompts: Prompts, sampling: SamplingSettings
         share = dp.share(batch_rows)
         batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
                                           tokenizer.pad_token_id), dp.device)
-        seqs = models.actor.generate(batch["input_ids"], batch["attention_mask"], sampling,
-                                     eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id,
-                                     row_seeds=row_seeds(seed, 0, share.rows))
-        p = batch["input_ids"].shape[1]
-        actions = answer_mask(seqs[:, p:], tokenizer.eos_token_id)
-        scores = models.rewards(seqs, torch.cat([batch["attention_mask"], actions.long()], 1), p)
+        answers = rollout(models, batch, sampling, row_seeds(seed, 0, share.rows))
+        p = answers.prompt_len
+        scores = models.rewards(answers.sequences, answers.attention_mask, p)
         reward_sum += float(scores.sum()) * share.weight
         # generate pads after EOS, so the special tokens are all that must go
-        answers = tokenizer.batch_decode(seqs[:, p:], skip_special_tokens=True)
-        truth = ground_truth([prompts.eval_texts[i] for i in share.rows], answers)
+        texts = tokenizer.batch_decode(answers.sequences[:, p:], skip_special_tokens=True)
+        truth = ground_truth([prompts.eval_texts[i] for i in share.rows], texts)
         if truth is not None and share.weight:
             truth_sum, truth_count = truth_sum + truth[0], truth_count + truth[1]
     reward_sum, truth_sum, truth_count = dp.sum(reward_sum, truth_sum, truth_count)
