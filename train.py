@@ -27,7 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.errors import UserError
-from steps.config import DEFAULTS, LIST_KEYS, as_yaml, listing, register, validate
+from steps.config import (
+    DEFAULTS,
+    LIST_KEYS,
+    BadValue,
+    as_yaml,
+    listing,
+    register,
+    validate,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DEPLOYMENTS = ("single_gpu", "single_node", "multi_node")
@@ -170,12 +178,10 @@ def check_config(cfg: DictConfig) -> None:
     its schema's range (steps/config.py), then the rules between keys, paths and models."""
     try:
         validate(cfg)
-    except ValueError as err:   # "key=value: what is allowed", with the key's flag if any
-        key, _, rest = str(err).partition("=")
-        value, _, allowed = rest.partition(": ")
+    except BadValue as err:   # named with the key's flag, where it has one
         flag = next((f" ({row[0]})" for rows in FLAGS.values() for row in rows
-                     if row[1] == key), "")
-        raise UserError(f"{key}={value}{flag}: {allowed}") from None
+                     if row[1] == err.key), "")
+        raise UserError(f"{err.key}={err.value}{flag}: {err.allowed}") from None
     steps = list(cfg.steps)
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():

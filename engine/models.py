@@ -153,9 +153,14 @@ def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
     kind = _source(spec, flag, tokenizer=tokenizer)
     if kind == "hub":
         _hub_local_only(spec, flag)
-    elif kind == "local" and own_tokenizer and not any(
-            (Path(spec) / name).exists() for name in TOKENIZER_FILES):
-        raise UserError(f"{flag} {spec}: the directory has no tokenizer files (one of "
+    elif kind == "local" and own_tokenizer:
+        _require_tokenizer_files(spec, flag)
+
+
+def _require_tokenizer_files(directory: str, flag: str) -> None:
+    """Refuse a local directory that holds none of the files a tokenizer loads from."""
+    if not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(f"{flag} {directory}: the directory has no tokenizer files (one of "
                         f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
                         "tokenizer=DIR")
 
@@ -186,10 +191,8 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     else:
         flag = "tokenizer=" if tokenizer else flag
         kind = _source(source, flag, tokenizer=bool(tokenizer))
-        if kind == "local" and not any((Path(source) / name).exists() for name in TOKENIZER_FILES):
-            raise UserError(f"{flag} {source}: the directory has no tokenizer files (one of "
-                            f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
-                            "tokenizer=DIR")
+        if kind == "local":
+            _require_tokenizer_files(source, flag)
         tok = _from_hub_or_dir(AutoTokenizer.from_pretrained, source, kind, flag, "tokenizer",
                                trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:

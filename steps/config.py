@@ -313,9 +313,17 @@ class RunConfig:
     logging: LoggingConfig = val(LoggingConfig)
 
 
+class BadValue(ValueError):
+    """A key's value outside what its schema field allows."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        super().__init__(f"{key}={value}: {allowed}")
+        self.key, self.value, self.allowed = key, value, allowed
+
+
 def validate(cfg: Any, schema: Any = None, prefix: str = "") -> None:
     """Check every key of a composed config against its schema field's `ok` rule, in
-    schema order; the first key that breaks its rule raises ValueError("key=value: what is
+    schema order; the first key that breaks its rule raises BadValue ("key=value: what is
     allowed"). `cfg` is the config (any mapping of the schema's shape); None skips a key."""
     schema = RunConfig() if schema is None else schema
     for f in fields(schema):
@@ -326,7 +334,7 @@ def validate(cfg: Any, schema: Any = None, prefix: str = "") -> None:
         rule = f.metadata.get("ok")
         if rule is not None and value is not None and not rule.test(value):
             shown = value if isinstance(value, str | int | float) else list(value)
-            raise ValueError(f"{prefix}{f.name}={shown}: {rule.allowed}")
+            raise BadValue(f"{prefix}{f.name}", shown, rule.allowed)
 
 
 def walk(section: Any, prefix: str = ""):
