@@ -49,16 +49,19 @@ def _eos_id(tokenizer: Any) -> int:
     return int(eos)
 
 
-def _answer_ids(answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int
-                ) -> tuple[list[list[int]], list[bool]]:
-    """answer ids + [eos], cut to max_answer_len tokens; returns (ids, was_truncated)."""
+def _answer_ids(answers: list[str], tokenizer: Any, eos_id: int, max_answer_len: int,
+                keep_eos: bool = False) -> tuple[list[list[int]], list[bool]]:
+    """answer ids + [eos], cut to max_answer_len tokens (`keep_eos`: the cut answer still
+    ends in EOS); returns (ids, was_truncated)."""
     ids = [a + [eos_id] for a in tokenizer(answers, add_special_tokens=False)["input_ids"]]
-    return [a[:max_answer_len] for a in ids], [len(a) > max_answer_len for a in ids]
+    end = [eos_id] if keep_eos else []
+    cut = [a if len(a) <= max_answer_len else a[:max_answer_len - len(end)] + end for a in ids]
+    return cut, [len(a) > max_answer_len for a in ids]
 
 
 def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
-              max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any]
-              ) -> tuple[list, TokenizeStats]:
+              max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any],
+              keep_eos: bool = False) -> tuple[list, TokenizeStats]:
     """`make(prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
     tokens, e.g. BOS) fits in max_prompt_len tokens, the answers being its `sides` ("chosen",
     "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts examples with
@@ -70,8 +73,8 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
     if not pairs:   # tokenizers refuse an empty batch
         return [], TokenizeStats(0, 0, 0)
     prompts = tokenizer([p.prompt for p in pairs])["input_ids"]
-    answers = [_answer_ids([getattr(p, side) for p in pairs], tokenizer, eos, max_answer_len)
-               for side in sides]
+    answers = [_answer_ids([getattr(p, side) for p in pairs], tokenizer, eos, max_answer_len,
+                           keep_eos) for side in sides]
     kept = [i for i, prompt in enumerate(prompts) if len(prompt) <= max_prompt_len]
     examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
     truncated = sum(any(was_cut[i] for _, was_cut in answers) for i in kept)
@@ -89,11 +92,13 @@ def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
                    max_answer_len: int) -> tuple[list[PairExample], TokenizeStats]:
-    """Reward-model examples: chosen_ids = prompt ids + chosen answer ids (+ EOS), rejected_ids
-    likewise."""
+    """Reward-model examples: chosen_ids = prompt ids + chosen answer ids + EOS, rejected_ids
+    likewise; a cut answer keeps its EOS, so the model always reads a score at EOS (where
+    step 3 reads it: steps/scoring.py)."""
     return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen", "rejected"),
                      lambda prompt, chosen, rejected: PairExample(prompt + chosen,
-                                                                  prompt + rejected))
+                                                                  prompt + rejected),
+                     keep_eos=True)
 
 
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int

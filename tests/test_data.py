@@ -314,8 +314,10 @@ def test_tokenize_long_prompt_and_answer(opt_tokenizer):
     examples, stats = tokenize_sft(pairs, opt_tokenizer, max_prompt_len=4, max_answer_len=3)
     assert examples == [SFTExample([2, 31414, 232, 232, 232], [-100, -100, 232, 232, 232])]
     assert stats == TokenizeStats(kept=1, dropped_long_prompt=1, truncated_answer=1)
+    # a reward model reads its score at EOS, so its cut answers keep one (SFT's do not: it
+    # would learn to stop mid-answer)
     examples, stats = tokenize_pairs(pairs, opt_tokenizer, max_prompt_len=4, max_answer_len=3)
-    assert examples == [PairExample([2, 31414, 232, 232, 232], [2, 31414, 89, 2])]
+    assert examples == [PairExample([2, 31414, 232, 232, 2], [2, 31414, 89, 2])]
     assert stats == TokenizeStats(kept=1, dropped_long_prompt=1, truncated_answer=1)
     prompts, stats = tokenize_prompts(pairs, opt_tokenizer, max_prompt_len=4)
     assert prompts == [[2, 31414]]
