@@ -177,9 +177,11 @@ class TrainEngine:
         """[B] a scorer's output at each sequence's last real token."""
         return sequence_scores(self.module, input_ids, attention_mask, call=self)
 
-    def copy_weights(self) -> Tensors:
-        """A detached copy of the parameters, sharded as they are (e.g. an EMA)."""
-        return Tensors({name: p.detach().clone() for name, p in self.module.named_parameters()})
+    def copy_weights(self, trainable_only: bool = False) -> Tensors:
+        """A detached copy of the parameters (`trainable_only`: those that train, e.g. LoRA
+        adapters alone), sharded as they are (e.g. an EMA, a best-so-far policy)."""
+        return Tensors({name: p.detach().clone() for name, p in self.module.named_parameters()
+                        if p.requires_grad or not trainable_only})
 
     def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None) -> Path:
         """Write the model (LoRA merged) as a plain Hugging Face directory; with `weights`

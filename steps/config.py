@@ -235,9 +235,14 @@ class PPOConfig:
     kl_estimator: str = val("auto", "k1 | k2 | k3 | auto (k3 as a loss, k1 in the reward)",
                             one_of("auto", "k1", "k2", "k3"))
     kl_target: Optional[float] = val(None, "adaptive KL controller (Ziegler et al.): the KL "  # noqa: UP045
-                                     "per answer to hold; null: kl_coef stays fixed", POSITIVE)
-    kl_horizon: float = val(10000.0, "adaptive KL: samples over which it closes the gap",
-                            POSITIVE)
+                                     "per answer to hold, from kl_coef up; null: 0.8 x "
+                                     "kl_budget; 0: off, kl_coef stays fixed", NON_NEGATIVE)
+    kl_horizon: Optional[float] = val(None, "adaptive KL: samples over which it closes the "  # noqa: UP045
+                                      "gap; null: 0.5% of the run's (one round's at least)",
+                                      POSITIVE)
+    target_kl: Optional[float] = val(0.1, "stop a round's remaining updates once the policy "  # noqa: UP045
+                                     "moved this far from the one that sampled it (approx. "
+                                     "KL per token, Stable-Baselines3); null: off", POSITIVE)
     missing_eos_penalty: Optional[float] = val(None, "subtracted from the score of answers "  # noqa: UP045
                                                "cut off without EOS")
     loss_aggregation: str = val("token-mean", "token-mean | seq-mean (each answer's mean, "
@@ -258,7 +263,22 @@ class PPOConfig:
     top_p: float = val(1.0, ok=Rule(lambda v: 0 < v <= 1, "give a number in (0, 1]"))
     top_k: int = val(0, "0 = off", NON_NEGATIVE)
     max_new_tokens: int = val("${data.max_answer_len}", ok=COUNT)  # type: ignore[assignment]
-    eval_prompts: int = val(64, "held-out prompts scored before and after PPO", NON_NEGATIVE)
+    eval_prompts: int = val(64, "held-out prompts: greedy answers scored, and the KL to the "
+                            "reference measured, before, during and after step 3", NON_NEGATIVE)
+    eval_every: int = val(10, "iterations between evaluations; 0: before and after only",
+                          NON_NEGATIVE)
+    eval_reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer) -> "  # noqa: UP045
+                                        "float: the gold score evaluations report (default: "
+                                        "steps.demo:score on the demo data)")
+    best_of_n: int = val(8, "the baseline step 3 must beat: the SFT model's best of n answers "
+                         "by the reward, scored on the eval prompts; 0: off",
+                         Rule(lambda v: v == 0 or v >= 2, "give 0 (off) or 2 or more"))
+    kl_budget: Optional[float] = val(None, "the most KL per answer an exported policy may "  # noqa: UP045
+                                     "have (export=best); null: best-of-n's, log n - (n-1)/n",
+                                     POSITIVE)
+    export: str = val("auto", "best: the evaluated policy with the highest gold score (else "
+                      "reward) within kl_budget | last | auto (best with a gold score)",
+                      one_of("auto", "best", "last"))
     log_every: int = val(1, ok=COUNT)
     ema: EmaConfig = val(EmaConfig)
     ptx: PtxConfig = val(PtxConfig, "pretraining loss on step-1 data")

@@ -22,15 +22,15 @@ the rank that samples it.
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel, Share
@@ -46,7 +46,6 @@ from steps.common import (
     StepCheckpoints,
     batches,
     epoch_batches,
-    ground_truth,
     log,
     lora_settings,
     num_batches,
@@ -57,6 +56,7 @@ from steps.common import (
     start_step,
     to_device,
 )
+from steps.config import PPOConfig
 from steps.data import PreferencePair, permutation, train_eval_split
 from steps.rlhf import (
     adaptive_kl_coef,
@@ -76,58 +76,94 @@ from steps.rlhf import (
     value_loss,
     whiten,
 )
-from steps.scoring import Rewards, RewardScorer, load_reward_fn
+from steps.scoring import (
+    RewardFunction,
+    Rewards,
+    RewardScorer,
+    decode_rollouts,
+    load_reward_fn,
+)
 from steps.sft import batch_loss
 from steps.tokenize import SFTExample, collate_prompts, collate_sft, tokenize_prompts, tokenize_sft
 
 
-class Experience(NamedTuple):
-    """One round of rollouts. B rows; P prompt columns (left-padded), N answer columns."""
-
-    sequences: torch.Tensor       # [B, P+N] prompt + answer token ids
-    attention_mask: torch.Tensor  # [B, P+N] 1 on real prompt tokens and on actions
-    action_mask: torch.Tensor     # [B, N] 1 on answer tokens up to and including EOS
-    logprobs: torch.Tensor        # [B, N] actor log-probs when sampled
-    ref_logprobs: torch.Tensor    # [B, N] reference log-probs
-    values: torch.Tensor          # [B, N] critic values (0 without a critic)
-    rewards: torch.Tensor         # [B, N] KL penalty + clipped score on the last action
-    advantages: torch.Tensor      # [B, N]
-    returns: torch.Tensor         # [B, N] the critic's targets
-    scores: torch.Tensor          # [B] score of each answer (reward model and/or function)
-    kl: torch.Tensor              # [B, N] per-token KL estimate actor/reference
-
-    @property
-    def prompt_len(self) -> int:
-        return self.sequences.shape[1] - self.action_mask.shape[1]
-
-    def rows(self, index: torch.Tensor) -> Experience:
-        return Experience(*(field[index] for field in self))
-
-    def without_actions(self) -> Experience:
-        """The same rows contributing nothing (a stand-in on a rank with no rows)."""
-        return self._replace(action_mask=torch.zeros_like(self.action_mask))
+class KLSettings(NamedTuple):
+    in_loss: bool       # a loss term (GRPO), else a per-token penalty in the reward
+    estimator: str      # k1 | k2 | k3 (steps/rlhf.kl_estimate)
 
 
-def row_seeds(seed: int, stream: int, rows: list[int]) -> torch.Tensor:
-    """[B] sampling seeds of global rows `rows` of a round (`stream` 0 = evaluation,
-    i + 1 = rollouts of iteration i)."""
-    return (torch.tensor(rows, dtype=torch.long) + (stream << 20)) + ((seed % (1 << 23)) << 40)
+def kl_settings(ppo) -> KLSettings:
+    """`ppo.kl_penalty` and `ppo.kl_estimator` with "auto" resolved: GRPO's KL is a k3 loss
+    term (DeepSeekMath), the others' a k1 penalty in the reward (InstructGPT)."""
+    in_loss = ppo.kl_penalty == "loss" or (ppo.kl_penalty == "auto"
+                                           and ALGORITHMS[ppo.algorithm].kl_in_loss)
+    estimator = ppo.kl_estimator if ppo.kl_estimator != "auto" else "k3" if in_loss else "k1"
+    return KLSettings(in_loss, estimator)
 
 
-def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                    prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
-    """[B, N] fp32 log-probability of each answer token under `model` at the sampling
-    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T)."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask,
-                   position_ids=position_ids(attention_mask)).logits
-    return logprobs_of_tokens(logits[:, prompt_len - 1:-1], sequences[:, prompt_len:],
-                              temperature)
+def best_of_n_kl(n: int) -> float:
+    """KL (nats) of best-of-n sampling to the sampled policy, the usual analytic bound
+    log n - (n - 1) / n (Stiennon et al. 2020; exact for distinct answers)."""
+    return math.log(n) - (n - 1) / n
 
 
-def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                  prompt_len: int) -> torch.Tensor:
-    """[B, N] critic value of the state before each answer token."""
-    return critic.token_values(sequences, attention_mask)[:, prompt_len - 1:-1]
+KL_TARGET_SHARE = 0.8         # the controller aims this far under the budget: its noise fits
+KL_HORIZON_SHARE = 0.005      # of the run's samples: the controller settles early in any run
+DEMO_GOLD = "steps.demo:score"
+
+
+class Settings(NamedTuple):
+    """Step 3's settings, resolved once from the config: `ppo` is cfg.ppo as a plain object
+    (interpolations resolved); the rest is what its "auto" and null values resolve to."""
+
+    ppo: PPOConfig
+    seed: int
+    algorithm: Algorithm
+    kl: KLSettings
+    group: int                        # answers per prompt
+    sampling: SamplingSettings        # rollouts (and the KL measured in evaluations)
+    greedy: SamplingSettings          # evaluation answers
+    gold: RewardFunction | None       # the evaluations' gold score
+    kl_budget: float | None           # export=best's limit
+    kl_target: float | None           # the adaptive controller's (None: kl_coef fixed)
+    kl_horizon: float
+    export_best: bool
+
+
+def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
+    """Settings from the run's config; `total_samples` (answers the run samples) sizes the
+    adaptive KL controller's default horizon."""
+    ppo: PPOConfig = OmegaConf.to_object(cfg.ppo)
+    spec = ppo.eval_reward_fn or (DEMO_GOLD if list(cfg.data.path) == ["demo"] else None)
+    gold = RewardFunction.named(spec, "ppo.eval_reward_fn") if spec else None
+    budget = ppo.kl_budget or (best_of_n_kl(ppo.best_of_n) if ppo.best_of_n else None)
+    target = ppo.kl_target if ppo.kl_target is not None else (
+        KL_TARGET_SHARE * budget if budget else 0.0)
+    per_round = ppo.rollout_batch_size * ppo.samples_per_prompt
+    horizon = ppo.kl_horizon or max(KL_HORIZON_SHARE * total_samples, per_round)
+    sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
+    return Settings(ppo, cfg.seed, ALGORITHMS[ppo.algorithm], kl_settings(ppo),
+                    ppo.samples_per_prompt, sampling,
+                    SamplingSettings(ppo.max_new_tokens, do_sample=False), gold, budget,
+                    target or None, horizon,
+                    ppo.export == "best" or (ppo.export == "auto" and gold is not None))
+
+
+def check_settings(ppo: DictConfig) -> None:
+    """Refuse step-3 settings that cannot work together, naming the keys (each key's own
+    range is the schema's: steps/config.py)."""
+    if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
+        raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
+                        "compares the answers to one prompt; give 2 or more (e.g. 4)")
+    if ppo.reward_fn:
+        load_reward_fn(ppo.reward_fn)
+    elif ppo.reward_model_weight == 0:
+        raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
+    if ppo.eval_reward_fn:
+        load_reward_fn(ppo.eval_reward_fn, "ppo.eval_reward_fn")
+    if ppo.micro_batch_size > ppo.rollout_batch_size * ppo.samples_per_prompt:
+        raise UserError("ppo.micro_batch_size must not exceed the answers of a round "
+                        "(ppo.rollout_batch_size x ppo.samples_per_prompt)")
 
 
 # Advantage estimators: (ppo settings, rewards [B, N], scores [B], kl [B, N], values [B, N],
@@ -171,252 +207,6 @@ ALGORITHMS = {
     "reinforce_pp": Algorithm("REINFORCE++", False, False, False, _returns_to_go),
 }
 CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorithm.critic)
-
-
-class KLSettings(NamedTuple):
-    in_loss: bool       # a loss term (GRPO), else a per-token penalty in the reward
-    estimator: str      # k1 | k2 | k3 (steps/rlhf.kl_estimate)
-
-
-def kl_settings(ppo: DictConfig) -> KLSettings:
-    """`ppo.kl_penalty` and `ppo.kl_estimator` with "auto" resolved: GRPO's KL is a k3 loss
-    term (DeepSeekMath), the others' a k1 penalty in the reward (InstructGPT)."""
-    in_loss = ppo.kl_penalty == "loss" or (ppo.kl_penalty == "auto"
-                                           and ALGORITHMS[ppo.algorithm].kl_in_loss)
-    estimator = ppo.kl_estimator if ppo.kl_estimator != "auto" else "k3" if in_loss else "k1"
-    return KLSettings(in_loss, estimator)
-
-
-def check_settings(ppo: DictConfig) -> None:
-    """Refuse step-3 settings that cannot work together, naming the keys (each key's own
-    range is the schema's: steps/config.py)."""
-    if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
-        raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
-                        "compares the answers to one prompt; give 2 or more (e.g. 4)")
-    if ppo.reward_fn:
-        load_reward_fn(ppo.reward_fn)
-    elif ppo.reward_model_weight == 0:
-        raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
-    if ppo.micro_batch_size > ppo.rollout_batch_size * ppo.samples_per_prompt:
-        raise UserError("ppo.micro_batch_size must not exceed the answers of a round "
-                        "(ppo.rollout_batch_size x ppo.samples_per_prompt)")
-
-
-def ended_with_eos(answer_ids: torch.Tensor, actions: torch.Tensor, eos_token_id: int
-                   ) -> torch.Tensor:
-    """[B] bool: the answer's actions include its EOS (it was not cut off)."""
-    return ((answer_ids == eos_token_id) & (actions > 0)).any(1)
-
-
-class Rollout(NamedTuple):
-    """Answers sampled for left-padded prompts (P columns), N answer columns."""
-
-    sequences: torch.Tensor       # [B, P+N] prompt + answer token ids, pad after EOS
-    attention_mask: torch.Tensor  # [B, P+N] 1 on real prompt tokens and on answer tokens
-    answered: torch.Tensor        # [B, N] 1.0 on answer tokens up to and including EOS
-
-    @property
-    def prompt_len(self) -> int:
-        return self.sequences.shape[1] - self.answered.shape[1]
-
-
-@torch.no_grad()
-def rollout(models: Models, prompts: dict[str, torch.Tensor], sampling: SamplingSettings,
-            seeds: torch.Tensor | None, group_size: int = 1) -> Rollout:
-    """The actor's answers to left-padded prompts (row `seeds`, see row_seeds; rows in
-    groups of `group_size` copies of a prompt), for training and evaluation alike."""
-    tokenizer = models.tokenizer
-    sequences = models.actor.generate(prompts["input_ids"], prompts["attention_mask"],
-                                      sampling, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, row_seeds=seeds,
-                                      group_size=group_size)
-    answered = answer_mask(sequences[:, prompts["input_ids"].shape[1]:], tokenizer.eos_token_id)
-    return Rollout(sequences, torch.cat([prompts["attention_mask"], answered.long()], 1),
-                   answered)
-
-
-@torch.no_grad()
-def make_experience(models: Models, prompts: dict[str, torch.Tensor],
-                    sampling: SamplingSettings, ppo: DictConfig, dp: DataParallel, *,
-                    kl_coef: float, seeds: torch.Tensor | None = None, weight: float = 1.0,
-                    group_size: int = 1) -> tuple[Experience, dict[str, float]]:
-    """Sample answers for left-padded prompts (row `seeds`, see row_seeds), rows in groups
-    of `group_size` copies of a prompt, and compute everything the update needs. The
-    prompts are this process's share of the rollout batch, of `weight` (0 empties the action
-    masks of a stand-in); batch statistics (whitening) use the whole batch. Returns the
-    experience and the seconds spent: gathering the actor for generation, generating, and
-    computing the rest."""
-    actor, critic, eos = models.actor, models.critic, models.tokenizer.eos_token_id
-    actor.take_times()
-    sequences, attention_mask, answered = rollout(models, prompts, sampling, seeds, group_size)
-    t1 = time.perf_counter()
-    generation = actor.take_times()
-    prompt_len = prompts["input_ids"].shape[1]
-    actions = answered * weight
-
-    actor.eval()
-    logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len, sampling.temperature)
-    actor.train()
-    ref_logprobs = answer_logprobs(models.reference, sequences, attention_mask, prompt_len,
-                                   sampling.temperature)
-    values = torch.zeros_like(logprobs)
-    if critic is not None:
-        critic.eval()
-        values = answer_values(critic, sequences, attention_mask, prompt_len) * actions
-        critic.train()
-    scores = models.rewards(sequences, attention_mask, prompt_len)
-    if ppo.missing_eos_penalty is not None:
-        cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
-        scores = scores - ppo.missing_eos_penalty * cut_off.to(scores.dtype)
-
-    penalty = kl_settings(ppo)
-    reward_kl_coef = 0.0 if penalty.in_loss else kl_coef
-    rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
-                                       ppo.score_clip, penalty.estimator)
-    advantages, returns = estimate_advantages(ppo, rewards, scores, kl, values, actions,
-                                              reward_kl_coef, group_size, dp)
-    t2 = time.perf_counter()
-    experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
-                            rewards, advantages, returns, scores, kl)
-    return experience, {"time/gather": generation.gather, "time/generate": generation.generate,
-                        "time/experience": t2 - t1}
-
-
-def estimate_advantages(ppo: DictConfig, rewards: torch.Tensor, scores: torch.Tensor,
-                        kl: torch.Tensor, values: torch.Tensor, actions: torch.Tensor,
-                        kl_coef: float, group_size: int, dp: DataParallel
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The algorithm's advantage estimator (steps/rlhf.py) over [B, N] rollouts whose rows
-    come in groups of `group_size` answers to one prompt. `rewards` are per token (KL
-    penalty + score on the last action), `scores` [B] per answer, `kl_coef` the reward's KL
-    weight (0 when the KL is a loss term). Returns (advantages, returns) [B, N]."""
-    return ALGORITHMS[ppo.algorithm].advantages(ppo, rewards, scores, kl, values, actions,
-                                                kl_coef, group_size, dp)
-
-
-def train_on(experience: Experience, models: Models, ppo: DictConfig, kl_coef: float,
-             weights: torch.Tensor, count: float, ptx: PtxRows | None
-             ) -> tuple[dict[str, float], dict[str, float]]:
-    """One optimisation step of the actor (and critic) on this process's rows of a
-    micro-batch. `weights` [B, N], `count`: each action's loss weight and the micro-batch's
-    loss divisor over all processes (see loss_weights). Returns this process's shares of the statistics (their sums over
-    processes are the micro-batch's), and the gradient norms (the whole micro-batch's
-    already: NaN or inf where the update was skipped)."""
-    exp, prompt_len, actor = experience, experience.prompt_len, models.actor
-    logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len,
-                               ppo.temperature)
-    actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, weights, ppo.clip_range,
-                            count)
-    loss, stats = actor_out.loss, {}
-    kl = kl_settings(ppo)
-    if kl.in_loss:
-        kl_loss = masked_sum(kl_estimate(logprobs, exp.ref_logprobs, exp.action_mask,
-                                         kl.estimator), weights) / max(count, 1.0)
-        loss = loss + kl_coef * kl_loss
-        stats["train/kl_loss"] = kl_loss.item()
-    if ptx is not None:
-        ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
-        loss = loss + ppo.ptx.coef * ptx_loss
-        stats["train/ptx_loss"] = ptx_loss.item()
-    actor.backward(loss)
-    norms = {"train/grad_norm": actor.step()}
-    stats.update({"train/policy_loss": actor_out.loss.item(),
-                  "train/clip_fraction": float(actor_out.clip_fraction),
-                  "train/approx_kl": float(actor_out.approx_kl),
-                  "train/ratio": float(actor_out.ratio_mean)})
-    if models.critic is not None:
-        values = answer_values(models.critic, exp.sequences, exp.attention_mask, prompt_len)
-        critic_out = value_loss(values, exp.values, exp.returns, weights,
-                                ppo.value_clip_range, count)
-        models.critic.backward(critic_out.loss)
-        norms["train/critic_grad_norm"] = models.critic.step()
-        stats.update({"train/value_loss": critic_out.loss.item(),
-                      "train/value_clip_fraction": float(critic_out.clip_fraction)})
-    return stats, norms
-
-
-class PtxRows(NamedTuple):
-    """This process's share of a pretraining (PTX) batch."""
-
-    batch: dict[str, torch.Tensor]
-    examples: list[SFTExample]   # the whole batch's (its trained tokens: the loss's divisor)
-    weight: float
-
-
-def ptx_rows(examples: list[SFTExample], index: int, batch_size: int, seed: int,
-             pad_token_id: int, dp: DataParallel) -> PtxRows:
-    """The `index`-th PTX batch: passes over the step-1 data, each in a fresh seeded order,
-    so the stream's position is one counter (which a checkpoint stores)."""
-    per_pass = num_batches(len(examples), batch_size)
-    epoch, offset = divmod(index, per_pass)
-    order = permutation(len(examples), seed + 7919 * (epoch + 1))
-    batch = [examples[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
-    share = dp.share(batch)
-    return PtxRows(to_device(collate_sft(share.rows, pad_token_id), dp.device), batch,
-                   share.weight)
-
-
-def update(exp: Experience, share: Share, batch_size: int, models: Models, ppo: DictConfig,
-           dp: DataParallel, ptx: list[SFTExample], ptx_batches: int, ema: Tensors | None,
-           seed: int, iteration: int, kl_coef: float) -> tuple[dict[str, float], int]:
-    """`ppo.ppo_epochs` passes over one round's experience (this process's `share` of its
-    `batch_size` answers) in micro-batches, each one optimizer step of the actor and critic
-    (and a PTX batch, an EMA update). Returns the statistics' means over the updates and
-    the PTX stream's new position."""
-    sums: dict[str, float] = {}
-    norm_sums: dict[str, float] = {}
-    updates = 0
-    for ppo_epoch in range(ppo.ppo_epochs):
-        order = torch.tensor(permutation(batch_size, seed + iteration * 131 + ppo_epoch))
-        for micro in order.split(ppo.micro_batch_size):
-            index, weight = dp.pick(share, micro)
-            rows = exp.rows(index) if weight else exp.rows(index).without_actions()
-            weights, local_count = loss_weights(rows.action_mask, ppo.loss_aggregation)
-            count = dp.sum(float(local_count))[0]
-            ptx_batch = None
-            if ptx:
-                ptx_batch = ptx_rows(ptx, ptx_batches, ppo.ptx.batch_size, seed,
-                                     models.tokenizer.pad_token_id, dp)
-                ptx_batches += 1
-            stats, norms = train_on(rows, models, ppo, kl_coef, weights, count, ptx_batch)
-            for totals, values in ((sums, stats), (norm_sums, norms)):
-                for name, value in values.items():
-                    totals[name] = totals.get(name, 0.0) + value
-            updates += 1
-            if ema is not None:
-                ema_update(ema.tensors.values(), models.actor.parameters(), ppo.ema.beta)
-    totals = dict(zip(sums, dp.sum(*sums.values()), strict=True))
-    return {name: total / updates for name, total in {**totals, **norm_sums}.items()}, ptx_batches
-
-
-@torch.no_grad()
-def evaluate_policy(models: Models, prompts: Prompts, sampling: SamplingSettings,
-                    batch_size: int, seed: int, dp: DataParallel) -> dict[str, float]:
-    """Score (reward model and/or function; and the demo's ground truth when it applies)
-    of answers sampled for held-out prompts, with fixed row seeds so before/after compare
-    like with like."""
-    if not prompts.eval:
-        return {}
-    tokenizer = models.tokenizer
-    reward_sum = truth_sum = truth_count = 0.0
-    for batch_rows in batches(range(len(prompts.eval)), batch_size, shuffle=False, seed=0):
-        share = dp.share(batch_rows)
-        batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
-                                          tokenizer.pad_token_id), dp.device)
-        answers = rollout(models, batch, sampling, row_seeds(seed, 0, share.rows))
-        p = answers.prompt_len
-        scores = models.rewards(answers.sequences, answers.attention_mask, p)
-        reward_sum += float(scores.sum()) * share.weight
-        # generate pads after EOS, so the special tokens are all that must go
-        texts = tokenizer.batch_decode(answers.sequences[:, p:], skip_special_tokens=True)
-        truth = ground_truth([prompts.eval_texts[i] for i in share.rows], texts)
-        if truth is not None and share.weight:
-            truth_sum, truth_count = truth_sum + truth[0], truth_count + truth[1]
-    reward_sum, truth_sum, truth_count = dp.sum(reward_sum, truth_sum, truth_count)
-    metrics = {"reward": reward_sum / len(prompts.eval)}
-    if truth_count:
-        metrics["ground_truth"] = truth_sum / truth_count
-    return metrics
 
 
 def _paths(cfg: DictConfig) -> tuple[str, str | None]:
@@ -492,8 +282,8 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
             log("step 3: reward model and actor tokenizers differ; the critic starts from "
                 "the actor with a new value head, and rewards are scored on re-tokenized text")
     rewards = Rewards(tokenizer, scorer, ppo.reward_model_weight,
-                      load_reward_fn(ppo.reward_fn) if ppo.reward_fn else None,
-                      ppo.reward_fn_weight, ppo.reward_fn)
+                      RewardFunction.named(ppo.reward_fn) if ppo.reward_fn else None,
+                      ppo.reward_fn_weight)
     critic = None
     if ALGORITHMS[ppo.algorithm].critic:
         critic = place.reward_model(**critic_start, tokenizer=tokenizer, trained=True,
@@ -514,130 +304,531 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                   critic_tokenizer if critic is not None else None)
 
 
+class Progress(NamedTuple):
+    """Where a run stands: what a checkpoint stores to resume it exactly."""
+
+    epoch: int = 0
+    round: int = 0               # rounds of this epoch done
+    iteration: int = 0
+    ptx_batches: int = 0         # position in the PTX stream
+    kl_coef: float = 0.0         # the adaptive controller's state
+    seconds: float = 0.0
+    kl_stops: int = 0            # rounds cut short by ppo.target_kl
+    before: dict | None = None   # evaluation of the SFT policy, and its best-of-n baseline
+    baseline: dict | None = None
+    best: dict | None = None     # the best evaluation so far (export=best), with its iteration
+
+
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
         rt: Runtime, resume: bool = False) -> dict:
     actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
     dp, place = DataParallel(rt), placement(cfg, rt)
     out = start_step(cfg, 3, dp, resume=resume)
-    ppo, seed = cfg.ppo, cfg.seed
     tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.trust_remote_code)
     prompts = load_prompts(cfg, tokenizer, pairs, ptx_pairs)
-    rounds = num_batches(len(prompts.train), ppo.rollout_batch_size)
-    updates = ppo.epochs * rounds * ppo.ppo_epochs * num_batches(
-        ppo.rollout_batch_size * ppo.samples_per_prompt, ppo.micro_batch_size)
+    rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
+    s = resolve(cfg, total_samples=cfg.ppo.epochs * len(prompts.train)
+                * cfg.ppo.samples_per_prompt)
+    updates = s.ppo.epochs * rounds * s.ppo.ppo_epochs * num_batches(
+        s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
     reset_memory_peak(dp.device)
     models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
-    ema = models.actor.copy_weights() if ppo.ema.enabled else None
-    sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
+    kept = Kept(models.actor.copy_weights() if s.ppo.ema.enabled else None,
+                models.actor.copy_weights(trainable_only=True) if s.export_best else None)
     engines = {"actor": models.actor, **({"critic": models.critic} if models.critic else {})}
-    ckpt = StepCheckpoints(cfg, 3, rt, engines, extra={"ema": ema} if ema else None)
-    position, metrics_rows = ckpt.restore({"epoch": 0, "round": 0, "iteration": 0,
-                                           "ptx_batches": 0, "kl_coef": ppo.kl_coef,
-                                           "seconds": 0.0, "before": None}, resume)
+    ckpt = StepCheckpoints(cfg, 3, rt, engines, extra={k: v for k, v in kept._asdict().items()
+                                                       if v is not None})
+    position, metrics_rows = ckpt.restore(Progress(kl_coef=s.ppo.kl_coef)._asdict(), resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
                       enabled=dp.reports, keep_rows=metrics_rows)
-    evaluate = partial(evaluate_policy, models, prompts, sampling, ppo.rollout_batch_size,
-                       seed, dp)
-    before = evaluate() if position["before"] is None else position["before"]
-    start = time.perf_counter() - position["seconds"]
-    iteration, ptx_batches, kl_coef = (position[k] for k in ("iteration", "ptx_batches",
-                                                              "kl_coef"))
+    state = Progress(**position)
+    if state.before is None:
+        state = baseline(models, prompts, s, dp, tracker, state)
+    state, mean_times = train(cfg, s, models, prompts, kept, ckpt, tracker, dp, state, rounds)
+    models.actor.eval()
+    after = evaluate(models, prompts, s, dp)
+    state = keep_if_best(state, after, s, kept, models.actor)
+    return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
+
+
+class Kept(NamedTuple):
+    """Weights kept beside the live actor's (copy_weights), None when off."""
+
+    ema: Tensors | None    # ppo.ema
+    best: Tensors | None   # the best evaluated policy (export=best)
+
+
+def train(cfg: DictConfig, s: Settings, models: Models, prompts: Prompts, kept: Kept,
+          ckpt: StepCheckpoints, tracker: Tracker, dp: DataParallel, state: Progress,
+          rounds: int) -> tuple[Progress, dict[str, float]]:
+    """The loop: for each round of prompts, rollouts -> advantages -> updates -> metrics,
+    an evaluation every ppo.eval_every iterations, a checkpoint when due. Returns the final
+    state and the mean time breakdown of the iterations run here."""
+    start, first = time.perf_counter() - state.seconds, state.iteration
     time_totals: dict[str, float] = {}
-    for epoch in range(position["epoch"], ppo.epochs):
+    for epoch in range(state.epoch, s.ppo.epochs):
         for round_index, prompt_batch in epoch_batches(
-                prompts.train, ppo.rollout_batch_size, seed=seed + epoch,
-                skip=position["round"] if epoch == position["epoch"] else 0,
+                prompts.train, s.ppo.rollout_batch_size, seed=s.seed + epoch,
+                skip=state.round if epoch == state.epoch else 0,
                 desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports):
             try:
-                times, ptx_batches, kl_coef = iterate(cfg, models, prompts, prompt_batch,
-                                                      sampling, ema, dp, tracker, iteration,
-                                                      ptx_batches, kl_coef)
+                state, times = iterate(s, models, prompts, prompt_batch, kept, dp, tracker,
+                                       state, bars=cfg.logging.progress)
             except NonFiniteError as err:
-                raise NonFiniteError(f"step 3 iteration {iteration + 1}: {err}") from None
-            iteration += 1
+                raise NonFiniteError(f"step 3 iteration {state.iteration + 1}: {err}") from None
             time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
+            if s.ppo.eval_every and state.iteration % s.ppo.eval_every == 0:
+                state = evaluate_during(models, prompts, s, kept, dp, tracker, state)
             epoch_done = round_index == rounds
-            ckpt.save_if_due(iteration, {
-                "epoch": epoch + epoch_done, "round": 0 if epoch_done else round_index,
-                "iteration": iteration, "ptx_batches": ptx_batches, "kl_coef": kl_coef,
-                "seconds": time.perf_counter() - start, "before": before}, tracker)
+            state = state._replace(epoch=epoch + epoch_done,
+                                   round=0 if epoch_done else round_index,
+                                   seconds=time.perf_counter() - start)
+            ckpt.save_if_due(state.iteration, state._asdict(), tracker)
+    ran = max(state.iteration - first, 1)
+    return state, {k: v / ran for k, v in time_totals.items()}
+
+
+def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[list[int]],
+            kept: Kept, dp: DataParallel, tracker: Tracker, state: Progress, *,
+            bars: bool = False) -> tuple[Progress, dict]:
+    """One iteration: rollouts for a batch of prompts (`s.group` answers each), then
+    updates, then metrics. Returns the new state and the iteration's time breakdown."""
+    t0 = time.perf_counter()
+    share = dp.share(prompt_batch, group=s.group)   # a prompt's answers stay on one rank
+    batch = to_device(collate_prompts(share.rows, models.tokenizer.pad_token_id), dp.device)
+    exp, timing = make_experience(models, batch, s, dp, kl_coef=state.kl_coef,
+                                  seeds=row_seeds(s.seed, state.iteration + 1, share.index),
+                                  weight=share.weight)
+    t1 = time.perf_counter()
+    answers = len(prompt_batch) * s.group
+    stats, ptx_batches = update(exp, share, answers, models, s, dp, prompts.ptx,
+                                state.ptx_batches, kept.ema, state.iteration, state.kl_coef)
+    t2 = time.perf_counter()
+    kl_stops = state.kl_stops + int(stats.pop("stopped"))
+    metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id, dp),
+               "kl_coef": state.kl_coef, "train/kl_stops": kl_stops,
+               "train/skipped_steps": models.actor.skipped_steps}
+    if models.critic is not None:
+        metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
+    times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
+                            answers, metrics.pop("answer/tokens"), s.ppo.ppo_epochs)
+    kl_coef = state.kl_coef
+    if s.kl_target is not None:
+        kl_coef = adaptive_kl_coef(kl_coef, metrics["reward/kl"], s.kl_target, s.kl_horizon,
+                                   answers, floor=s.ppo.kl_coef)
+    iteration = state.iteration + 1
+    if iteration % s.ppo.log_every == 0:
+        lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
+                                                            ("critic", models.critic)) if engine}
+        tracker.log({**metrics, **lrs, **times}, iteration)
+        if not bars:   # else the progress bar shows the pace
+            log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
+    return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_coef=kl_coef,
+                          kl_stops=kl_stops), times
+
+
+class Experience(NamedTuple):
+    """One round of rollouts. B rows; P prompt columns (left-padded), N answer columns."""
+
+    sequences: torch.Tensor       # [B, P+N] prompt + answer token ids
+    attention_mask: torch.Tensor  # [B, P+N] 1 on real prompt tokens and on actions
+    action_mask: torch.Tensor     # [B, N] 1 on answer tokens up to and including EOS
+    logprobs: torch.Tensor        # [B, N] actor log-probs when sampled
+    ref_logprobs: torch.Tensor    # [B, N] reference log-probs
+    values: torch.Tensor          # [B, N] critic values (0 without a critic)
+    rewards: torch.Tensor         # [B, N] KL penalty + clipped score on the last action
+    advantages: torch.Tensor      # [B, N]
+    returns: torch.Tensor         # [B, N] the critic's targets
+    scores: torch.Tensor          # [B] score of each answer (reward model and/or function)
+    kl: torch.Tensor              # [B, N] per-token KL estimate actor/reference
+
+    @property
+    def prompt_len(self) -> int:
+        return self.sequences.shape[1] - self.action_mask.shape[1]
+
+    def rows(self, index: torch.Tensor) -> Experience:
+        return Experience(*(field[index] for field in self))
+
+    def without_actions(self) -> Experience:
+        """The same rows contributing nothing (a stand-in on a rank with no rows)."""
+        return self._replace(action_mask=torch.zeros_like(self.action_mask))
+
+
+def row_seeds(seed: int, stream: int, rows: list[int]) -> torch.Tensor:
+    """[B] sampling seeds of global rows `rows` of a round (`stream` 0 = evaluation,
+    i + 1 = rollouts of iteration i)."""
+    return (torch.tensor(rows, dtype=torch.long) + (stream << 20)) + ((seed % (1 << 23)) << 40)
+
+
+def ended_with_eos(answer_ids: torch.Tensor, actions: torch.Tensor, eos_token_id: int
+                   ) -> torch.Tensor:
+    """[B] bool: the answer's actions include its EOS (it was not cut off)."""
+    return ((answer_ids == eos_token_id) & (actions > 0)).any(1)
+
+
+class Rollout(NamedTuple):
+    """Answers sampled for left-padded prompts (P columns), N answer columns."""
+
+    sequences: torch.Tensor       # [B, P+N] prompt + answer token ids, pad after EOS
+    attention_mask: torch.Tensor  # [B, P+N] 1 on real prompt tokens and on answer tokens
+    answered: torch.Tensor        # [B, N] 1.0 on answer tokens up to and including EOS
+
+    @property
+    def prompt_len(self) -> int:
+        return self.sequences.shape[1] - self.answered.shape[1]
+
+
+@torch.no_grad()
+def rollout(models: Models, prompts: dict[str, torch.Tensor], sampling: SamplingSettings,
+            seeds: torch.Tensor | None, group_size: int = 1) -> Rollout:
+    """The actor's answers to left-padded prompts (row `seeds`, see row_seeds; rows in
+    groups of `group_size` copies of a prompt), for training and evaluation alike."""
+    tokenizer = models.tokenizer
+    sequences = models.actor.generate(prompts["input_ids"], prompts["attention_mask"],
+                                      sampling, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, row_seeds=seeds,
+                                      group_size=group_size)
+    answered = answer_mask(sequences[:, prompts["input_ids"].shape[1]:], tokenizer.eos_token_id)
+    return Rollout(sequences, torch.cat([prompts["attention_mask"], answered.long()], 1),
+                   answered)
+
+
+@torch.no_grad()
+def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Settings,
+                    dp: DataParallel, *, kl_coef: float, seeds: torch.Tensor | None = None,
+                    weight: float = 1.0) -> tuple[Experience, dict[str, float]]:
+    """Sample answers for left-padded prompts (row `seeds`, see row_seeds), rows in groups
+    of `s.group` copies of a prompt, and compute everything the update needs. The prompts
+    are this process's share of the rollout batch, of `weight` (0 empties the action masks
+    of a stand-in); batch statistics (whitening) use the whole batch. Returns the
+    experience and the seconds spent: gathering the actor for generation, generating, and
+    computing the rest."""
+    actor, critic, eos = models.actor, models.critic, models.tokenizer.eos_token_id
+    actor.take_times()
+    sequences, attention_mask, answered = rollout(models, prompts, s.sampling, seeds, s.group)
+    t1 = time.perf_counter()
+    generation = actor.take_times()
+    prompt_len = prompts["input_ids"].shape[1]
+    actions = answered * weight
+
+    actor.eval()
+    logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len,
+                               s.sampling.temperature)
+    actor.train()
+    ref_logprobs = answer_logprobs(models.reference, sequences, attention_mask, prompt_len,
+                                   s.sampling.temperature)
+    values = torch.zeros_like(logprobs)
+    if critic is not None:
+        critic.eval()
+        values = answer_values(critic, sequences, attention_mask, prompt_len) * actions
+        critic.train()
+    scores = models.rewards(sequences, attention_mask, prompt_len)
+    if s.ppo.missing_eos_penalty is not None:
+        cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
+        scores = scores - s.ppo.missing_eos_penalty * cut_off.to(scores.dtype)
+
+    reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
+    rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
+                                       s.ppo.score_clip, s.kl.estimator)
+    advantages, returns = s.algorithm.advantages(s.ppo, rewards, scores, kl, values, actions,
+                                                 reward_kl_coef, s.group, dp)
+    t2 = time.perf_counter()
+    experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
+                            rewards, advantages, returns, scores, kl)
+    return experience, {"time/gather": generation.gather, "time/generate": generation.generate,
+                        "time/experience": t2 - t1}
+
+
+def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Settings,
+           dp: DataParallel, ptx: list[SFTExample], ptx_batches: int, ema: Tensors | None,
+           iteration: int, kl_coef: float) -> tuple[dict[str, float], int]:
+    """`ppo.ppo_epochs` passes over one round's experience (this process's `share` of its
+    `batch_size` answers) in micro-batches, each one optimizer step of the actor and critic
+    (and a PTX batch, an EMA update), until the policy has moved `ppo.target_kl` from the
+    one that sampled the round. Returns the statistics' means over the updates ("stopped":
+    1.0 when target_kl cut the round short) and the PTX stream's new position."""
+    sums: dict[str, float] = {}
+    norm_sums: dict[str, float] = {}
+    updates, stopped = 0, False
+    for ppo_epoch in range(s.ppo.ppo_epochs):
+        order = torch.tensor(permutation(batch_size, s.seed + iteration * 131 + ppo_epoch))
+        for micro in order.split(s.ppo.micro_batch_size):
+            index, weight = dp.pick(share, micro)
+            rows = exp.rows(index) if weight else exp.rows(index).without_actions()
+            weights, local_count = loss_weights(rows.action_mask, s.ppo.loss_aggregation)
+            count = dp.sum(float(local_count))[0]
+            ptx_batch = None
+            if ptx:
+                ptx_batch = ptx_rows(ptx, ptx_batches, s.ppo.ptx.batch_size, s.seed,
+                                     models.tokenizer.pad_token_id, dp)
+                ptx_batches += 1
+            trained = train_on(rows, models, s, kl_coef, weights, count, ptx_batch, dp)
+            if trained is None:
+                stopped = True
+                break
+            for totals, values in zip((sums, norm_sums), trained, strict=True):
+                for name, value in values.items():
+                    totals[name] = totals.get(name, 0.0) + value
+            updates += 1
+            if ema is not None:
+                ema_update(ema.tensors.values(), models.actor.parameters(), s.ppo.ema.beta)
+        if stopped:
+            break
+    totals = dict(zip(sums, dp.sum(*sums.values()), strict=True))
+    means = {name: total / max(updates, 1) for name, total in {**totals, **norm_sums}.items()}
+    return {**means, "train/updates": updates, "stopped": float(stopped)}, ptx_batches
+
+
+def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float,
+             weights: torch.Tensor, count: float, ptx: PtxRows | None, dp: DataParallel
+             ) -> tuple[dict[str, float], dict[str, float]] | None:
+    """One optimisation step of the actor (and critic) on this process's rows of a
+    micro-batch. `weights` [B, N], `count`: each action's loss weight and the micro-batch's
+    loss divisor over all processes (see loss_weights). Returns this process's shares of
+    the statistics (their sums over processes are the micro-batch's), and the gradient
+    norms (the whole micro-batch's already: NaN or inf where the update was skipped); None,
+    with nothing updated, when the policy is already `ppo.target_kl` from the sampling one."""
+    exp, prompt_len, actor = experience, experience.prompt_len, models.actor
+    logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len,
+                               s.sampling.temperature)
+    actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, weights,
+                            s.ppo.clip_range, count)
+    if s.ppo.target_kl is not None and dp.sum(float(actor_out.approx_kl))[0] > s.ppo.target_kl:
+        return None
+    loss, stats = actor_out.loss, {}
+    if s.kl.in_loss:
+        kl_loss = masked_sum(kl_estimate(logprobs, exp.ref_logprobs, exp.action_mask,
+                                         s.kl.estimator), weights) / max(count, 1.0)
+        loss = loss + kl_coef * kl_loss
+        stats["train/kl_loss"] = kl_loss.item()
+    if ptx is not None:
+        ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
+        loss = loss + s.ppo.ptx.coef * ptx_loss
+        stats["train/ptx_loss"] = ptx_loss.item()
+    actor.backward(loss)
+    norms = {"train/grad_norm": actor.step()}
+    stats.update({"train/policy_loss": actor_out.loss.item(),
+                  "train/clip_fraction": float(actor_out.clip_fraction),
+                  "train/approx_kl": float(actor_out.approx_kl),
+                  "train/ratio": float(actor_out.ratio_mean)})
+    if models.critic is not None:
+        values = answer_values(models.critic, exp.sequences, exp.attention_mask, prompt_len)
+        critic_out = value_loss(values, exp.values, exp.returns, weights,
+                                s.ppo.value_clip_range, count)
+        models.critic.backward(critic_out.loss)
+        norms["train/critic_grad_norm"] = models.critic.step()
+        stats.update({"train/value_loss": critic_out.loss.item(),
+                      "train/value_clip_fraction": float(critic_out.clip_fraction)})
+    return stats, norms
+
+
+def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                    prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
+    """[B, N] fp32 log-probability of each answer token under `model` at the sampling
+    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T)."""
+    logits = model(input_ids=sequences, attention_mask=attention_mask,
+                   position_ids=position_ids(attention_mask)).logits
+    return logprobs_of_tokens(logits[:, prompt_len - 1:-1], sequences[:, prompt_len:],
+                              temperature)
+
+
+def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                  prompt_len: int) -> torch.Tensor:
+    """[B, N] critic value of the state before each answer token."""
+    return critic.token_values(sequences, attention_mask)[:, prompt_len - 1:-1]
+
+
+class PtxRows(NamedTuple):
+    """This process's share of a pretraining (PTX) batch."""
+
+    batch: dict[str, torch.Tensor]
+    examples: list[SFTExample]   # the whole batch's (its trained tokens: the loss's divisor)
+    weight: float
+
+
+def ptx_rows(examples: list[SFTExample], index: int, batch_size: int, seed: int,
+             pad_token_id: int, dp: DataParallel) -> PtxRows:
+    """The `index`-th PTX batch: passes over the step-1 data, each in a fresh seeded order,
+    so the stream's position is one counter (which a checkpoint stores)."""
+    per_pass = num_batches(len(examples), batch_size)
+    epoch, offset = divmod(index, per_pass)
+    order = permutation(len(examples), seed + 7919 * (epoch + 1))
+    batch = [examples[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
+    share = dp.share(batch)
+    return PtxRows(to_device(collate_sft(share.rows, pad_token_id), dp.device), batch,
+                   share.weight)
+
+
+EVAL_STREAM, BEST_OF_N_STREAM = 0, (1 << 20) - 1   # row_seeds streams; rollouts use 1, 2, ...
+
+
+@torch.no_grad()
+def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
+             ) -> dict[str, float]:
+    """The policy on the held-out prompts, per answer: `reward` (the step-3 score) and
+    `ground_truth` (the gold score, when there is one) of answers sampled as in training
+    with fixed row seeds (so two evaluations compare like with like), the same for greedy
+    answers (`greedy_*`, what chat.py answers), and the `kl` to the reference, measured on
+    the sampled answers."""
+    if not prompts.eval:
+        return {}
+    totals = torch.zeros(5, dtype=torch.float64)
+    for batch_rows in batches(range(len(prompts.eval)), s.ppo.rollout_batch_size,
+                              shuffle=False, seed=0):
+        share = dp.share(batch_rows)
+        batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
+                                          models.tokenizer.pad_token_id), dp.device)
+        sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
+        greedy = rollout(models, batch, s.greedy, None)
+        kl = masked_sum(_policy_and_reference(models, sampled, s), sampled.answered, dim=1)
+        sums = [float(kl.sum())]
+        for answers in (sampled, greedy):
+            reward = models.rewards(answers.sequences, answers.attention_mask,
+                                    answers.prompt_len)
+            sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
+        totals += share.weight * torch.tensor(sums, dtype=torch.float64)
+    kl, reward, gold, greedy_reward, greedy_gold = (
+        total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
+    return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
+            "greedy_reward": greedy_reward,
+            **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl}
+
+
+def _gold(s: Settings, tokenizer, answers: Rollout) -> torch.Tensor:
+    """[B] the gold score of each answer (zeros without a gold function)."""
+    if s.gold is None:
+        return torch.zeros(len(answers.sequences))
+    return torch.tensor(s.gold(*decode_rollouts(tokenizer, answers.sequences,
+                                                answers.prompt_len)))
+
+
+def _policy_and_reference(models: Models, answers: Rollout, s: Settings) -> torch.Tensor:
+    """[B, N] log pi - log pi_ref of each answer token (k1, whose sum is an unbiased
+    estimate of the KL per answer)."""
     models.actor.eval()
-    after = evaluate()
-    mean_times = {k: v / max(iteration - position["iteration"], 1) for k, v in time_totals.items()}
-    return finish(cfg, models, ema, tracker, before, after, time.perf_counter() - start,
-                  iteration, mean_times, ckpt, dp)
+    args = (answers.sequences, answers.attention_mask, answers.prompt_len,
+            s.sampling.temperature)
+    logprobs = answer_logprobs(models.actor, *args)
+    models.actor.train()
+    return logprobs - answer_logprobs(models.reference, *args)
 
 
-def finish(cfg: DictConfig, models: Models, ema: Tensors | None, tracker: Tracker,
-           before: dict, after: dict, elapsed: float, iterations: int,
-           mean_times: dict[str, float], ckpt: StepCheckpoints, dp: DataParallel) -> dict:
-    """Log the summary (scores before and after, wall time, memory peak), export the
-    models, drop the checkpoints, and print the step's closing lines."""
-    summary = {**{f"eval/{k}_before": v for k, v in before.items()},
+@torch.no_grad()
+def best_of_n(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
+              ) -> dict[str, float]:
+    """The baseline step 3 has to beat: for each held-out prompt, the SFT policy's best of
+    `ppo.best_of_n` sampled answers by the step-3 score. Returns its mean `reward`, mean
+    `ground_truth` (with a gold function) and analytic `kl` to the SFT policy. Call it
+    before any update."""
+    n = s.ppo.best_of_n
+    if not prompts.eval or n < 2:
+        return {}
+    totals = torch.zeros(2, dtype=torch.float64)   # reward, gold sums of the picks
+    for batch_rows in batches(range(len(prompts.eval)), max(1, s.ppo.rollout_batch_size // n),
+                              shuffle=False, seed=0):
+        share = dp.share(batch_rows, group=n)
+        batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
+                                          models.tokenizer.pad_token_id), dp.device)
+        seeds = row_seeds(s.seed, BEST_OF_N_STREAM,
+                          [batch_rows[0] * n + i for i in share.index])
+        answers = rollout(models, batch, s.sampling, seeds, n)
+        reward = models.rewards(answers.sequences, answers.attention_mask, answers.prompt_len)
+        picks = reward.view(-1, n).argmax(1) + torch.arange(0, len(reward), n,
+                                                          device=reward.device)
+        gold = _gold(s, models.tokenizer, answers)
+        totals += share.weight * torch.tensor([float(reward[picks].sum()),
+                                               float(gold[picks.cpu()].sum())],
+                                              dtype=torch.float64)
+    reward, gold = (total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
+    return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
+            "kl": best_of_n_kl(n)}
+
+
+def baseline(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
+             tracker: Tracker, state: Progress) -> Progress:
+    """Evaluate the SFT policy (greedy) and its best-of-n, print and log both: the line
+    every run shows it has to beat. The SFT policy is the first candidate for export=best."""
+    before, bon = evaluate(models, prompts, s, dp), best_of_n(models, prompts, s, dp)
+    tracker.log({**{f"eval/{k}": v for k, v in before.items()},
+                 **{f"baseline/best_of_{s.ppo.best_of_n}_{k}": v for k, v in bon.items()}}, 0)
+    if before:
+        greedy = {k.removeprefix("greedy_"): v for k, v in before.items() if "greedy" in k}
+        log("step 3 baseline: SFT greedy " + _scores_line(greedy) + " | SFT sampled "
+            + _scores_line(before) + (f" | best-of-{s.ppo.best_of_n} " + _scores_line(bon)
+                                      if bon else ""))
+    return state._replace(before=before, baseline=bon, best={**before, "iteration": 0})
+
+
+def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,
+                    dp: DataParallel, tracker: Tracker, state: Progress) -> Progress:
+    """An evaluation between iterations: logged, and kept if it is the best so far."""
+    metrics = evaluate(models, prompts, s, dp)
+    tracker.log({f"eval/{k}": v for k, v in metrics.items()}, state.iteration)
+    return keep_if_best(state, metrics, s, kept, models.actor)
+
+
+def keep_if_best(state: Progress, metrics: dict[str, float], s: Settings, kept: Kept,
+                 actor: TrainEngine) -> Progress:
+    """With export=best, copy the actor's weights if `metrics` beat the best evaluation so
+    far: a higher gold score (else reward), within the KL budget."""
+    if kept.best is None or not metrics:
+        return state
+    key = "ground_truth" if "ground_truth" in metrics else "reward"
+    within = s.kl_budget is None or metrics["kl"] <= s.kl_budget
+    if within and (state.best is None or metrics[key] > state.best[key]):
+        kept.best.load_state_dict(actor.copy_weights(trainable_only=True).tensors)
+        return state._replace(best={**metrics, "iteration": state.iteration})
+    return state
+
+
+def _scores_line(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{name} {metrics[name]:.3f}" for name in ("reward", "ground_truth", "kl")
+                     if name in metrics)
+
+
+def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tracker,
+           state: Progress, after: dict, mean_times: dict[str, float], ckpt: StepCheckpoints,
+           dp: DataParallel) -> dict:
+    """Log the summary (the SFT policy, its best-of-n, the last and the exported policy;
+    wall time, memory peak), export the models, drop the checkpoints, and print the step's
+    closing lines."""
+    exported = state.best if s.export_best else {**after, "iteration": state.iteration}
+    summary = {**{f"eval/{k}_before": v for k, v in state.before.items()},
                **{f"eval/{k}_after": v for k, v in after.items()},
-               "time/seconds": elapsed, "iterations": iterations,
+               **{f"eval/{k}_exported": v for k, v in (exported or {}).items()},
+               **{f"baseline/best_of_{s.ppo.best_of_n}_{k}": v
+                  for k, v in state.baseline.items()},
+               "time/seconds": state.seconds, "iterations": state.iteration,
+               "train/kl_stops": state.kl_stops,
                "memory/peak_mib": memory_peak(dp.device) / 2**20,
                "memory/trained_mib": sum(e.state_bytes() for e in (models.actor, models.critic)
                                          if e is not None) / 2**20}
-    tracker.log(summary, iterations)
+    tracker.log(summary, state.iteration)
     tracker.close()
-    step3 = export(cfg, models, ema, dp)
+    step3 = export(cfg, models, kept, s.export_best, dp)
     ckpt.clear()
     if mean_times:
         log("step 3 mean iteration: " + _breakdown_line(mean_times))
-    line = ", ".join(f"{k} {before[k]:.3f} -> {after[k]:.3f}" for k in before if k in after)
-    log(f"step 3 ({ALGORITHMS[cfg.ppo.algorithm].name}) done: {iterations} iterations, "
-        + (f"{line}, " if line else "") + f"{elapsed:.1f}s, peak memory "
+    line = ", ".join(f"{k} {state.before[k]:.3f} -> {after[k]:.3f}" for k in state.before
+                     if k in after)
+    if s.export_best and exported:
+        line += f"; exported the best evaluated policy (iteration {exported['iteration']}: " \
+                f"{_scores_line(exported)})"
+    log(f"step 3 ({s.algorithm.name}) done: {state.iteration} iterations, "
+        + (f"{line}, " if line else "") + f"{state.seconds:.1f}s, peak memory "
         f"{summary['memory/peak_mib']:.0f} MiB -> {step3}")
     return summary
 
 
-def iterate(cfg: DictConfig, models: Models, prompts: Prompts, prompt_batch: list[list[int]],
-            sampling: SamplingSettings, ema: Tensors | None, dp: DataParallel,
-            tracker: Tracker, iteration: int, ptx_batches: int, kl_coef: float
-            ) -> tuple[dict, int, float]:
-    """One iteration: rollouts for a batch of prompts (`ppo.samples_per_prompt` answers
-    each), then updates, then metrics. Returns its time breakdown, the PTX stream's new
-    position and the next KL coefficient."""
-    t0 = time.perf_counter()
-    ppo, group = cfg.ppo, cfg.ppo.samples_per_prompt
-    share = dp.share(prompt_batch, group=group)   # a prompt's answers stay on one rank
-    batch = to_device(collate_prompts(share.rows, models.tokenizer.pad_token_id), dp.device)
-    exp, timing = make_experience(models, batch, sampling, ppo, dp, kl_coef=kl_coef,
-                                  seeds=row_seeds(cfg.seed, iteration + 1, share.index),
-                                  weight=share.weight, group_size=group)
-    t1 = time.perf_counter()
-    stats, ptx_batches = update(exp, share, len(prompt_batch) * group, models, ppo, dp,
-                                prompts.ptx, ptx_batches, ema, cfg.seed, iteration, kl_coef)
-    t2 = time.perf_counter()
-    metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id, dp),
-               "kl_coef": kl_coef, "train/skipped_steps": models.actor.skipped_steps}
-    if models.critic is not None:
-        metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
-    times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
-                            len(prompt_batch) * group, metrics.pop("answer/tokens"),
-                            ppo.ppo_epochs)
-    if ppo.kl_target is not None:
-        kl_coef = adaptive_kl_coef(kl_coef, metrics["reward/kl"], ppo.kl_target,
-                                   ppo.kl_horizon, len(prompt_batch) * group)
-    if (iteration + 1) % ppo.log_every == 0:
-        lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
-                                                            ("critic", models.critic)) if engine}
-        tracker.log({**metrics, **lrs, **times}, iteration + 1)
-        if not cfg.logging.progress:
-            log(f"step 3 iteration {iteration + 1}: " + _breakdown_line(times))
-    return times, ptx_batches, kl_coef
-
-
-def export(cfg: DictConfig, models: Models, ema: Tensors | None, dp: DataParallel) -> Path:
+def export(cfg: DictConfig, models: Models, kept: Kept, best: bool, dp: DataParallel) -> Path:
     step3 = Path(cfg.output_dir) / "step3"
-    models.actor.export(models.tokenizer, step3 / "actor")
+    models.actor.export(models.tokenizer, step3 / "actor", weights=kept.best if best else None)
     if models.critic is not None:
         models.critic.export(models.critic_tokenizer, step3 / "critic")
     else:   # an earlier run's critic (overwrite=true) must not pass for this run's
         dp.write_once(lambda: shutil.rmtree(step3 / "critic", ignore_errors=True))
-    if ema is not None:
-        models.actor.export(models.tokenizer, step3 / "actor_ema", weights=ema)
+    if kept.ema is not None:
+        models.actor.export(models.tokenizer, step3 / "actor_ema", weights=kept.ema)
     return step3
 
 

@@ -15,6 +15,7 @@ may be garbage (even inf/NaN in the inputs of the losses): they are selected awa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -311,19 +312,23 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def adaptive_kl_coef(kl_coef: float, observed_kl: float, target: float, horizon: float,
-                     samples: int) -> float:
-    """Ziegler et al. (2019)'s proportional controller: the next KL coefficient,
-    ``kl_coef * (1 + clip(observed / target - 1, -0.2, 0.2) * samples / horizon)``, which
-    raises the penalty while the policy's KL to the reference is above ``target`` and
-    lowers it while below.
+                     samples: int, floor: float = 0.0) -> float:
+    """Ziegler et al. (2019)'s controller in multiplicative form: the next KL coefficient,
+    ``max(kl_coef * exp(clip(observed / target - 1, -0.2, 0.2) * samples / horizon), floor)``,
+    which raises the penalty while the policy's KL to the reference is above ``target``
+    and lowers it, down to ``floor``, while below. (To first order Ziegler's
+    ``1 + error * samples / horizon``; the exponential cannot turn negative when a batch is
+    large against the horizon.) The floor keeps the coefficient from winding down to
+    nothing while the KL is still growing from 0 at the start of a run.
 
     Args:
         kl_coef: the coefficient used for this batch. observed_kl: the batch's mean KL per
             answer (summed over its tokens). target: the KL to hold. horizon: how many
-            samples the controller takes to close the gap. samples: this batch's answers.
+            samples the controller takes to close a gap of 20% by a factor e. samples:
+            this batch's answers. floor: the lowest coefficient it returns.
     """
     error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
-    return kl_coef * (1.0 + error * samples / horizon)
+    return max(kl_coef * math.exp(error * samples / horizon), floor)
 
 
 def loss_weights(mask: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:

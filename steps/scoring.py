@@ -46,8 +46,12 @@ class RewardScorer:
 
     @torch.no_grad()
     def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B] scores of rollouts [B, L], each read at the EOS that ends its answer: a cut-off
+        answer gets one appended, as step 2 trained the reward model to read (read at its
+        last token instead, running on past the end can score higher than ending)."""
         if self.same_tokenizer:
-            # the rightmost attended token of a rollout is its last action
+            sequences, attention_mask = ended_with(sequences, attention_mask,
+                                                   self.reward_tokenizer.eos_token_id)
             return sequence_scores(self.model, sequences, attention_mask)
         texts = [self.actor_tokenizer.decode(row[mask.bool()], skip_special_tokens=True)
                  for row, mask in zip(sequences, attention_mask, strict=True)]
@@ -57,14 +61,65 @@ class RewardScorer:
         return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
 
 
+def ended_with(sequences: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [B, L] (any padding) -> [B, L+1] whose rightmost real token is `eos_token_id`:
+    rows that end otherwise get it appended after their last real token."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask.long()).argmax(-1)                 # [B]
+    open_rows = (sequences.gather(1, last[:, None]).squeeze(1) != eos_token_id).nonzero()[:, 0]
+    sequences = torch.nn.functional.pad(sequences, (0, 1), value=eos_token_id)
+    attention_mask = torch.nn.functional.pad(attention_mask, (0, 1), value=0)
+    sequences[open_rows, last[open_rows] + 1] = eos_token_id
+    attention_mask[open_rows, last[open_rows] + 1] = 1
+    return sequences, attention_mask
+
+
+class RewardFunction:
+    """A user's (prompt, answer) -> float, loaded from "package.module:function" (`key` is the
+    config key that named it): called on decoded texts, its failures and non-finite returns
+    refused in one line naming the key and the input."""
+
+    def __init__(self, fn: RewardFn, spec: str, key: str = "ppo.reward_fn"):
+        self.fn, self.spec, self.key = fn, spec, key
+
+    @classmethod
+    def named(cls, spec: str, key: str = "ppo.reward_fn") -> RewardFunction:
+        return cls(load_reward_fn(spec, key), spec, key)
+
+    def __call__(self, prompts: list[str], answers: list[str]) -> list[float]:
+        return [self._call(p, a) for p, a in zip(prompts, answers, strict=True)]
+
+    def _call(self, prompt: str, answer: str) -> float:
+        where = f"{self.key}={self.spec}"
+        try:
+            value = self.fn(prompt, answer)
+        except Exception as why:   # the user's code: say which input broke it
+            raise UserError(f"{where} raised {type(why).__name__}: {why} (on prompt "
+                            f"{prompt[-60:]!r}, answer {answer[:60]!r})") from None
+        if not isinstance(value, Real) or not math.isfinite(value):
+            raise UserError(f"{where} returned {value!r} (on prompt {prompt[-60:]!r}): it must "
+                            "return a finite number")
+        return float(value)
+
+
+def decode_rollouts(tokenizer, sequences: torch.Tensor, prompt_len: int
+                    ) -> tuple[list[str], list[str]]:
+    """(prompt texts, answer texts) of left-padded prompts + answers [B, P+N]."""
+    # generate pads after EOS, so the special tokens are all that must go
+    decode = tokenizer.batch_decode
+    return (decode(sequences[:, :prompt_len], skip_special_tokens=True),
+            decode(sequences[:, prompt_len:], skip_special_tokens=True))
+
+
 class Rewards:
     """The score of each rollout: `model_weight` x the reward model's score plus `fn_weight`
     x the reward function's, either of them absent (None)."""
 
     def __init__(self, tokenizer, scorer: RewardScorer | None, model_weight: float,
-                 fn: RewardFn | None, fn_weight: float, fn_spec: str | None = None):
+                 fn: RewardFunction | None, fn_weight: float):
         self.tokenizer, self.scorer, self.model_weight = tokenizer, scorer, model_weight
-        self.fn, self.fn_weight, self.fn_spec = fn, fn_weight, fn_spec
+        self.fn, self.fn_weight = fn, fn_weight
 
     @torch.no_grad()
     def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -79,22 +134,6 @@ class Rewards:
                                      "inputs went non-finite")
             total += self.model_weight * scores
         if self.fn is not None:
-            decode = self.tokenizer.batch_decode
-            # generate pads after EOS, so the special tokens are all that must go
-            prompts = decode(sequences[:, :prompt_len], skip_special_tokens=True)
-            answers = decode(sequences[:, prompt_len:], skip_special_tokens=True)
-            scores = [self._call(p, a) for p, a in zip(prompts, answers, strict=True)]
+            scores = self.fn(*decode_rollouts(self.tokenizer, sequences, prompt_len))
             total += self.fn_weight * torch.tensor(scores, device=sequences.device)
         return total
-
-    def _call(self, prompt: str, answer: str) -> float:
-        where = f"ppo.reward_fn={self.fn_spec}"
-        try:
-            value = self.fn(prompt, answer)
-        except Exception as why:   # the user's code: say which input broke it
-            raise UserError(f"{where} raised {type(why).__name__}: {why} (on prompt "
-                            f"{prompt[-60:]!r}, answer {answer[:60]!r})") from None
-        if not isinstance(value, Real) or not math.isfinite(value):
-            raise UserError(f"{where} returned {value!r} (on prompt {prompt[-60:]!r}): it must "
-                            "return a finite number")
-        return float(value)

@@ -26,7 +26,7 @@ from steps.rlhf import (
     returns_to_go,
     sequence_rewards,
 )
-from steps.scoring import Rewards, load_reward_fn
+from steps.scoring import RewardFunction, Rewards, load_reward_fn
 
 
 def close(got, want, tol=1e-6):
@@ -100,18 +100,47 @@ def test_kl_penalty_in_the_reward_uses_the_named_estimator():
 
 def test_adaptive_kl_moves_the_coefficient_proportionally_and_clipped():
     # KL twice the target: the error clips to +0.2; 64 samples of a 640-sample horizon
-    assert adaptive_kl_coef(0.1, 12.0, 6.0, 640, 64) == pytest.approx(0.1 * (1 + 0.2 * 0.1))
+    assert adaptive_kl_coef(0.1, 12.0, 6.0, 640, 64) == pytest.approx(0.1 * math.exp(0.02))
     # 10% under the target: -0.1
-    assert adaptive_kl_coef(0.1, 5.4, 6.0, 640, 64) == pytest.approx(0.1 * (1 - 0.1 * 0.1))
+    assert adaptive_kl_coef(0.1, 5.4, 6.0, 640, 64) == pytest.approx(0.1 * math.exp(-0.01))
     assert adaptive_kl_coef(0.1, 6.0, 6.0, 640, 64) == pytest.approx(0.1)
+    # never below the floor, never negative however large the batch against the horizon
+    assert adaptive_kl_coef(0.1, 0.0, 6.0, 640, 64, floor=0.099) == 0.099
+    assert adaptive_kl_coef(0.1, 0.0, 6.0, 10, 6400) > 0
 
 
-def test_adaptive_kl_holds_a_policy_near_the_target():
-    """A policy whose KL falls as the penalty rises (KL = 1 / coef) settles at the target."""
-    coef = 0.05
-    for _ in range(400):
-        coef = adaptive_kl_coef(coef, 1.0 / coef, target=4.0, horizon=1000, samples=100)
-    assert 1.0 / coef == pytest.approx(4.0, rel=0.02)
+def toy_policy_kl(iterations: int, target: float | None, coef: float = 0.05,
+                  samples: int = 64) -> list[float]:
+    """KL to a uniform reference of a 50-way softmax policy trained by exact gradient
+    ascent on E[r] - coef * KL, the coefficient adapted each iteration with step 3's
+    default horizon (ppo.KL_HORIZON_SHARE of the run's samples): its KL per iteration."""
+    rewards, logits = torch.linspace(0, 2, 50), torch.zeros(50)
+    reference = torch.full((50,), 1 / 50).log()
+    horizon = max(ppo.KL_HORIZON_SHARE * iterations * samples, samples)
+    kls, floor = [], coef
+    for _ in range(iterations):
+        logp = torch.log_softmax(logits, 0)
+        p, log_ratio = logp.exp(), logp - reference
+        kl = float((p * log_ratio).sum())
+        # d/dlogits of E[r] - coef * KL for a softmax: p * (f - E[f]) with f = r - coef * log_ratio
+        f = rewards - coef * log_ratio
+        logits = logits + 8.0 * p * (f - (p * f).sum())
+        kls.append(kl)
+        if target is not None:
+            coef = adaptive_kl_coef(coef, kls[-1], target, horizon, samples, floor)
+    return kls
+
+
+@pytest.mark.parametrize("iterations", [300, 3000])
+def test_adaptive_kl_settles_at_the_target_in_a_short_and_a_long_run(iterations):
+    """The default horizon scales with the run: in a run 10x longer the controller still
+    reaches the target within the first fifth and holds it to the end."""
+    uncontrolled = toy_policy_kl(iterations, target=None)
+    assert uncontrolled[-1] > 2.5      # what the fixed coefficient lets the policy drift to
+    kls = toy_policy_kl(iterations, target=1.0)
+    held = kls[iterations // 5:]
+    assert max(abs(kl - 1.0) for kl in held) < 0.15, max(held)
+    assert kls[-1] == pytest.approx(1.0, rel=0.02)
 
 
 # -- loss aggregation ----------------------------------------------------------------------
@@ -202,7 +231,7 @@ class ByteTokenizer:
 def rewards_of(fn, prompt="Q?", answers=("ab", "c")):
     rows = [[ord(ch) for ch in prompt + a.ljust(2, "\0")] for a in answers]
     sequences = torch.tensor(rows)
-    rewards = Rewards(ByteTokenizer(), None, 0.0, fn, 2.0, "tests:fn")
+    rewards = Rewards(ByteTokenizer(), None, 0.0, RewardFunction(fn, "tests:fn"), 2.0)
     return rewards(sequences, torch.ones_like(sequences), len(prompt))
 
 

@@ -13,7 +13,6 @@ import steps.ppo as ppo
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
 from engine.export import atomic_directory
-from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
 from engine.lora import LoraSettings, apply_lora
 from engine.models import (
@@ -29,7 +28,7 @@ from engine.models import (
 from engine.parallel import frozen
 from engine.runtime import Runtime
 from engine.trainer import OptimSettings, TrainEngine
-from steps.config import PPOConfig
+from steps.config import RunConfig
 from steps.rlhf import sft_loss
 from steps.scoring import Rewards, RewardScorer
 from steps.tokenize import collate_prompts
@@ -323,12 +322,12 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
         return torch.cat([input_ids, answers], dim=1)
 
     monkeypatch.setattr(actor, "generate", scripted_generate)
-    settings = OmegaConf.merge(OmegaConf.structured(PPOConfig),
-                               dict(kl_coef=0.1, score_clip=5.0, gamma=1.0, lam=0.95,
-                                    whiten_advantages=True))
+    settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
+        kl_coef=0.1, score_clip=5.0, gamma=1.0, lam=0.95, whiten_advantages=True,
+        max_new_tokens=N)}))
     exp, timing = ppo.make_experience(
-        models, {"input_ids": prompt_ids, "attention_mask": prompt_mask},
-        SamplingSettings(max_new_tokens=N), settings, DataParallel(CPU), kl_coef=0.1)
+        models, {"input_ids": prompt_ids, "attention_mask": prompt_mask}, settings,
+        DataParallel(CPU), kl_coef=0.1)
 
     assert calls == [(None, 1)]
     assert actor.module.training and critic.module.training  # modes restored
@@ -347,7 +346,7 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
         assert (getattr(exp, name)[outside] == 0).all(), name
 
     # the clipped score sits on the last action only; the rest of the reward is the KL part
-    kl_part = -settings.kl_coef * exp.kl
+    kl_part = -settings.ppo.kl_coef * exp.kl
     score_part = exp.rewards - kl_part
     last = torch.tensor([2, N - 1, 0])
     onehot = torch.zeros(3, N)
@@ -369,5 +368,7 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
             values = token_values(critic.module, real, torch.ones_like(real))[0]
             torch.testing.assert_close(exp.values[i, :n], values[start:start + n], atol=1e-5,
                                        rtol=0)
-            score = sequence_scores(reward, real, torch.ones_like(real))[0]
+            # scored as the reward model was trained to read: at EOS, appended if cut off
+            read = real if real[0, -1] == EOS else torch.cat([real, torch.tensor([[EOS]])], 1)
+            score = sequence_scores(reward, read, torch.ones_like(read))[0]
             torch.testing.assert_close(exp.scores[i], score, atol=1e-5, rtol=0)

@@ -1,0 +1,153 @@
+"""What keeps step 3 from ending worse than best-of-n (issue 21): answers scored as the
+reward model was trained to read them, the per-update KL stop, the best-of-n baseline and
+the export of the best evaluated policy. The adaptive KL controller's settling test sits
+with the other RLHF math in test_algorithms.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.data_parallel import DataParallel, Share
+from engine.hybrid import HybridEngine
+from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
+from engine.parallel import frozen
+from engine.runtime import Runtime
+from engine.trainer import OptimSettings
+from steps import ppo
+from steps.config import RunConfig
+from steps.scoring import RewardFunction, Rewards, RewardScorer, decode_rollouts
+from steps.tokenize import collate_prompts
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+PAD, EOS = 0, 2
+
+
+def settings(**changes) -> ppo.Settings:
+    return ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": changes}))
+
+
+def test_a_cut_off_answer_is_scored_as_if_it_ended_with_eos():
+    """Step 2 trains the reward model to read its score at EOS; a rollout cut off at the
+    length limit gets one appended before it is read, left padding and all."""
+    tok = byte_tokenizer()
+    reward = frozen(load_reward_model("tiny-llama", tok, seed=4), CPU)
+    scorer = RewardScorer(reward, tok, tok, CPU.device)
+    prompt, answer = tok("Q: 2+2")["input_ids"], tok(" 4 4 4", add_special_tokens=False)[
+        "input_ids"]
+    short = tok("Hi")["input_ids"]
+    # row 0 cut off (no EOS), row 1 ended with EOS then padding; prompts left-padded
+    rows = [prompt + answer, [PAD] * (len(prompt) - len(short)) + short + answer[:2] + [EOS]
+            + [PAD] * (len(answer) - 3)]
+    sequences = torch.tensor(rows)
+    mask = (sequences != PAD).long()
+    got = scorer(sequences, mask)
+    for i, real in enumerate([prompt + answer + [EOS], short + answer[:2] + [EOS]]):
+        want = sequence_scores(reward, torch.tensor([real]), torch.ones(1, len(real)))[0]
+        torch.testing.assert_close(got[i], want, atol=1e-5, rtol=0)
+    # read at the last token instead, the cut-off answer would score differently
+    unread = sequence_scores(reward, torch.tensor([prompt + answer]),
+                             torch.ones(1, len(prompt + answer)))[0]
+    assert abs(float(unread - got[0])) > 1e-4
+
+
+def tiny_models(tok, lr: float = 1e-3, gold=None) -> ppo.Models:
+    actor = HybridEngine(load_causal_lm("tiny-llama", tok, seed=1), OptimSettings(
+        lr=lr, lr_scheduler="constant", grad_clip=0), 100, CPU)
+    reference = frozen(load_causal_lm("tiny-llama", tok, seed=1), CPU)
+    reward = frozen(load_reward_model("tiny-llama", tok, seed=4), CPU)
+    rewards = Rewards(tok, RewardScorer(reward, tok, tok, CPU.device), 1.0, None, 0.0)
+    return ppo.Models(actor, None, reference, rewards, tok, None)
+
+
+def experience(models: ppo.Models, s: ppo.Settings, rows: int = 8) -> ppo.Experience:
+    prompts = [models.tokenizer(f"Q{i}:")["input_ids"] for i in range(rows)]
+    batch = collate_prompts(prompts, PAD)
+    exp, _ = ppo.make_experience(models, batch, s, DataParallel(CPU), kl_coef=0.0,
+                                 seeds=ppo.row_seeds(0, 1, list(range(rows))))
+    # strong, fixed advantages: every update moves the policy far
+    return exp._replace(advantages=torch.where(exp.action_mask > 0, 5.0, 0.0))
+
+
+def test_target_kl_stops_a_round_early():
+    """Two passes of four micro-batches are 8 updates; with a tight target_kl the round
+    stops at the first micro-batch that finds the policy moved past it, and says so."""
+    tok = byte_tokenizer()
+    runs = {}
+    for target_kl in (None, 1e-3):
+        torch.manual_seed(0)
+        models = tiny_models(tok, lr=5e-2)
+        s = settings(ppo_epochs=2, micro_batch_size=1, rollout_batch_size=4,
+                     max_new_tokens=6, target_kl=target_kl)
+        exp = experience(models, s, rows=4)
+        share = Share(list(range(4)), list(range(4)), 1.0)
+        stats, _ = ppo.update(exp, share, 4, models, s, DataParallel(CPU), [], 0, None, 0, 0.0)
+        runs[target_kl] = (stats, models.actor.steps)
+    (free, free_steps), (held, held_steps) = runs[None], runs[1e-3]
+    assert free["train/updates"] == free_steps == 8 and free["stopped"] == 0.0
+    assert held["stopped"] == 1.0 and 1 <= held["train/updates"] == held_steps < 8
+
+
+def test_best_of_n_equals_a_direct_computation():
+    """For each prompt: sample n answers one by one, score each with the reward model
+    (EOS appended where cut off) and the gold function, keep the reward model's favourite;
+    the means must be ppo.best_of_n's, and its KL the analytic log n - (n-1)/n."""
+    tok, n = byte_tokenizer(), 4
+    models = tiny_models(tok)
+    gold = RewardFunction(lambda prompt, answer: float(answer.count("a")), "tests:gold",
+                          "ppo.eval_reward_fn")
+    s = settings(best_of_n=n, rollout_batch_size=4, max_new_tokens=8)._replace(gold=gold)
+    prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
+    prompts = ppo.Prompts([], prompt_ids, [], [])
+    got = ppo.best_of_n(models, prompts, s, DataParallel(CPU))
+
+    picked_rewards, picked_gold, all_rewards = [], [], []
+    for i, prompt in enumerate(prompt_ids):
+        candidates = []
+        for j in range(n):
+            seed = ppo.row_seeds(s.seed, ppo.BEST_OF_N_STREAM, [i * n + j])
+            answer = ppo.rollout(models, collate_prompts([prompt], PAD), s.sampling, seed)
+            reward = float(models.rewards(answer.sequences, answer.attention_mask,
+                                          answer.prompt_len)[0])
+            texts = decode_rollouts(tok, answer.sequences, answer.prompt_len)
+            candidates.append((reward, gold.fn(texts[0][0], texts[1][0])))
+        all_rewards += [reward for reward, _ in candidates]
+        best = max(candidates, key=lambda c: c[0])
+        picked_rewards.append(best[0])
+        picked_gold.append(best[1])
+    assert got["reward"] == pytest.approx(sum(picked_rewards) / 3, abs=1e-6)
+    assert got["ground_truth"] == pytest.approx(sum(picked_gold) / 3, abs=1e-12)
+    assert got["kl"] == pytest.approx(math.log(4) - 3 / 4, abs=1e-12)
+    # a real selection: above the mean of all sampled answers by the reward model
+    assert got["reward"] > sum(all_rewards) / len(all_rewards)
+
+
+def test_export_best_writes_the_peak_not_the_last_policy(tmp_path):
+    """Evaluations whose gold score rises, peaks and falls: the weights kept are the
+    peak's, and the export writes them, not the live (last) ones; a policy over the KL
+    budget is never kept, however good its score."""
+    tok = byte_tokenizer()
+    models = tiny_models(tok)
+    actor, s = models.actor, settings(export="best", kl_budget=1.0)
+    kept = ppo.Kept(None, actor.copy_weights(trainable_only=True))
+    state = ppo.Progress(best={"reward": 0.0, "ground_truth": 0.2, "kl": 0.0, "iteration": 0})
+    snapshots = {}
+    for iteration, (gold, kl) in enumerate([(0.5, 0.5), (0.9, 0.8), (0.95, 3.0), (0.4, 0.9)],
+                                           start=1):
+        with torch.no_grad():   # stands in for an update
+            for p in actor.parameters():
+                p.add_(0.01 * iteration)
+        snapshots[iteration] = {k: v.clone() for k, v in actor.copy_weights().tensors.items()}
+        state = ppo.keep_if_best(state._replace(iteration=iteration),
+                                 {"reward": 0.0, "ground_truth": gold, "kl": kl}, s, kept, actor)
+    assert state.best["iteration"] == 2 and state.best["ground_truth"] == 0.9
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"output_dir": str(tmp_path)})
+    ppo.export(cfg, models, kept, True, DataParallel(CPU))
+    exported = load_causal_lm(str(tmp_path / "step3" / "actor"), tok)
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, snapshots[2][name], atol=0, rtol=0)
+    live = dict(actor.copy_weights().tensors)
+    assert all(torch.equal(live[k], snapshots[4][k]) for k in live)   # live ones untouched
