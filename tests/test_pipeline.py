@@ -58,6 +58,8 @@ BASE = {
     "rm.lr": 1e-3, "rm.warmup_steps": 0,
     "ppo.epochs": 1, "ppo.ppo_epochs": 1, "ppo.actor_lr": 2e-4, "ppo.critic_lr": 5e-4,
     "ppo.warmup_steps": 0,
+    # these tests check what training did to the last policy; export=best has its own tests
+    "ppo.export": "last",
 }
 # Smaller still, for the runs that only need to show that something works.
 SMALL = {**BASE, "data.demo_pairs": 80, "ppo.rollout_batch_size": 16,
@@ -420,6 +422,46 @@ def test_ppo_with_lora_ema_and_ptx(llama_run, tmp_path):
     assert 0 < relative_change(ema, start) < relative_change(actor, start)
 
 
+GOLD_SCHEDULE = """
+calls = 0
+SCHEDULE = {schedule}
+
+def score(prompt, answer):
+    # the same score for every answer of an evaluation, from a schedule of evaluations
+    # (4 prompts, each answered sampled then greedy: 8 calls each)
+    global calls
+    calls += 1
+    return SCHEDULE[min((calls - 1) // 8, len(SCHEDULE) - 1)]
+"""
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+@pytest.mark.parametrize("schedule, peak", [([0.9, 0.5, 0.4, 0.3], 0),
+                                            ([0.2, 0.5, 0.9, 0.3], 2)])
+def test_export_best_writes_the_policy_of_the_best_evaluation(llama_run, tmp_path, monkeypatch,
+                                                             schedule, peak, lora):
+    """A gold score that peaks and then falls: the step-3 actor written is the peak's. At
+    iteration 0 that is the step-1 actor itself, to the last bit (LoRA: adapters at 0)."""
+    src, _ = llama_run
+    module = f"gold_{peak}_{lora}"
+    (tmp_path / f"{module}.py").write_text(GOLD_SCHEDULE.format(schedule=schedule))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    run = run_train("--step", "3", "--output-dir", out, settings=SMALL, **{
+        "ppo.actor_path": src / "actor", "ppo.reward_path": src / "reward",
+        "ppo.eval_reward_fn": f"{module}:score", "ppo.export": "best", "ppo.eval_every": 1,
+        "ppo.best_of_n": 0, "ppo.actor_lora.dim": lora, "ppo.rollout_batch_size": 8,
+        "ppo.micro_batch_size": 8, "data.eval_fraction": 0.25}).check()
+    summary = metrics(out / "step3" / "metrics.jsonl")[-1]
+    assert summary["iterations"] >= 3
+    assert summary["eval/iteration_exported"] == peak
+    assert summary["eval/ground_truth_exported"] == max(schedule)
+    assert f"exported the best evaluated policy (iteration {peak}:" in run.stdout
+    start, exported = weights(src / "actor"), weights(out / "step3" / "actor")
+    moved = relative_change(exported, start)
+    assert moved == 0 if peak == 0 else moved > 0
+
+
 def test_steps_1_and_2_with_lora_over_an_int4_base(tmp_path):
     out = tmp_path / "int4"
     run = run_train("--step", "1", "2", "--output-dir", out, "--actor-model", "tiny-llama",
@@ -675,14 +717,14 @@ def test_logged_losses_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch
 def test_step_1_then_3_with_a_reward_function_alone(tmp_path, algorithm):
     """No step 2 and no reward model: the demo's scorer rewards the answers. RLOO builds no
     critic (none is exported); PPO starts its critic from the actor. The adaptive KL
-    coefficient is logged every iteration and moves; the penalty for answers cut off
+    coefficient is logged every iteration and rises while the KL is over its target; the penalty for answers cut off
     without EOS lowers their score."""
     out = tmp_path / algorithm
     run_train("--actor-model", "tiny-llama", "--step", "1", "3", "--output-dir", out,
               settings=SMALL, **{"ppo.algorithm": algorithm, "ppo.samples_per_prompt": 2,
                                  "ppo.rollout_batch_size": 6,
                                  "ppo.reward_fn": "steps.demo:score",
-                                 "ppo.reward_model_weight": 0, "ppo.kl_target": 0.05,
+                                 "ppo.reward_model_weight": 0, "ppo.kl_target": 0.005,
                                  "ppo.kl_horizon": 100, "ppo.missing_eos_penalty": 1.0,
                                  "data.max_answer_len": 6}).check()
     assert not (out / "reward").exists() and not (out / "step2").exists()
@@ -690,7 +732,14 @@ def test_step_1_then_3_with_a_reward_function_alone(tmp_path, algorithm):
     assert (out / "step3" / "critic").exists() == (algorithm == "ppo")
     rows = [r for r in metrics(out / "step3" / "metrics.jsonl") if "kl_coef" in r]
     assert len(rows) >= 3 and rows[0]["kl_coef"] == 0.05     # the demo recipe's
-    assert len({r["kl_coef"] for r in rows}) == len(rows)     # adapted every iteration
+    # adapted after every iteration: up while the KL is over the target, never below the
+    # recipe's coefficient (the floor)
+    for now, after in zip(rows[:-1], rows[1:], strict=True):
+        assert after["kl_coef"] >= 0.05
+        if now["reward/kl"] > 0.005:
+            assert after["kl_coef"] > now["kl_coef"], (now, after)
+    # (RLOO's advantages are often all 0 here: both answers of a group cut off alike)
+    assert any(r["reward/kl"] > 0.005 for r in rows[:-1]) or algorithm == "rloo"
     assert ("train/value_loss" in rows[0]) == (algorithm == "ppo")
     # the demo's score is in [0, 1]; six-token answers are often cut off, and those score
     # at most 1 - 1, so the mean score is at most the share that ended
