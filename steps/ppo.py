@@ -3,7 +3,21 @@ actor samples answers, the reward model and/or a reward function score them, a K
 to the frozen reference keeps the actor close to SFT, an advantage estimator turns rewards
 into per-token advantages, and a clipped policy loss updates the actor (and a clipped value
 loss the critic, for PPO). Optional: an EMA copy of the actor, a pretraining (PTX) loss on
-step-1 data, an adaptive KL coefficient, a penalty for answers cut off without EOS.
+step-1 data, a penalty for answers cut off without EOS.
+
+What keeps step 3 from ending worse than it started, each on by default:
+- every answer is scored as step 2 trained the reward model to read it, at EOS (a cut-off
+  answer gets one appended: steps/scoring.py);
+- an adaptive KL coefficient holds the KL per answer at `ppo.kl_target`, under the budget;
+- `ppo.target_kl` ends a round's updates once the policy moved that far from the sampling one;
+- before training, the SFT policy is evaluated with its best-of-n (`ppo.best_of_n`): the
+  line to beat; every `ppo.eval_every` iterations the policy is evaluated again (reward,
+  gold score, KL to the reference), and `ppo.export=best` writes the best evaluated policy
+  within `ppo.kl_budget` instead of the last.
+
+The file reads top-down: the settings (resolved once), the models, `run` and its loop
+(`train`, `iterate`), then what an iteration does (rollout, experience, update) and the
+evaluations.
 
 `ppo.algorithm` picks the estimator (steps/rlhf.py): `ppo` (critic + GAE), or critic-free
 `grpo` (rewards normalised within each prompt's group of `ppo.samples_per_prompt`
@@ -770,12 +784,14 @@ def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,
 def keep_if_best(state: Progress, metrics: dict[str, float], s: Settings, kept: Kept,
                  actor: TrainEngine) -> Progress:
     """With export=best, copy the actor's weights if `metrics` beat the best evaluation so
-    far: a higher gold score (else reward), within the KL budget."""
+    far: a higher gold score (else reward; reward breaks ties), within the KL budget."""
     if kept.best is None or not metrics:
         return state
-    key = "ground_truth" if "ground_truth" in metrics else "reward"
+    def rank(m: dict) -> tuple:   # gold first when there is one, the reward breaks ties
+        return m.get("ground_truth", 0.0), m["reward"]
+
     within = s.kl_budget is None or metrics["kl"] <= s.kl_budget
-    if within and (state.best is None or metrics[key] > state.best[key]):
+    if within and (state.best is None or rank(metrics) > rank(state.best)):
         kept.best.load_state_dict(actor.copy_weights(trainable_only=True).tensors)
         return state._replace(best={**metrics, "iteration": state.iteration})
     return state
