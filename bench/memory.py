@@ -200,21 +200,20 @@ def lora_worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from engine.comm_meter import CommMeter
-    from engine.lora import LoraSettings
+    from engine.config import LoraConfig, QuantizedBaseConfig
     from engine.models import byte_tokenizer
     from engine.parallel import hf_model
     from engine.placement import Placement
-    from engine.quantized_base import QuantizedBaseSettings
     from engine.runtime import setup_runtime
     from engine.trainer import OptimSettings
 
     rt = setup_runtime(args.device, "bfloat16", seed=args.seed, timeout_s=300)
     bits = {"bf16": 0, "int8": 8, "int4": 4}[args.base]
     place = Placement(rt, {"actor": 3, "reward": 3},
-                      quantized_base=QuantizedBaseSettings(bits > 0, bits or 8, 64))
+                      quantized_base=QuantizedBaseConfig(bits > 0, bits or 8, 64))
     tok = byte_tokenizer()   # only its pad id is read: the ids below are random
     model = place.causal_lm(args.model_dir, tok, trained=True,
-                            lora=LoraSettings(dim=16, only_optimize_lora=True))
+                            lora=LoraConfig(dim=16, only_optimize_lora=True))
     actor = place.trainer(model, OptimSettings(lr=1e-4), 10, role="actor")
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(args.seed))

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from engine.config import HybridConfig
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
 from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
@@ -43,17 +44,6 @@ from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
 from engine.runtime import Runtime
 from engine.trainer import OptimSettings, TrainEngine
-
-
-@dataclass(frozen=True)
-class HybridSettings:
-    enabled: bool = True                  # False: generate on the sharded training model
-    kernel_injection: bool = True         # False: gather into a plain Hugging Face copy
-    pin_parameters: bool = True           # keep the inference weights between rollouts
-    release_inference_cache: bool = False  # free the KV cache after each rollout
-    gather_group_size: int = 1            # decoder layers all-gathered at once
-    cuda_graphs: bool = True              # capture the decode step (CUDA only)
-    fused_kernels: bool = True            # Triton add+norm and SiLU*up (CUDA only)
 
 
 @dataclass
@@ -121,9 +111,9 @@ class _Target:
 class HybridEngine(TrainEngine):
     def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
                  runtime: Runtime, sharding: ShardSettings | None = None,
-                 hybrid: HybridSettings | None = None, **guards):
+                 hybrid: HybridConfig | None = None, **guards):
         super().__init__(model, optim, total_steps, runtime, sharding, **guards)
-        self.hybrid = hybrid or HybridSettings()
+        self.hybrid = hybrid or HybridConfig()
         self.times = GenerationTimes()
         inner = hf_model(self.module)
         self._blocks = transformer_blocks(self.module)

@@ -26,11 +26,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.hybrid import HybridEngine, HybridSettings
-from engine.lora import BaseWithoutAdapters, LoraSettings, apply_lora, frozen_base
+from engine.config import HybridConfig, LoraConfig, QuantizedBaseConfig
+from engine.hybrid import HybridEngine
+from engine.lora import BaseWithoutAdapters, apply_lora, frozen_base
 from engine.models import load_causal_lm, load_quantized, load_reward_model
 from engine.parallel import ShardSettings, frozen
-from engine.quantized_base import QuantizedBaseSettings, describe
+from engine.quantized_base import describe
 from engine.runtime import Runtime
 from engine.trainer import OptimSettings, TrainEngine
 from engine.zeropp import ZeroPPSettings
@@ -44,9 +45,9 @@ class Placement:
     gradient_checkpointing: bool = False
     shard_frozen_models: bool = True
     offload_frozen: Mapping[str, bool] = field(default_factory=dict)  # frozen role -> offload
-    hybrid: HybridSettings = HybridSettings()
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     zeropp: ZeroPPSettings = ZeroPPSettings()
-    quantized_base: QuantizedBaseSettings = QuantizedBaseSettings()
+    quantized_base: QuantizedBaseConfig = field(default_factory=QuantizedBaseConfig)
     share_reference: bool = True
     max_skipped_steps: int = 5          # non-finite updates in a row before the run stops
 
@@ -60,25 +61,25 @@ class Placement:
                    shard_frozen_models=engine_cfg["shard_frozen_models"],
                    offload_frozen={"reference": engine_cfg["offload_reference_model"],
                                    "reward": engine_cfg["offload_reward_model"]},
-                   hybrid=HybridSettings(**engine_cfg["hybrid"]),
+                   hybrid=HybridConfig(**engine_cfg["hybrid"]),
                    zeropp=zeropp_settings(engine_cfg["zeropp"], runtime),
-                   quantized_base=QuantizedBaseSettings(**engine_cfg["quantized_base"]),
+                   quantized_base=QuantizedBaseConfig(**engine_cfg["quantized_base"]),
                    share_reference=engine_cfg["share_reference"],
                    max_skipped_steps=engine_cfg["max_skipped_steps"])
 
     def causal_lm(self, spec: str, tokenizer, *, trained: bool,
-                  lora: LoraSettings | None = None, **kwargs) -> nn.Module:
+                  lora: LoraConfig | None = None, **kwargs) -> nn.Module:
         """A causal LM; a trained one gets its LoRA adapters (`lora`) here."""
         return self._load("causal_lm", spec, tokenizer, trained, lora, **kwargs)
 
     def reward_model(self, spec: str, tokenizer, *, trained: bool,
-                     lora: LoraSettings | None = None, **kwargs) -> nn.Module:
+                     lora: LoraConfig | None = None, **kwargs) -> nn.Module:
         """A one-label scorer (reward model, critic); LoRA as for causal_lm."""
         return self._load("reward_model", spec, tokenizer, trained, lora, **kwargs)
 
-    def _load(self, kind: str, spec: str, tokenizer, trained: bool, lora: LoraSettings | None,
+    def _load(self, kind: str, spec: str, tokenizer, trained: bool, lora: LoraConfig | None,
               **kwargs) -> nn.Module:
-        lora, rt = lora or LoraSettings(), self.runtime
+        lora, rt = lora or LoraConfig(), self.runtime
         if trained and self.quantized_base.enabled and lora.dim > 0:
             # filled module by module where it will run (sharding moves blocks to the device)
             model, report = load_quantized(

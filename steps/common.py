@@ -13,8 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
+from engine.config import LoraConfig
 from engine.data_parallel import DataParallel
-from engine.lora import LoraSettings
 from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
@@ -162,8 +162,8 @@ def optim_settings(section: DictConfig, lr: float, lora: DictConfig) -> OptimSet
                          lora_lr=lora.learning_rate)
 
 
-def lora_settings(lora: DictConfig) -> LoraSettings:
-    return LoraSettings(**OmegaConf.to_container(lora, resolve=True))
+def lora_settings(lora: DictConfig) -> LoraConfig:
+    return OmegaConf.to_object(lora)
 
 
 def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> tuple[float, int] | None:

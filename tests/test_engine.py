@@ -10,12 +10,13 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import steps.ppo as ppo
+from engine.config import LoraConfig
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.lora import LoraSettings, apply_lora
+from engine.lora import apply_lora
 from engine.models import (
     PRESETS,
     byte_tokenizer,
@@ -160,7 +161,7 @@ def test_left_padding_does_not_change_logits(tok, preset):
 def test_token_values_match_hf_pooled_logits(tok, preset, lora):
     model = load_reward_model(preset, tok, seed=0)
     if lora:
-        model = apply_lora(model, LoraSettings(dim=4))
+        model = apply_lora(model, LoraConfig(dim=4))
         with torch.no_grad():  # make the adapters matter (lora_B starts at zero)
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -275,7 +276,7 @@ def test_grad_accumulation_matches_one_full_batch(tok):
 
 
 def test_lora_params_get_their_own_learning_rate(tok):
-    model = apply_lora(load_causal_lm("tiny-llama", tok, seed=0), LoraSettings(dim=4))
+    model = apply_lora(load_causal_lm("tiny-llama", tok, seed=0), LoraConfig(dim=4))
     settings = OptimSettings(lr=1e-3, weight_decay=0.1, lora_lr=5e-4)
     engine = TrainEngine(model, settings, total_steps=4, runtime=CPU)
     lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}

@@ -20,8 +20,9 @@ import torch
 from transformers import BloomConfig, BloomForCausalLM
 
 from engine import decode
+from engine.config import HybridConfig
 from engine.generation import SamplingSettings, generate
-from engine.hybrid import HybridEngine, HybridSettings
+from engine.hybrid import HybridEngine
 from engine.inference_form import inference_form
 from engine.inference_plans import Unsupported, plan
 from engine.models import byte_tokenizer, load_causal_lm
@@ -74,7 +75,7 @@ def _batch(prompts=PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _engine(model, **settings) -> HybridEngine:
     return HybridEngine(model, OptimSettings(lr=1e-3), 10, ONE_PROCESS,
-                        hybrid=HybridSettings(**settings))
+                        hybrid=HybridConfig(**settings))
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])

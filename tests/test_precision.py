@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpointer, Tensors
+from engine.config import LoraConfig, QuantizedBaseConfig
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
-from engine.lora import LoraSettings
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.placement import Placement
 from engine.precision import Precision
-from engine.quantized_base import QuantizedBaseSettings
 from engine.runtime import Runtime
 from engine.trainer import OptimSettings, TrainEngine
 from steps.ppo import answer_logprobs
@@ -103,10 +102,10 @@ def test_one_process_bf16_trains_fp32_master_weights_under_autocast(tok):
 def test_one_process_bf16_lora_over_a_frozen_base(tok, bits):
     """LoRA over a frozen bf16, INT8 or INT4 base in a bf16 process: the adapters (and only
     they) train, in fp32; the base stays as it was loaded; the step is taken."""
-    quantized = QuantizedBaseSettings(enabled=bits is not None, bits=bits or 8)
+    quantized = QuantizedBaseConfig(enabled=bits is not None, bits=bits or 8)
     place = Placement(CPU_BF16, {"actor": 0, "reward": 0}, quantized_base=quantized)
     model = place.causal_lm("tiny-llama", tok, trained=True, seed=0,
-                            lora=LoraSettings(dim=4, only_optimize_lora=True))
+                            lora=LoraConfig(dim=4, only_optimize_lora=True))
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     assert {p.dtype for p in trained.values()} == {torch.float32}

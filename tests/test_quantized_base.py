@@ -10,10 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engine.quantized_base as qb
+from engine.config import LoraConfig, QuantizedBaseConfig
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.lora import BaseWithoutAdapters, LoraSettings
+from engine.lora import BaseWithoutAdapters
 from engine.models import byte_tokenizer, load_causal_lm, load_quantized
 from engine.placement import Placement
 from engine.runtime import Runtime
@@ -21,7 +22,7 @@ from engine.trainer import OptimSettings, TrainEngine
 from steps.tokenize import collate_prompts
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
-LORA = LoraSettings(dim=4, alpha=8, only_optimize_lora=True)
+LORA = LoraConfig(dim=4, alpha=8, only_optimize_lora=True)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def tok():
 
 def placement(bits: int = 8) -> Placement:
     return Placement(CPU, {"actor": 3, "reward": 3},
-                     quantized_base=qb.QuantizedBaseSettings(True, bits, 64))
+                     quantized_base=QuantizedBaseConfig(True, bits, 64))
 
 
 def quantized_lora_model(tok, bits: int, spec: str = "tiny-llama"):
@@ -151,7 +152,7 @@ def test_loading_quantizes_one_module_at_a_time(tok, tmp_path, monkeypatch):
         return real(model, settings, dtype, modules, tied)
 
     monkeypatch.setattr(qb, "quantize_modules", spy)
-    settings = qb.QuantizedBaseSettings(True, 8, 64)
+    settings = QuantizedBaseConfig(True, 8, 64)
     model, report = load_quantized("causal_lm", str(tmp_path), tok, settings, flag="--x",
                                    dtype=torch.float32, head_dtype=torch.float32,
                                    device=torch.device("cpu"))
@@ -173,7 +174,7 @@ def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tok, tmp_path):
     load_causal_lm("tiny-llama", tok).save_pretrained(tmp_path, safe_serialization=False)
     (tmp_path / "model.safetensors").unlink(missing_ok=True)
     with pytest.raises(UserError, match="loads safetensors checkpoints only"):
-        load_quantized("causal_lm", str(tmp_path), tok, qb.QuantizedBaseSettings(True),
+        load_quantized("causal_lm", str(tmp_path), tok, QuantizedBaseConfig(True),
                        flag="--actor-model", dtype=torch.float32, head_dtype=torch.float32,
                        device=torch.device("cpu"))
 

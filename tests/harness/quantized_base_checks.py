@@ -23,12 +23,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
+from engine.config import LoraConfig, QuantizedBaseConfig  # noqa: E402
 from engine.export import full_copy  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
-from engine.lora import LoraSettings  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
-from engine.quantized_base import QuantizedBaseSettings  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
 from engine.trainer import OptimSettings  # noqa: E402
 from engine.zeropp import ZeroPPSettings  # noqa: E402
@@ -45,12 +44,12 @@ def main() -> None:
                        procs_per_node=2 if zeropp else None)
     tok = byte_tokenizer()
     place = Placement(rt, {"actor": 3, "reward": 3},
-                      quantized_base=QuantizedBaseSettings(True, bits, 64),
+                      quantized_base=QuantizedBaseConfig(True, bits, 64),
                       zeropp=ZeroPPSettings(qwz=True, qgz=True, hpz=2,
                                             quantize="--zeropp" in sys.argv) if zeropp
                       else ZeroPPSettings())
     model = place.causal_lm(model_dir, tok, trained=True, seed=3,
-                            lora=LoraSettings(dim=4, alpha=8, only_optimize_lora=True))
+                            lora=LoraConfig(dim=4, alpha=8, only_optimize_lora=True))
     actor = place.rollout_actor(model, OptimSettings(lr=2e-2, grad_clip=0), STEPS)
     reference = place.reference(actor, model_dir, tok)
 
