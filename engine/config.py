@@ -133,7 +133,7 @@ class EngineConfig:
                      "CPU, NCCL on CUDA)", COUNT)
     procs_per_node: Optional[int] = val(None, "ranks per node for ZeRO++ (default: "  # noqa: UP045
                                         "torchrun's); fewer than engine.procs simulates "
-                                        "nodes on one machine")
+                                        "nodes on one machine", COUNT)
     timeout_s: float = val(600.0, "collective timeout: a dead or hung rank stops the job "
                            "within it", POSITIVE)
     gradient_checkpointing: bool = val(False, "activation checkpointing of the trained models")

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.config import HybridConfig, LoraConfig, QuantizedBaseConfig
+from engine.config import HybridConfig, LoraConfig, QuantizedBaseConfig, ZeroPPConfig
 from engine.hybrid import HybridEngine
 from engine.lora import BaseWithoutAdapters, apply_lora, frozen_base
 from engine.models import load_causal_lm, load_quantized, load_reward_model
@@ -34,7 +34,6 @@ from engine.parallel import ShardSettings, frozen
 from engine.quantized_base import describe
 from engine.runtime import Runtime
 from engine.trainer import OptimSettings, TrainEngine
-from engine.zeropp import ZeroPPSettings
 
 
 @dataclass(frozen=True)
@@ -46,10 +45,11 @@ class Placement:
     shard_frozen_models: bool = True
     offload_frozen: Mapping[str, bool] = field(default_factory=dict)  # frozen role -> offload
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    zeropp: ZeroPPSettings = ZeroPPSettings()
+    zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
     quantized_base: QuantizedBaseConfig = field(default_factory=QuantizedBaseConfig)
     share_reference: bool = True
     max_skipped_steps: int = 5          # non-finite updates in a row before the run stops
+    zeropp_quantize: bool = True        # False: ZeRO++'s hooks send exact values (tests)
 
     @classmethod
     def from_config(cls, engine_cfg: Mapping, runtime: Runtime, *, actor_zero_stage: int,
@@ -62,7 +62,7 @@ class Placement:
                    offload_frozen={"reference": engine_cfg["offload_reference_model"],
                                    "reward": engine_cfg["offload_reward_model"]},
                    hybrid=HybridConfig(**engine_cfg["hybrid"]),
-                   zeropp=zeropp_settings(engine_cfg["zeropp"], runtime),
+                   zeropp=ZeroPPConfig(**engine_cfg["zeropp"]),
                    quantized_base=QuantizedBaseConfig(**engine_cfg["quantized_base"]),
                    share_reference=engine_cfg["share_reference"],
                    max_skipped_steps=engine_cfg["max_skipped_steps"])
@@ -108,7 +108,7 @@ class Placement:
     def _sharding(self, role: str) -> ShardSettings:
         return ShardSettings(zero_stage=self.zero_stages[role], offload=self.offload,
                              activation_checkpointing=self.gradient_checkpointing,
-                             zeropp=self.zeropp)
+                             zeropp=self.zeropp, zeropp_quantize=self.zeropp_quantize)
 
     def trainer(self, model: nn.Module, optim: OptimSettings, total_steps: int, *,
                 role: str, name: str | None = None) -> TrainEngine:
@@ -137,11 +137,3 @@ class Placement:
         return frozen(model, self.runtime, sharded=self.shard_frozen_models,
                       offload=self.offload_frozen.get(role, False))
 
-
-def zeropp_settings(cfg: Mapping, runtime: Runtime) -> ZeroPPSettings:
-    """`engine.zeropp` -> ZeroPPSettings. Its `hpz` reads as DeepSpeed's
-    zero_hpz_partition_size (1: off), with 0 for "the ranks of one node"."""
-    size = runtime.ranks_per_node if cfg["hpz"] == 0 else cfg["hpz"]
-    return ZeroPPSettings(qwz=cfg["qwz"], hpz=size if size > 1 else 0, qgz=cfg["qgz"],
-                          weight_bits=cfg["weight_bits"], grad_bits=cfg["grad_bits"],
-                          block=cfg["block"])

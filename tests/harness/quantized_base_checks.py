@@ -23,14 +23,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
-from engine.config import LoraConfig, QuantizedBaseConfig  # noqa: E402
+from engine.config import LoraConfig, QuantizedBaseConfig, ZeroPPConfig  # noqa: E402
 from engine.export import full_copy  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
 from engine.trainer import OptimSettings  # noqa: E402
-from engine.zeropp import ZeroPPSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
 ROWS, LENGTH, STEPS = 4, 24, 3
@@ -45,9 +44,8 @@ def main() -> None:
     tok = byte_tokenizer()
     place = Placement(rt, {"actor": 3, "reward": 3},
                       quantized_base=QuantizedBaseConfig(True, bits, 64),
-                      zeropp=ZeroPPSettings(qwz=True, qgz=True, hpz=2,
-                                            quantize="--zeropp" in sys.argv) if zeropp
-                      else ZeroPPSettings())
+                      zeropp=ZeroPPConfig(qwz=zeropp, qgz=zeropp, hpz=2 if zeropp else 1),
+                      zeropp_quantize="--zeropp-exact" not in sys.argv)
     model = place.causal_lm(model_dir, tok, trained=True, seed=3,
                             lora=LoraConfig(dim=4, alpha=8, only_optimize_lora=True))
     actor = place.rollout_actor(model, OptimSettings(lr=2e-2, grad_clip=0), STEPS)
