@@ -126,9 +126,10 @@ def _comm_rank(steps: int, seq: int, bf16: bool) -> None:
     import torch.distributed as dist
 
     from engine.comm_meter import CommMeter
+    from engine.config import OptimConfig
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
-    from engine.trainer import OptimSettings, TrainEngine
+    from engine.trainer import TrainEngine
 
     torch.set_num_threads(1)
     rt = setup_runtime(device="cpu", dtype="bfloat16" if bf16 else "float32", seed=0,
@@ -139,7 +140,7 @@ def _comm_rank(steps: int, seq: int, bf16: bool) -> None:
     for name, settings in _configs().items():
         model = _opt_125m()
         params = sum(p.numel() for p in model.parameters())
-        engine = TrainEngine(model, OptimSettings(lr=1e-5), total_steps=steps + 2, runtime=rt,
+        engine = TrainEngine(model, OptimConfig(), total_steps=steps + 2, runtime=rt, lr=1e-5,
                              sharding=ShardSettings(zero_stage=3, zeropp=settings))
 
         _train_step(engine, ids)                                    # warm-up (FSDP's lazy init)

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from engine.config import HybridConfig
+from engine.config import HybridConfig, OptimConfig
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
 from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
@@ -43,7 +43,7 @@ from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 
 
 @dataclass
@@ -109,7 +109,7 @@ class _Target:
 
 
 class HybridEngine(TrainEngine):
-    def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
+    def __init__(self, model: nn.Module, optim: OptimConfig, total_steps: int,
                  runtime: Runtime, sharding: ShardSettings | None = None,
                  hybrid: HybridConfig | None = None, **guards):
         super().__init__(model, optim, total_steps, runtime, sharding, **guards)

@@ -26,14 +26,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.config import HybridConfig, LoraConfig, QuantizedBaseConfig, ZeroPPConfig
+from engine.config import (
+    HybridConfig,
+    LoraConfig,
+    OptimConfig,
+    QuantizedBaseConfig,
+    ZeroPPConfig,
+)
 from engine.hybrid import HybridEngine
 from engine.lora import BaseWithoutAdapters, apply_lora, frozen_base
 from engine.models import load_causal_lm, load_quantized, load_reward_model
 from engine.parallel import ShardSettings, frozen
 from engine.quantized_base import describe
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 
 
 @dataclass(frozen=True)
@@ -110,18 +116,20 @@ class Placement:
                              activation_checkpointing=self.gradient_checkpointing,
                              zeropp=self.zeropp, zeropp_quantize=self.zeropp_quantize)
 
-    def trainer(self, model: nn.Module, optim: OptimSettings, total_steps: int, *,
-                role: str, name: str | None = None) -> TrainEngine:
+    def trainer(self, model: nn.Module, optim: OptimConfig, total_steps: int, *,
+                role: str, name: str | None = None, **rates) -> TrainEngine:
         """A trained model of `role` ("actor" or "reward") with its optimizer; `name` (the
-        role by default) is what its errors call it."""
+        role by default) is what its errors call it; `rates`: TrainEngine's lr, lora_lr and
+        grad_accum."""
         return TrainEngine(model, optim, total_steps, self.runtime, self._sharding(role),
-                           name=name or role, max_skipped_steps=self.max_skipped_steps)
+                           name=name or role, max_skipped_steps=self.max_skipped_steps, **rates)
 
-    def rollout_actor(self, model: nn.Module, optim: OptimSettings,
-                      total_steps: int) -> HybridEngine:
+    def rollout_actor(self, model: nn.Module, optim: OptimConfig, total_steps: int,
+                      **rates) -> HybridEngine:
         """Step 3's actor: trained as the "actor" role, generating through the hybrid engine."""
         return HybridEngine(model, optim, total_steps, self.runtime, self._sharding("actor"),
-                            self.hybrid, name="actor", max_skipped_steps=self.max_skipped_steps)
+                            self.hybrid, name="actor", max_skipped_steps=self.max_skipped_steps,
+                            **rates)
 
     def reference(self, actor: TrainEngine, spec: str, tokenizer, **kwargs):
         """Step 3's KL anchor, the step-1 model `spec` that `actor` started from: the actor

@@ -13,12 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
-from engine.config import LoraConfig
 from engine.data_parallel import DataParallel
 from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps import demo
 from steps.data import DataError, permutation, train_eval_split
 from steps.tokenize import TokenizeStats
@@ -153,17 +152,6 @@ def num_batches(n: int, batch_size: int) -> int:
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def optim_settings(section: DictConfig, lr: float, lora: DictConfig) -> OptimSettings:
-    return OptimSettings(lr=lr, weight_decay=section.weight_decay,
-                         lr_scheduler=section.lr_scheduler, warmup_steps=section.warmup_steps,
-                         grad_clip=section.grad_clip, grad_accum=section.get("grad_accum", 1),
-                         lora_lr=lora.learning_rate)
-
-
-def lora_settings(lora: DictConfig) -> LoraConfig:
-    return OmegaConf.to_object(lora)
 
 
 def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> tuple[float, int] | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel, Share
@@ -48,9 +48,7 @@ from steps.common import (
     epoch_batches,
     ground_truth,
     log,
-    lora_settings,
     num_batches,
-    optim_settings,
     placement,
     report_tokenized,
     require_examples,
@@ -474,7 +472,7 @@ class Models(NamedTuple):
 
 def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                  reward_path: str | None, updates: int) -> Models:
-    ppo, trc = cfg.ppo, cfg.trust_remote_code
+    ppo, trc = OmegaConf.to_object(cfg.ppo), cfg.trust_remote_code   # a PPOConfig
     scorer = None
     critic_start = dict(spec=actor_path, flag="ppo.actor_path", seed=cfg.seed)
     critic_tokenizer = tokenizer
@@ -497,17 +495,18 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     critic = None
     if ALGORITHMS[ppo.algorithm].critic:
         critic = place.reward_model(**critic_start, tokenizer=tokenizer, trained=True,
-                                    lora=lora_settings(ppo.critic_lora), trust_remote_code=trc)
+                                    lora=ppo.critic_lora, trust_remote_code=trc)
     actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc,
-                            lora=lora_settings(ppo.actor_lora))
+                            lora=ppo.actor_lora)
     if ppo.disable_dropout:   # else old and new log-probs differ before any update
         disable_dropout(actor)
         if critic is not None:
             disable_dropout(critic)
-    actor = place.rollout_actor(actor, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
+    actor = place.rollout_actor(actor, ppo, updates, lr=ppo.actor_lr,
+                                lora_lr=ppo.actor_lora.learning_rate)
     if critic is not None:
-        critic = place.trainer(critic, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
-                               updates, role="reward", name="critic")
+        critic = place.trainer(critic, ppo, updates, role="reward", name="critic",
+                               lr=ppo.critic_lr, lora_lr=ppo.critic_lora.learning_rate)
     # LoRA over a frozen base: the actor with its adapters off is the reference
     reference = place.reference(actor, actor_path, tokenizer, trust_remote_code=trc)
     return Models(actor, critic, reference, rewards, tokenizer,

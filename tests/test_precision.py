@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpointer, Tensors
-from engine.config import LoraConfig, QuantizedBaseConfig
+from engine.config import LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
@@ -20,7 +20,7 @@ from engine.models import byte_tokenizer, load_causal_lm
 from engine.placement import Placement
 from engine.precision import Precision
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps.ppo import answer_logprobs
 from steps.rlhf import logprobs_of_tokens, sft_loss
 
@@ -40,8 +40,8 @@ def batch(seed: int = 0) -> torch.Tensor:
 
 
 def engine_for(model, rt: Runtime = CPU, **guards) -> TrainEngine:
-    settings = OptimSettings(lr=1e-2, lr_scheduler="constant")
-    return TrainEngine(model, settings, total_steps=10, runtime=rt, **guards)
+    return TrainEngine(model, OptimConfig(lr_scheduler="constant"), total_steps=10, runtime=rt,
+                       lr=1e-2, **guards)
 
 
 def train_step(engine: TrainEngine, ids: torch.Tensor, poison: float = 1.0) -> float | None:

@@ -24,14 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engine.config import HybridConfig, LoraConfig  # noqa: E402
+from engine.config import HybridConfig, LoraConfig, OptimConfig  # noqa: E402
 from engine.generation import SamplingSettings, generate  # noqa: E402
 from engine.hybrid import HybridEngine  # noqa: E402
 from engine.lora import apply_lora  # noqa: E402
 from engine.models import byte_tokenizer, load_causal_lm, preset_config  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import Runtime, setup_runtime  # noqa: E402
-from engine.trainer import OptimSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
 PROMPTS = ["hello there", "a", "The quick brown fox jumps over", "12+34=", "Why is the sky",
@@ -82,9 +81,9 @@ def check_case(preset: str, lora: int, stage: int, settings: HybridConfig,
     eos, pad = tok.eos_token_id, tok.pad_token_id
     model = model_with_answers_that_end(preset, lora, eos)
     reference, twin = copy.deepcopy(model).eval(), copy.deepcopy(model)
-    optim, sharding = OptimSettings(lr=1e-3), ShardSettings(zero_stage=stage)
-    engine = HybridEngine(model, optim, 10, rt, sharding, settings)
-    twin = HybridEngine(twin, optim, 10, rt, sharding, replace(settings, enabled=False))
+    optim, sharding = OptimConfig(), ShardSettings(zero_stage=stage)
+    engine = HybridEngine(model, optim, 10, rt, sharding, settings, lr=1e-3)
+    twin = HybridEngine(twin, optim, 10, rt, sharding, replace(settings, enabled=False), lr=1e-3)
 
     rows = list(range(rt.rank, len(PROMPTS), rt.world_size))
     batch = collate_prompts([tok(PROMPTS[i])["input_ids"] for i in rows], pad)

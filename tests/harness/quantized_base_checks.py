@@ -23,13 +23,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
-from engine.config import LoraConfig, QuantizedBaseConfig, ZeroPPConfig  # noqa: E402
+from engine.config import LoraConfig, OptimConfig, QuantizedBaseConfig, ZeroPPConfig  # noqa: E402
 from engine.export import full_copy  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
-from engine.trainer import OptimSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
 ROWS, LENGTH, STEPS = 4, 24, 3
@@ -48,7 +47,7 @@ def main() -> None:
                       zeropp_quantize="--zeropp-exact" not in sys.argv)
     model = place.causal_lm(model_dir, tok, trained=True, seed=3,
                             lora=LoraConfig(dim=4, alpha=8, only_optimize_lora=True))
-    actor = place.rollout_actor(model, OptimSettings(lr=2e-2, grad_clip=0), STEPS)
+    actor = place.rollout_actor(model, OptimConfig(grad_clip=0), STEPS, lr=2e-2)
     reference = place.reference(actor, model_dir, tok)
 
     ids = torch.randint(4, 250, (ROWS, LENGTH), generator=torch.Generator().manual_seed(7))

@@ -23,14 +23,13 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
-from engine.config import ZeroPPConfig  # noqa: E402
+from engine.config import OptimConfig, ZeroPPConfig  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.hybrid import HybridEngine  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.quantize import QMAX  # noqa: E402
 from engine.runtime import Runtime  # noqa: E402
-from engine.trainer import OptimSettings  # noqa: E402
 from engine.zeropp import (  # noqa: E402
     QuantizedAllGather,
     QuantizedReduceScatter,
@@ -219,8 +218,9 @@ def hybrid_checks() -> dict:
     def engine(zeropp: ZeroPPConfig, quantize: bool = True) -> HybridEngine:
         torch.manual_seed(0)    # LoRA A's initialisation draws from the global generator
         model = model_with_answers_that_end("tiny-llama", 4, eos)
-        return HybridEngine(model, OptimSettings(lr=1e-3), 10, rt,
-                            ShardSettings(zero_stage=3, zeropp=zeropp, zeropp_quantize=quantize))
+        return HybridEngine(model, OptimConfig(), 10, rt,
+                            ShardSettings(zero_stage=3, zeropp=zeropp, zeropp_quantize=quantize),
+                            lr=1e-3)
 
     def rollouts(e: HybridEngine) -> tuple[list[torch.Tensor], CommMeter]:
         with CommMeter(ranks_per_node=PER_NODE) as meter:
