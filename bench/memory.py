@@ -201,7 +201,7 @@ def lora_worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from engine.comm_meter import CommMeter
-    from engine.config import LoraConfig, OptimConfig, QuantizedBaseConfig
+    from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
     from engine.models import byte_tokenizer
     from engine.parallel import hf_model
     from engine.placement import Placement
@@ -209,12 +209,12 @@ def lora_worker(args: argparse.Namespace) -> None:
 
     rt = setup_runtime(args.device, "bfloat16", seed=args.seed, timeout_s=300)
     bits = {"bf16": 0, "int8": 8, "int4": 4}[args.base]
-    place = Placement(rt, {"actor": 3, "reward": 3},
-                      quantized_base=QuantizedBaseConfig(bits > 0, bits or 8, 64))
+    place = Placement(rt, EngineConfig(quantized_base=QuantizedBaseConfig(bits > 0, bits or 8, 64)),
+                      {"policy": 3, "scorer": 3})
     tok = byte_tokenizer()   # only its pad id is read: the ids below are random
     model = place.causal_lm(args.model_dir, tok, trained=True,
                             lora=LoraConfig(dim=16, only_optimize_lora=True))
-    actor = place.trainer(model, OptimConfig(), 10, role="actor", lr=1e-4)
+    actor = place.trainer(model, OptimConfig(), 10, family="policy", lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(args.seed))
     per_rank = args.batch // rt.world_size
@@ -248,10 +248,10 @@ def lora_worker(args: argparse.Namespace) -> None:
            "optim": local_nbytes(v for state in actor.optimizer.state.values()
                                  for v in state.values() if torch.is_tensor(v))}
     row["peak"], row["gathered"] = measured()
-    shared = place.reference(actor, args.model_dir, tok)
+    shared = place.frozen_start(actor, args.model_dir, tok)
     row["peak_shared_ref"], _ = measured(shared)
     separate = place.frozen(place.causal_lm(args.model_dir, tok, trained=False),
-                            role="reference")
+                            family="policy")
     row["separate_ref"] = local_nbytes(separate.parameters())
     row["peak_separate_ref"], _ = measured(separate)
     if not cuda:   # the tracker counts what the actor's step allocates and holds, not the

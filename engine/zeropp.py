@@ -23,11 +23,12 @@ Where quantization applies: qwZ quantizes a gather only when its group spans mor
 node (hpZ's backward gather inside a node stays exact; with `ranks_per_node=None` the
 layout is unknown and every gather is quantized). qgZ always quantizes.
 
-`apply_zeropp(..., quantize=False)` (tests) keeps the hooks and their communication pattern but sends the values
-themselves: the all-gather is then bit-identical to FSDP's default one; the reduce-scatter
-equals the default one up to fp32 rounding (it sums the n contributions in rank order, two
-levels when hierarchical, which may differ from the backend's order: with gloo it matched
-bit for bit at world 2 and differed by ~1e-7 relative at world 4, flat or hierarchical).
+`apply_zeropp(..., quantize=False)` (tests) keeps the hooks and their communication
+pattern but sends the values themselves: the all-gather is then bit-identical to FSDP's
+default one; the reduce-scatter equals the default one up to fp32 rounding (it sums the n
+contributions in rank order, two levels when hierarchical, which may differ from the
+backend's order: with gloo it matched bit for bit at world 2 and differed by ~1e-7 relative
+at world 4, flat or hierarchical).
 
 Falls back to the default collective, logged once per reason: all-gathers of a mixed-dtype
 (uint8) group; reductions other than SUM and AVG (e.g. PREMUL_SUM). Sizes need not divide

@@ -85,9 +85,11 @@ class StepCheckpoints:
 
 
 def placement(cfg: DictConfig, rt: Runtime) -> Placement:
-    """Where this run's models live: the engine reads its own config group."""
-    return Placement.from_config(cfg.engine, rt, actor_zero_stage=cfg.actor_zero_stage,
-                                 reward_zero_stage=cfg.reward_zero_stage)
+    """Where this run's models live: the engine takes its own config group (as its schema
+    object), and the two ZeRO-stage flags as its families' (engine/placement.py): the
+    policies' (steps 1 and 3's actor) and the scorers' (step 2's reward model, the critic)."""
+    return Placement(rt, OmegaConf.to_object(cfg.engine),
+                     {"policy": cfg.actor_zero_stage, "scorer": cfg.reward_zero_stage})
 
 
 def log(message: str) -> None:

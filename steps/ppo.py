@@ -481,7 +481,7 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                                           trust_remote_code=trc)
         reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
                                                  flag="ppo.reward_path", trust_remote_code=trc),
-                              role="reward")
+                              family="scorer")
         scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
         if scorer.same_tokenizer:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
@@ -502,13 +502,13 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         disable_dropout(actor)
         if critic is not None:
             disable_dropout(critic)
-    actor = place.rollout_actor(actor, ppo, updates, lr=ppo.actor_lr,
-                                lora_lr=ppo.actor_lora.learning_rate)
+    actor = place.trainer(actor, ppo, updates, family="policy", generates=True, name="actor",
+                          lr=ppo.actor_lr, lora_lr=ppo.actor_lora.learning_rate)
     if critic is not None:
-        critic = place.trainer(critic, ppo, updates, role="reward", name="critic",
+        critic = place.trainer(critic, ppo, updates, family="scorer", name="critic",
                                lr=ppo.critic_lr, lora_lr=ppo.critic_lora.learning_rate)
-    # LoRA over a frozen base: the actor with its adapters off is the reference
-    reference = place.reference(actor, actor_path, tokenizer, trust_remote_code=trc)
+    # the policy the actor started from; LoRA over a frozen base: the actor, adapters off
+    reference = place.frozen_start(actor, actor_path, tokenizer, trust_remote_code=trc)
     return Models(actor, critic, reference, rewards, tokenizer,
                   critic_tokenizer if critic is not None else None)
 

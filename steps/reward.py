@@ -58,7 +58,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                                lora=rm.lora, trust_remote_code=cfg.trust_remote_code)
     pad, nan = tokenizer.pad_token_id, float("nan")
     task = supervised.Task(
-        step=2, name="reward model", role="reward", section=rm, examples=train,
+        step=2, name="reward model", role="reward", family="scorer", section=rm, examples=train,
         collate=partial(collate_pairs, pad_token_id=pad), loss=pair_loss,
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)

@@ -58,7 +58,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                             lora=sft.lora, trust_remote_code=cfg.trust_remote_code)
     pad = tokenizer.pad_token_id
     task = supervised.Task(
-        step=1, name="SFT", role="actor", section=sft, examples=train,
+        step=1, name="SFT", role="actor", family="policy", section=sft, examples=train,
         collate=partial(collate_sft, pad_token_id=pad), loss=batch_loss,
         tokens=lambda batch: sum(len(ex.input_ids) for ex in batch),
         evaluate=lambda engine: {"eval/perplexity": perplexity(

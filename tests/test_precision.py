@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpointer, Tensors
-from engine.config import LoraConfig, OptimConfig, QuantizedBaseConfig
+from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
@@ -80,7 +80,7 @@ def test_one_process_bf16_trains_fp32_master_weights_under_autocast(tok):
     """Trained weights and AdamW state stay fp32 in a single bf16 process (they were bf16
     before), the forward computes in bf16, and the update is the fp32 one to bf16 rounding;
     frozen models load in bf16."""
-    place = Placement(CPU_BF16, {"actor": 0, "reward": 0})
+    place = Placement(CPU_BF16, EngineConfig(), {"policy": 0, "scorer": 0})
     model = place.causal_lm("tiny-llama", tok, trained=True, seed=0)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     frozen = place.causal_lm("tiny-llama", tok, trained=False, seed=0)
@@ -103,7 +103,7 @@ def test_one_process_bf16_lora_over_a_frozen_base(tok, bits):
     """LoRA over a frozen bf16, INT8 or INT4 base in a bf16 process: the adapters (and only
     they) train, in fp32; the base stays as it was loaded; the step is taken."""
     quantized = QuantizedBaseConfig(enabled=bits is not None, bits=bits or 8)
-    place = Placement(CPU_BF16, {"actor": 0, "reward": 0}, quantized_base=quantized)
+    place = Placement(CPU_BF16, EngineConfig(quantized_base=quantized), {"policy": 0, "scorer": 0})
     model = place.causal_lm("tiny-llama", tok, trained=True, seed=0,
                             lora=LoraConfig(dim=4, only_optimize_lora=True))
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engine.quantized_base as qb
-from engine.config import LoraConfig, OptimConfig, QuantizedBaseConfig
+from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
@@ -31,8 +31,8 @@ def tok():
 
 
 def placement(bits: int = 8) -> Placement:
-    return Placement(CPU, {"actor": 3, "reward": 3},
-                     quantized_base=QuantizedBaseConfig(True, bits, 64))
+    return Placement(CPU, EngineConfig(quantized_base=QuantizedBaseConfig(True, bits, 64)),
+                     {"policy": 3, "scorer": 3})
 
 
 def quantized_lora_model(tok, bits: int, spec: str = "tiny-llama"):
