@@ -1,11 +1,8 @@
-"""The engine's config groups: every key engine/ reads, its type, its default, its one-line
-comment and the values it allows, declared once. steps/config.py composes them into the
-run's schema (the `engine` group, each section's `lora`, the optimizer keys of `sft`, `rm`
-and `ppo`), and engine code takes these objects as they are: no copies of their keys.
-
-The classes stay plain (not frozen) dataclasses: Hydra applies command-line overrides to
-them. `val` gives a field its comment (`train.py --help`) and its rule (`ok`), which
-steps/config.py's `validate` checks once, before anything runs."""
+"""The engine's config groups: every key engine/ reads, its type, default, one-line comment
+(`train.py --help`) and allowed values (`ok`, checked once by steps/config.py's `validate`),
+declared once. steps/config.py composes them into the run's schema (the `engine` group,
+each section's `lora`, the optimizer keys of `sft`, `rm` and `ppo`); engine code takes these
+objects as they are. Plain (not frozen) dataclasses: Hydra applies overrides to them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""HybridEngine: the step-3 actor, switching between ZeRO-3 training and fast generation.
+"""HybridEngine: a trained policy that generates (step 3's actor), switching between ZeRO-3
+training and fast generation.
 
 Training form: the FSDP2-sharded model of TrainEngine. Generating from it directly is slow,
 since every layer of every token waits for an all-gather and all ranks must step together.

@@ -1,23 +1,18 @@
 """Where every model of a run lives, decided in one place from the `engine` config group
 and the ZeRO-stage flags: which dtype it is loaded in, whether it is sharded or
-replicated, offloaded, and how it trains or generates.
+replicated, offloaded, and how it trains or generates. The engine knows a model by what it
+is, not by its part in a step: steps/ names each model's family, which decides the rest:
 
-The engine knows a model by what it is, not by the part a step gives it: steps/ names each
-model's family (and what its messages call it), and the family decides its placement:
-
-  "policy"  a causal LM (step 1's model; step 3's actor and its reference). Trained: at the
-            policies' ZeRO stage (--actor-zero-stage); one that `generates` switches to the
-            hybrid engine's inference form for it (engine.hybrid). Frozen: on the CPU
-            between uses with engine.offload_reference_model.
+  "policy"  a causal LM (step 1's model; step 3's actor and its reference): trained at
+            zero_stages["policy"] (--actor-zero-stage), through the hybrid engine when it
+            `generates`; frozen, on the CPU between uses with engine.offload_reference_model
   "scorer"  a one-label sequence scorer (step 2's reward model; step 3's critic and reward
-            model). Trained: at the scorers' ZeRO stage (--reward-zero-stage). Frozen: on
-            the CPU between uses with engine.offload_reward_model.
+            model): trained at zero_stages["scorer"] (--reward-zero-stage); frozen, on the
+            CPU between uses with engine.offload_reward_model
 
-The two stages come in as `zero_stages` (steps/common.py reads the flags); the offload keys
-are this group's own, spelled as DeepSpeed-Chat spells them. Frozen models are ZeRO-3
-sharded or replicated (engine.shard_frozen_models). ZeRO++ (`engine.zeropp`) applies to
-the trained ZeRO-3 models; frozen models are gathered exactly (their log-probs and scores
-are the KL anchor and the reward).
+Frozen models are ZeRO-3 sharded or replicated (engine.shard_frozen_models). ZeRO++
+(`engine.zeropp`) applies to the trained ZeRO-3 models; frozen models are gathered exactly
+(their log-probs and scores are the KL anchor and the reward).
 
 A trained model with LoRA over a frozen base keeps that base in the compute dtype; with
 `engine.quantized_base` the base's Linear and Embedding weights are INT8/INT4 instead,

@@ -1,6 +1,7 @@
-"""A run's config: every key, its type, its default and its one-line comment, in one place.
-Defaults follow DeepSpeed-Chat's settings for OPT-1.3B-class actors; configs/recipe/ holds
-override files (`demo`, which train.py picks when given no model, scales them down).
+"""A run's config: every key, its type, its default and its one-line comment, in one tree
+(the engine's groups are engine/config.py's, composed here). Defaults follow
+DeepSpeed-Chat's settings for OPT-1.3B-class actors; configs/recipe/ holds override files
+(`demo`, which train.py picks when given no model, scales them down).
 Hydra composes configs/config.yaml (this schema, then a recipe) and the command line onto
 it, so an unknown key or a value of the wrong type (`ppo.kl_coef=abc`) is refused before
 anything runs; `listing()` is what `train.py --help` prints."""

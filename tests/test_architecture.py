@@ -59,9 +59,7 @@ def test_steps_import_no_distributed_or_placement_code(path):
         assert not bad, f"{path.name}:{node.lineno} imports {bad}: that belongs in engine/"
 
 
-# steps/config.py is exempt: the schema declares the engine group's keys (engine reads them)
-@pytest.mark.parametrize("path", [p for p in STEPS if p.name != "config.py"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", STEPS, ids=lambda p: p.name)
 def test_steps_name_no_rank_collective_or_placement(path):
     for node in ast.walk(_tree(path)):
         name = node.attr if isinstance(node, ast.Attribute) else \
