@@ -215,8 +215,11 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_zeropp(cfg: DictConfig) -> None:
+    """The engine's rules between keys (each key's own range is the schema's): ranks per
+    node divide the processes, ZeRO++ needs a ZeRO-3 model, a quantized base a LoRA model.
+    hpZ's partition against the world size is checked once that is known (engine/zeropp.py)."""
     z, per_node = cfg.engine.zeropp, cfg.engine.procs_per_node
-    if per_node is not None and (per_node < 1 or cfg.engine.procs % per_node):
+    if per_node is not None and cfg.engine.procs % per_node:
         raise UserError(f"engine.procs_per_node={per_node}: give a divisor of engine.procs="
                         f"{cfg.engine.procs}")
     if (z.qwz or z.qgz or z.hpz != 1) and 3 not in (cfg.actor_zero_stage, cfg.reward_zero_stage):

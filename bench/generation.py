@@ -115,12 +115,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from engine.config import HybridConfig, OptimConfig
     from engine.generation import SamplingSettings, generate
-    from engine.hybrid import HybridEngine, HybridSettings
+    from engine.hybrid import HybridEngine
     from engine.models import byte_tokenizer
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
-    from engine.trainer import OptimSettings
     from steps.tokenize import collate_prompts
 
     rt = setup_runtime("cpu", "float32", seed=0, timeout_s=300)
@@ -146,11 +146,11 @@ def worker(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_config(
             _config(arch, args.layers, args.hidden, len(tok), tok))
         plain = copy.deepcopy(model).eval()
-        optim, sharding = OptimSettings(lr=1e-4), ShardSettings(zero_stage=3)
+        optim, sharding = OptimConfig(), ShardSettings(zero_stage=3)
         sharded = HybridEngine(copy.deepcopy(model), optim, 1, rt, sharding,
-                               HybridSettings(enabled=False))
+                               HybridConfig(enabled=False), lr=1e-4)
         hybrid = HybridEngine(model, optim, 1, rt, sharding,
-                              HybridSettings(gather_group_size=args.gather_group_size))
+                              HybridConfig(gather_group_size=args.gather_group_size), lr=1e-4)
         runs = {
             "sharded": partial(sharded.generate, ids, mask, sampling, **kwargs),
             "unsharded": partial(generate, plain, ids, mask, sampling, **kwargs, synced=False),
@@ -302,10 +302,10 @@ def cpu_shared_prefill(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.hybrid import HybridEngine, HybridSettings
+    from engine.config import HybridConfig, OptimConfig
+    from engine.hybrid import HybridEngine
     from engine.models import byte_tokenizer
     from engine.runtime import Runtime
-    from engine.trainer import OptimSettings
 
     tok = byte_tokenizer()
     rt = Runtime(torch.device("cpu"), torch.float32)
@@ -314,7 +314,7 @@ def cpu_shared_prefill(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(
             _config(arch, args.layers, args.hidden, len(tok), tok))
-        engine = HybridEngine(model, OptimSettings(lr=1e-4), 1, rt, hybrid=HybridSettings())
+        engine = HybridEngine(model, OptimConfig(), 1, rt, hybrid=HybridConfig(), lr=1e-4)
         rows[arch] = _shared_prefill(engine, len(tok), tok.pad_token_id, args, rt.device,
                                      lambda: None)
     _print_shared_prefill(rows, args, f"one process (CPU, {torch.get_num_threads()} threads), "
@@ -365,10 +365,10 @@ def gpu_main(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
+    from engine.config import HybridConfig, OptimConfig
     from engine.generation import SamplingSettings
-    from engine.hybrid import HybridEngine, HybridSettings
+    from engine.hybrid import HybridEngine
     from engine.runtime import Runtime
-    from engine.trainer import OptimSettings
 
     if not torch.cuda.is_available():
         sys.exit("--gpu: no CUDA device here")
@@ -385,8 +385,8 @@ def gpu_main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
     rt = Runtime(device, torch.bfloat16, 0, 1, 0)
-    engine = HybridEngine(copy.deepcopy(model), OptimSettings(lr=1e-5), 1, rt,
-                          hybrid=HybridSettings())
+    engine = HybridEngine(copy.deepcopy(model), OptimConfig(), 1, rt, hybrid=HybridConfig(),
+                          lr=1e-5)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound_ms = weight_bytes / args.bandwidth * 1e3
     prompt_len = new = 256

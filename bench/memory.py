@@ -116,14 +116,15 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import LlamaForCausalLM
 
+    from engine.config import OptimConfig
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
-    from engine.trainer import OptimSettings, TrainEngine
+    from engine.trainer import TrainEngine
 
     # a short collective timeout: a stuck rank fails the job rather than eating its budget
     rt = setup_runtime(args.device, "float32", seed=args.seed, timeout_s=120)
     model = LlamaForCausalLM(model_config(args))  # same seed: identical on every rank
-    engine = TrainEngine(model, OptimSettings(lr=1e-4), total_steps=10, runtime=rt,
+    engine = TrainEngine(model, OptimConfig(), total_steps=10, runtime=rt, lr=1e-4,
                          sharding=ShardSettings(zero_stage=args.stage, offload=args.offload))
 
     # one fixed global batch; each rank takes its contiguous slice
@@ -200,22 +201,20 @@ def lora_worker(args: argparse.Namespace) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from engine.comm_meter import CommMeter
-    from engine.lora import LoraSettings
+    from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
     from engine.models import byte_tokenizer
     from engine.parallel import hf_model
     from engine.placement import Placement
-    from engine.quantized_base import QuantizedBaseSettings
     from engine.runtime import setup_runtime
-    from engine.trainer import OptimSettings
 
     rt = setup_runtime(args.device, "bfloat16", seed=args.seed, timeout_s=300)
     bits = {"bf16": 0, "int8": 8, "int4": 4}[args.base]
-    place = Placement(rt, {"actor": 3, "reward": 3},
-                      quantized_base=QuantizedBaseSettings(bits > 0, bits or 8, 64))
+    place = Placement(rt, EngineConfig(quantized_base=QuantizedBaseConfig(bits > 0, bits or 8, 64)),
+                      {"policy": 3, "scorer": 3})
     tok = byte_tokenizer()   # only its pad id is read: the ids below are random
     model = place.causal_lm(args.model_dir, tok, trained=True,
-                            lora=LoraSettings(dim=16, only_optimize_lora=True))
-    actor = place.trainer(model, OptimSettings(lr=1e-4), 10, role="actor")
+                            lora=LoraConfig(dim=16, only_optimize_lora=True))
+    actor = place.trainer(model, OptimConfig(), 10, family="policy", lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
                         generator=torch.Generator().manual_seed(args.seed))
     per_rank = args.batch // rt.world_size
@@ -249,10 +248,10 @@ def lora_worker(args: argparse.Namespace) -> None:
            "optim": local_nbytes(v for state in actor.optimizer.state.values()
                                  for v in state.values() if torch.is_tensor(v))}
     row["peak"], row["gathered"] = measured()
-    shared = place.reference(actor, args.model_dir, tok)
+    shared = place.frozen_start(actor, args.model_dir, tok)
     row["peak_shared_ref"], _ = measured(shared)
     separate = place.frozen(place.causal_lm(args.model_dir, tok, trained=False),
-                            role="reference")
+                            family="policy")
     row["separate_ref"] = local_nbytes(separate.parameters())
     row["peak_separate_ref"], _ = measured(separate)
     if not cuda:   # the tracker counts what the actor's step allocates and holds, not the
@@ -403,8 +402,9 @@ def precision_table(args: argparse.Namespace) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import LlamaForCausalLM
 
+    from engine.config import OptimConfig
     from engine.runtime import setup_runtime
-    from engine.trainer import OptimSettings, TrainEngine
+    from engine.trainer import TrainEngine
 
     rt = setup_runtime(args.device, "bfloat16", seed=args.seed)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq),
@@ -414,7 +414,7 @@ def precision_table(args: argparse.Namespace) -> None:
                            ("fp32 master, bf16 compute (now)", torch.float32)):
         torch.manual_seed(args.seed)
         model = LlamaForCausalLM(model_config(args)).to(weights)
-        engine = TrainEngine(model, OptimSettings(lr=1e-4), total_steps=10, runtime=rt)
+        engine = TrainEngine(model, OptimConfig(), total_steps=10, runtime=rt, lr=1e-4)
         grads = []
 
         def train_step(engine=engine, grads=grads) -> float:

@@ -8,7 +8,7 @@ Part 1, communication (`--part comm`; it starts its own 4 ranks through torchrun
   all-gathers (--bf16: bf16 all-gathers). Chosen over a Llama of similar shape because it
   is a released model's exact shape and one step of it takes seconds on 2 cores.
   Sharded THROUGH THE ENGINE: a TrainEngine (engine/trainer.py; it calls engine/parallel.py
-  `shard` with ShardSettings(zero_stage=3, zeropp=ZeroPPSettings(...)): FSDP2 per decoder
+  `shard` with ShardSettings(zero_stage=3, zeropp=ZeroPPConfig(...)): FSDP2 per decoder
   layer + root, hpZ/qwZ/qgZ per unit) on the Runtime of `setup_runtime(procs_per_node=2)`
   (ranks_per_node=2). One training step = forward + backward + optimizer step (grad-norm
   clip, AdamW) on 1 x --seq tokens per rank.
@@ -75,16 +75,16 @@ PARITY_GOAL = 1.1
 
 
 def _configs() -> dict:
-    from engine.zeropp import ZeroPPSettings
+    from engine.config import ZeroPPConfig
     return {
-        "ZeRO-3": ZeroPPSettings(),
-        "qwZ 8-bit": ZeroPPSettings(qwz=True),
-        "qwZ 4-bit": ZeroPPSettings(qwz=True, weight_bits=4),
-        "hpZ": ZeroPPSettings(hpz=PER_NODE),
-        "qgZ 8-bit": ZeroPPSettings(qgz=True),
-        "all three 8-bit": ZeroPPSettings(qwz=True, hpz=PER_NODE, qgz=True),
-        "all three, 4-bit weights": ZeroPPSettings(qwz=True, hpz=PER_NODE, qgz=True,
-                                                   weight_bits=4),
+        "ZeRO-3": ZeroPPConfig(),
+        "qwZ 8-bit": ZeroPPConfig(qwz=True),
+        "qwZ 4-bit": ZeroPPConfig(qwz=True, weight_bits=4),
+        "hpZ": ZeroPPConfig(hpz=PER_NODE),
+        "qgZ 8-bit": ZeroPPConfig(qgz=True),
+        "all three 8-bit": ZeroPPConfig(qwz=True, hpz=PER_NODE, qgz=True),
+        "all three, 4-bit weights": ZeroPPConfig(qwz=True, hpz=PER_NODE, qgz=True,
+                                                 weight_bits=4),
     }
 
 
@@ -126,9 +126,10 @@ def _comm_rank(steps: int, seq: int, bf16: bool) -> None:
     import torch.distributed as dist
 
     from engine.comm_meter import CommMeter
+    from engine.config import OptimConfig
     from engine.parallel import ShardSettings
     from engine.runtime import setup_runtime
-    from engine.trainer import OptimSettings, TrainEngine
+    from engine.trainer import TrainEngine
 
     torch.set_num_threads(1)
     rt = setup_runtime(device="cpu", dtype="bfloat16" if bf16 else "float32", seed=0,
@@ -139,7 +140,7 @@ def _comm_rank(steps: int, seq: int, bf16: bool) -> None:
     for name, settings in _configs().items():
         model = _opt_125m()
         params = sum(p.numel() for p in model.parameters())
-        engine = TrainEngine(model, OptimSettings(lr=1e-5), total_steps=steps + 2, runtime=rt,
+        engine = TrainEngine(model, OptimConfig(), total_steps=steps + 2, runtime=rt, lr=1e-5,
                              sharding=ShardSettings(zero_stage=3, zeropp=settings))
 
         _train_step(engine, ids)                                    # warm-up (FSDP's lazy init)

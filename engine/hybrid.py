@@ -1,4 +1,5 @@
-"""HybridEngine: the step-3 actor, switching between ZeRO-3 training and fast generation.
+"""HybridEngine: a trained policy that generates (step 3's actor), switching between ZeRO-3
+training and fast generation.
 
 Training form: the FSDP2-sharded model of TrainEngine. Generating from it directly is slow,
 since every layer of every token waits for an all-gather and all ranks must step together.
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from engine.config import HybridConfig, OptimConfig
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
 from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
@@ -42,18 +44,7 @@ from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
-
-
-@dataclass(frozen=True)
-class HybridSettings:
-    enabled: bool = True                  # False: generate on the sharded training model
-    kernel_injection: bool = True         # False: gather into a plain Hugging Face copy
-    pin_parameters: bool = True           # keep the inference weights between rollouts
-    release_inference_cache: bool = False  # free the KV cache after each rollout
-    gather_group_size: int = 1            # decoder layers all-gathered at once
-    cuda_graphs: bool = True              # capture the decode step (CUDA only)
-    fused_kernels: bool = True            # Triton add+norm and SiLU*up (CUDA only)
+from engine.trainer import TrainEngine
 
 
 @dataclass
@@ -119,11 +110,11 @@ class _Target:
 
 
 class HybridEngine(TrainEngine):
-    def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
+    def __init__(self, model: nn.Module, optim: OptimConfig, total_steps: int,
                  runtime: Runtime, sharding: ShardSettings | None = None,
-                 hybrid: HybridSettings | None = None, **guards):
+                 hybrid: HybridConfig | None = None, **guards):
         super().__init__(model, optim, total_steps, runtime, sharding, **guards)
-        self.hybrid = hybrid or HybridSettings()
+        self.hybrid = hybrid or HybridConfig()
         self.times = GenerationTimes()
         inner = hf_model(self.module)
         self._blocks = transformer_blocks(self.module)

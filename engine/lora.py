@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import peft
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model
 from torch import nn
 
-
-@dataclass(frozen=True)
-class LoraSettings:
-    dim: int = 0                    # rank; 0 = LoRA off
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
-    only_optimize_lora: bool = False
-    learning_rate: float | None = None   # None = the model's learning rate
+from engine.config import LoraConfig
 
 
-def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
+def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """Wrap `model` with LoRA adapters (no-op when lora.dim == 0). Without
     `only_optimize_lora` the base weights keep training too (DeepSpeed-Chat's default); a
     sequence-classification `score` head always trains, since it starts random."""
     if lora.dim <= 0:
         return model
     targets = lora.target_modules   # a name pattern, or a list of module names
-    config = LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=targets if isinstance(targets, str) else list(targets),
-                        exclude_modules=["score", "lm_head"])
+    config = peft.LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=targets if isinstance(targets, str) else list(targets),
+                             exclude_modules=["score", "lm_head"])
     peft_model = get_peft_model(model, config)
     for name, param in peft_model.named_parameters():
         is_head = name.split(".")[-2:-1] == ["score"]

@@ -16,7 +16,7 @@ the units' int `reshard_after_forward`, qwZ and qgZ as their custom collectives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,9 +28,10 @@ from torch.distributed.fsdp import (
 )
 from transformers import PreTrainedModel
 
+from engine.config import ZeroPPConfig
 from engine.errors import UserError
 from engine.runtime import Runtime
-from engine.zeropp import ZeroPPSettings, apply_zeropp, hpz_kwargs
+from engine.zeropp import apply_zeropp, hpz_kwargs
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class ShardSettings:
     zero_stage: int = 3
     offload: bool = False               # params + optimizer state on CPU (ZeRO-Offload)
     activation_checkpointing: bool = False
-    zeropp: ZeroPPSettings = ZeroPPSettings()   # ZeRO-3 only
+    zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)   # ZeRO-3 only
+    zeropp_quantize: bool = True        # False: ZeRO++'s hooks send exact values (tests)
 
 
 def hf_model(model: nn.Module) -> PreTrainedModel:
@@ -82,18 +84,20 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
         return model.to(rt.device)
     if settings.zero_stage not in (0, 1, 2, 3):
         raise UserError(f"zero stage {settings.zero_stage}: choose 0, 1, 2 or 3")
-    zeropp = settings.zeropp if settings.zero_stage == 3 else ZeroPPSettings()
+    zeropp = settings.zeropp if settings.zero_stage == 3 else ZeroPPConfig()
     # on a CPU run there is nowhere else to put the weights: offloading is a no-op
     offload = settings.offload and rt.device.type == "cuda"
     kwargs = dict(mesh=_mesh(rt, settings.zero_stage), mp_policy=rt.precision.fsdp_policy(),
                   offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                   reshard_after_forward=settings.zero_stage == 3)
-    kwargs.update(hpz_kwargs(zeropp, rt.world_size))   # hpZ: an int reshard_after_forward
+    # hpZ: an int reshard_after_forward
+    kwargs.update(hpz_kwargs(zeropp, rt.world_size, rt.ranks_per_node))
 
     def place(unit: nn.Module, **overrides) -> None:
         fully_shard(unit, **{**kwargs, **overrides})
         if zeropp.qwz or zeropp.qgz:
-            apply_zeropp(unit, zeropp, ranks_per_node=rt.ranks_per_node)
+            apply_zeropp(unit, zeropp, ranks_per_node=rt.ranks_per_node,
+                         quantize=settings.zeropp_quantize)
 
     # fully_shard moves each block to the mesh's device as it shards it: the full model is
     # never on the device at once

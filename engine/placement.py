@@ -1,95 +1,79 @@
 """Where every model of a run lives, decided in one place from the `engine` config group
 and the ZeRO-stage flags: which dtype it is loaded in, whether it is sharded or
-replicated, offloaded, and how it trains or generates. steps/ asks for a model by its
-role and gets it placed:
+replicated, offloaded, and how it trains or generates. The engine knows a model by what it
+is, not by its part in a step: steps/ names each model's family, which decides the rest:
 
-  role "actor"      the trained policy (step 1's SFT model, step 3's actor): --actor-zero-stage
-  role "reward"     the trained scorer (step 2's reward model, step 3's critic): --reward-zero-stage
-  frozen "reference", "reward"   step 3's forward-only models: ZeRO-3 sharded or replicated
-                    (engine.shard_frozen_models), optionally kept on the CPU between uses
+  "policy"  a causal LM (step 1's model; step 3's actor and its reference): trained at
+            zero_stages["policy"] (--actor-zero-stage), through the hybrid engine when it
+            `generates`; frozen, on the CPU between uses with engine.offload_reference_model
+  "scorer"  a one-label sequence scorer (step 2's reward model; step 3's critic and reward
+            model): trained at zero_stages["scorer"] (--reward-zero-stage); frozen, on the
+            CPU between uses with engine.offload_reward_model
 
-ZeRO++ (`engine.zeropp`) applies to the trained ZeRO-3 models; frozen models are gathered
-exactly (their log-probs and scores are the KL anchor and the reward).
+Frozen models are ZeRO-3 sharded or replicated (engine.shard_frozen_models). ZeRO++
+(`engine.zeropp`) applies to the trained ZeRO-3 models; frozen models are gathered exactly
+(their log-probs and scores are the KL anchor and the reward).
 
 A trained model with LoRA over a frozen base keeps that base in the compute dtype; with
 `engine.quantized_base` the base's Linear and Embedding weights are INT8/INT4 instead,
-quantized while loading (engine/quantized_base.py). Step 3's reference is then the actor
-with its adapters disabled (`engine.share_reference`), not a second copy of the base.
+quantized while loading (engine/quantized_base.py). The frozen policy a trained one started
+from (`frozen_start`) is then that model with its adapters disabled
+(`engine.share_reference`), not a second copy of the base.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.hybrid import HybridEngine, HybridSettings
-from engine.lora import BaseWithoutAdapters, LoraSettings, apply_lora, frozen_base
+from engine.config import EngineConfig, LoraConfig, OptimConfig
+from engine.hybrid import HybridEngine
+from engine.lora import BaseWithoutAdapters, apply_lora, frozen_base
 from engine.models import load_causal_lm, load_quantized, load_reward_model
 from engine.parallel import ShardSettings, frozen
-from engine.quantized_base import QuantizedBaseSettings, describe
+from engine.quantized_base import describe
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
-from engine.zeropp import ZeroPPSettings
+from engine.trainer import TrainEngine
+
+Family = Literal["policy", "scorer"]
 
 
 @dataclass(frozen=True)
 class Placement:
     runtime: Runtime
-    zero_stages: Mapping[str, int]      # trained role -> ZeRO stage
-    offload: bool = False
-    gradient_checkpointing: bool = False
-    shard_frozen_models: bool = True
-    offload_frozen: Mapping[str, bool] = field(default_factory=dict)  # frozen role -> offload
-    hybrid: HybridSettings = HybridSettings()
-    zeropp: ZeroPPSettings = ZeroPPSettings()
-    quantized_base: QuantizedBaseSettings = QuantizedBaseSettings()
-    share_reference: bool = True
-    max_skipped_steps: int = 5          # non-finite updates in a row before the run stops
-
-    @classmethod
-    def from_config(cls, engine_cfg: Mapping, runtime: Runtime, *, actor_zero_stage: int,
-                    reward_zero_stage: int) -> Placement:
-        """From the `engine` config group (and the two --*-zero-stage flags)."""
-        return cls(runtime, {"actor": actor_zero_stage, "reward": reward_zero_stage},
-                   offload=engine_cfg["offload"],
-                   gradient_checkpointing=engine_cfg["gradient_checkpointing"],
-                   shard_frozen_models=engine_cfg["shard_frozen_models"],
-                   offload_frozen={"reference": engine_cfg["offload_reference_model"],
-                                   "reward": engine_cfg["offload_reward_model"]},
-                   hybrid=HybridSettings(**engine_cfg["hybrid"]),
-                   zeropp=zeropp_settings(engine_cfg["zeropp"], runtime),
-                   quantized_base=QuantizedBaseSettings(**engine_cfg["quantized_base"]),
-                   share_reference=engine_cfg["share_reference"],
-                   max_skipped_steps=engine_cfg["max_skipped_steps"])
+    engine: EngineConfig                 # the `engine` config group
+    zero_stages: Mapping[Family, int]    # family -> ZeRO stage of its trained models
+    zeropp_quantize: bool = True         # False: ZeRO++'s hooks send exact values (tests)
 
     def causal_lm(self, spec: str, tokenizer, *, trained: bool,
-                  lora: LoraSettings | None = None, **kwargs) -> nn.Module:
-        """A causal LM; a trained one gets its LoRA adapters (`lora`) here."""
+                  lora: LoraConfig | None = None, **kwargs) -> nn.Module:
+        """A causal LM (a policy); a trained one gets its LoRA adapters (`lora`) here."""
         return self._load("causal_lm", spec, tokenizer, trained, lora, **kwargs)
 
     def reward_model(self, spec: str, tokenizer, *, trained: bool,
-                     lora: LoraSettings | None = None, **kwargs) -> nn.Module:
-        """A one-label scorer (reward model, critic); LoRA as for causal_lm."""
+                     lora: LoraConfig | None = None, **kwargs) -> nn.Module:
+        """A one-label sequence scorer; LoRA as for causal_lm."""
         return self._load("reward_model", spec, tokenizer, trained, lora, **kwargs)
 
-    def _load(self, kind: str, spec: str, tokenizer, trained: bool, lora: LoraSettings | None,
+    def _load(self, kind: str, spec: str, tokenizer, trained: bool, lora: LoraConfig | None,
               **kwargs) -> nn.Module:
-        lora, rt = lora or LoraSettings(), self.runtime
-        if trained and self.quantized_base.enabled and lora.dim > 0:
+        lora, rt, quantized = lora or LoraConfig(), self.runtime, self.engine.quantized_base
+        if trained and quantized.enabled and lora.dim > 0:
             # filled module by module where it will run (sharding moves blocks to the device)
             model, report = load_quantized(
-                kind, spec, tokenizer, self.quantized_base, dtype=rt.dtype,
+                kind, spec, tokenizer, quantized, dtype=rt.dtype,
                 head_dtype=rt.precision.master, device=torch.device("cpu") if rt.distributed
                 else rt.device, **kwargs)
             if rt.is_main:
-                tqdm.write(describe(report, spec, self.quantized_base))
+                tqdm.write(describe(report, spec, quantized))
             lora = replace(lora, only_optimize_lora=True)   # integer weights cannot train
         else:
-            if trained and self.quantized_base.enabled and rt.is_main:
+            if trained and quantized.enabled and rt.is_main:
                 tqdm.write(f"quantized base: {spec} trains without LoRA here, so its weights "
                            "stay in full precision")
             load = load_causal_lm if kind == "causal_lm" else load_reward_model
@@ -104,43 +88,36 @@ class Placement:
                     param.data = param.data.to(rt.dtype)
         return model
 
-    def _sharding(self, role: str) -> ShardSettings:
-        return ShardSettings(zero_stage=self.zero_stages[role], offload=self.offload,
-                             activation_checkpointing=self.gradient_checkpointing,
-                             zeropp=self.zeropp)
+    def _sharding(self, family: Family) -> ShardSettings:
+        return ShardSettings(zero_stage=self.zero_stages[family], offload=self.engine.offload,
+                             activation_checkpointing=self.engine.gradient_checkpointing,
+                             zeropp=self.engine.zeropp, zeropp_quantize=self.zeropp_quantize)
 
-    def trainer(self, model: nn.Module, optim: OptimSettings, total_steps: int, *,
-                role: str, name: str | None = None) -> TrainEngine:
-        """A trained model of `role` ("actor" or "reward") with its optimizer; `name` (the
-        role by default) is what its errors call it."""
-        return TrainEngine(model, optim, total_steps, self.runtime, self._sharding(role),
-                           name=name or role, max_skipped_steps=self.max_skipped_steps)
+    def trainer(self, model: nn.Module, optim: OptimConfig, total_steps: int, *,
+                family: Family, lr: float, lora_lr: float | None = None, grad_accum: int = 1,
+                generates: bool = False, name: str | None = None) -> TrainEngine:
+        """A trained model of `family` with its optimizer: AdamW at `lr` (LoRA parameters at
+        `lora_lr`), stepping every `grad_accum` micro-batches. A policy that `generates` is a
+        HybridEngine. `name` (the family by default) is what its errors call it."""
+        place = (model, optim, total_steps, self.runtime, self._sharding(family))
+        kwargs = dict(lr=lr, lora_lr=lora_lr, grad_accum=grad_accum, name=name or family,
+                      max_skipped_steps=self.engine.max_skipped_steps)
+        if generates:
+            return HybridEngine(*place, self.engine.hybrid, **kwargs)
+        return TrainEngine(*place, **kwargs)
 
-    def rollout_actor(self, model: nn.Module, optim: OptimSettings,
-                      total_steps: int) -> HybridEngine:
-        """Step 3's actor: trained as the "actor" role, generating through the hybrid engine."""
-        return HybridEngine(model, optim, total_steps, self.runtime, self._sharding("actor"),
-                            self.hybrid, name="actor", max_skipped_steps=self.max_skipped_steps)
+    def frozen(self, model: nn.Module, *, family: Family) -> nn.Module:
+        """A forward-only model of `family`."""
+        offload = (self.engine.offload_reward_model if family == "scorer"
+                   else self.engine.offload_reference_model)
+        return frozen(model, self.runtime, sharded=self.engine.shard_frozen_models,
+                      offload=offload)
 
-    def reference(self, actor: TrainEngine, spec: str, tokenizer, **kwargs):
-        """Step 3's KL anchor, the step-1 model `spec` that `actor` started from: the actor
-        itself with its adapters disabled when it is LoRA over a frozen base (and
-        engine.share_reference), else a separately loaded frozen model."""
-        if self.share_reference and frozen_base(actor.module):
-            return BaseWithoutAdapters(actor.module)
+    def frozen_start(self, trained: TrainEngine, spec: str, tokenizer, **kwargs):
+        """The policy `trained` started from, `spec` (step 3's KL anchor), forward only:
+        `trained` itself with its adapters disabled when it is LoRA over a frozen base (and
+        engine.share_reference), else `spec` loaded again as a frozen policy."""
+        if self.engine.share_reference and frozen_base(trained.module):
+            return BaseWithoutAdapters(trained.module)
         return self.frozen(self.causal_lm(spec, tokenizer, trained=False, **kwargs),
-                           role="reference")
-
-    def frozen(self, model: nn.Module, *, role: str) -> nn.Module:
-        """A forward-only model of `role` ("reference" or "reward")."""
-        return frozen(model, self.runtime, sharded=self.shard_frozen_models,
-                      offload=self.offload_frozen.get(role, False))
-
-
-def zeropp_settings(cfg: Mapping, runtime: Runtime) -> ZeroPPSettings:
-    """`engine.zeropp` -> ZeroPPSettings. Its `hpz` reads as DeepSpeed's
-    zero_hpz_partition_size (1: off), with 0 for "the ranks of one node"."""
-    size = runtime.ranks_per_node if cfg["hpz"] == 0 else cfg["hpz"]
-    return ZeroPPSettings(qwz=cfg["qwz"], hpz=size if size > 1 else 0, qgz=cfg["qgz"],
-                          weight_bits=cfg["weight_bits"], grad_bits=cfg["grad_bits"],
-                          block=cfg["block"])
+                           family="policy")

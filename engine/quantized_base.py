@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,18 +32,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from engine.config import QuantizedBaseConfig
 from engine.errors import UserError
 from engine.quantize import QMAX, pack_int4, unpack_int4
 from engine.runtime import memory_peak, reset_memory_peak
 
 _CHUNK = 1 << 24   # values quantized at once: bounds the fp32 temporaries of a big embedding
-
-
-@dataclass(frozen=True)
-class QuantizedBaseSettings:
-    enabled: bool = False
-    bits: int = 8          # 8 or 4
-    block: int = 64        # values per scale, along a row
 
 
 def quantize_weight(w: torch.Tensor, bits: int, block: int, scale_dtype: torch.dtype
@@ -197,7 +190,7 @@ class QuantizeReport(NamedTuple):
     bytes_after: int                  # payloads + scales
 
 
-def quantize_modules(model: PreTrainedModel, settings: QuantizedBaseSettings,
+def quantize_modules(model: PreTrainedModel, settings: QuantizedBaseConfig,
                      dtype: torch.dtype, modules: list[str] | None = None,
                      tied: set[nn.Module] | None = None) -> QuantizeReport:
     """Replace the Linear and Embedding modules of `model` (all, or those named) by their
@@ -261,7 +254,7 @@ class LoadReport(NamedTuple):
     seconds: float
 
 
-def build_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseSettings, *,
+def build_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseConfig, *,
                    dtype: torch.dtype, head_dtype: torch.dtype, device: torch.device,
                    checkpoint: Path | None = None, seed: int = 0
                    ) -> tuple[PreTrainedModel, LoadReport]:
@@ -311,7 +304,7 @@ def build_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseS
                                     time.perf_counter() - start)
 
 
-def describe(report: LoadReport, what: str, settings: QuantizedBaseSettings) -> str:
+def describe(report: LoadReport, what: str, settings: QuantizedBaseConfig) -> str:
     """One line on what loading did, for the run's log."""
     q, MiB = report.quantize, 2**20
     kept = ", ".join(f"{n} {why}" for why, n in q.kept.items())

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import get_scheduler
 
 from engine.checkpoint import Tensors, require_finite
+from engine.config import OptimConfig
 from engine.errors import NonFiniteError
 from engine.export import save_hf
 from engine.lora import is_lora_param
@@ -33,42 +33,35 @@ from engine.models import sequence_scores, token_values
 from engine.parallel import ShardSettings, set_gradient_sync, shard
 from engine.runtime import Runtime
 
-
-@dataclass(frozen=True)
-class OptimSettings:
-    lr: float
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    lr_scheduler: str = "cosine"
-    warmup_steps: int = 0
-    grad_clip: float = 1.0          # max global grad norm; 0 = off
-    grad_accum: int = 1             # micro-batches per optimizer step
-    lora_lr: float | None = None    # learning rate of LoRA parameters (None = lr)
+BETAS = (0.9, 0.95)   # AdamW's
 
 
-def _param_groups(model: nn.Module, optim: OptimSettings) -> list[dict]:
+def _param_groups(model: nn.Module, weight_decay: float, lr: float,
+                  lora_lr: float | None) -> list[dict]:
     """AdamW groups: no weight decay on biases and norms; LoRA at its own rate."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             groups.setdefault((is_lora_param(name), param.ndim >= 2), []).append(param)
-    return [{"params": params,
-             "lr": optim.lora_lr if lora and optim.lora_lr is not None else optim.lr,
-             "weight_decay": optim.weight_decay if decay else 0.0}
+    return [{"params": params, "lr": lora_lr if lora and lora_lr is not None else lr,
+             "weight_decay": weight_decay if decay else 0.0}
             for (lora, decay), params in groups.items()]
 
 
 class TrainEngine:
-    def __init__(self, model: nn.Module, optim: OptimSettings, total_steps: int,
-                 runtime: Runtime, sharding: ShardSettings | None = None, *,
-                 name: str = "model", max_skipped_steps: int = 5):
+    def __init__(self, model: nn.Module, optim: OptimConfig, total_steps: int,
+                 runtime: Runtime, sharding: ShardSettings | None = None, *, lr: float,
+                 lora_lr: float | None = None, grad_accum: int = 1, name: str = "model",
+                 max_skipped_steps: int = 5):
+        """`optim`: the section's optimizer keys; `lr` the model's learning rate, `lora_lr`
+        its LoRA parameters' (None: `lr`); `grad_accum` micro-batches per optimizer step."""
         self.runtime, self.optim, self.name = runtime, optim, name
-        self.max_skipped_steps = max_skipped_steps
+        self.grad_accum, self.max_skipped_steps = grad_accum, max_skipped_steps
         self.module = shard(model, runtime, sharding or ShardSettings())
         self.module.train()
         fused = runtime.device.type == "cuda" and not (sharding and sharding.offload)
-        self.optimizer = torch.optim.AdamW(_param_groups(model, optim), lr=optim.lr,
-                                           betas=optim.betas, fused=fused)
+        self.optimizer = torch.optim.AdamW(_param_groups(model, optim.weight_decay, lr, lora_lr),
+                                           lr=lr, betas=BETAS, fused=fused)
         self.scheduler = get_scheduler(optim.lr_scheduler, self.optimizer,
                                        num_warmup_steps=optim.warmup_steps,
                                        num_training_steps=max(total_steps, 1))
@@ -85,15 +78,15 @@ class TrainEngine:
         """Accumulate the gradient of this rank's share of the loss; ranks exchange
         gradients only on the last micro-step of an accumulation window."""
         self.micro_steps += 1
-        set_gradient_sync(self.module, self.micro_steps % self.optim.grad_accum == 0)
+        set_gradient_sync(self.module, self.micro_steps % self.grad_accum == 0)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync
         # FSDP2 averages gradients over ranks; the objective is their sum (see above)
-        (loss * (self.runtime.world_size / self.optim.grad_accum)).backward()
+        (loss * (self.runtime.world_size / self.grad_accum)).backward()
 
     def step(self) -> float | None:
         """Apply the optimizer at the end of an accumulation window; returns the gradient
         norm before clipping then (NaN or inf when the update was skipped), else None."""
-        if self.micro_steps % self.optim.grad_accum != 0:
+        if self.micro_steps % self.grad_accum != 0:
             return None
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")

@@ -7,8 +7,8 @@ as FSDP2 custom collectives and one `fully_shard` argument.
        buffer FSDP expects. Bytes per gathered value: 1 + 4/block (8 bits) or
        0.5 + 4/block (4 bits), against 4 (fp32) or 2 (bf16).
   hpZ  hierarchical partitioning: after forward each block keeps a secondary shard over
-       `hpz` ranks (one node) instead of freeing down to the 1/world primary shard, so the
-       backward all-gather stays inside the node. FSDP2 does this natively with an int
+       `hpz` ranks (0: one node's) instead of freeing down to the 1/world primary shard, so
+       the backward all-gather stays inside the node. FSDP2 does this natively with an int
        `reshard_after_forward` (`hpz_kwargs`).
   qgZ  quantized gradient reduce-scatter: an all-to-all of quantized chunks, then a local
        fp32 sum, instead of a reduce-scatter (whose partial sums cannot be requantized hop
@@ -23,11 +23,12 @@ Where quantization applies: qwZ quantizes a gather only when its group spans mor
 node (hpZ's backward gather inside a node stays exact; with `ranks_per_node=None` the
 layout is unknown and every gather is quantized). qgZ always quantizes.
 
-`quantize=False` keeps the hooks and their communication pattern but sends the values
-themselves: the all-gather is then bit-identical to FSDP's default one; the reduce-scatter
-equals the default one up to fp32 rounding (it sums the n contributions in rank order, two
-levels when hierarchical, which may differ from the backend's order: with gloo it matched
-bit for bit at world 2 and differed by ~1e-7 relative at world 4, flat or hierarchical).
+`apply_zeropp(..., quantize=False)` (tests) keeps the hooks and their communication
+pattern but sends the values themselves: the all-gather is then bit-identical to FSDP's
+default one; the reduce-scatter equals the default one up to fp32 rounding (it sums the n
+contributions in rank order, two levels when hierarchical, which may differ from the
+backend's order: with gloo it matched bit for bit at world 2 and differed by ~1e-7 relative
+at world 4, flat or hierarchical).
 
 Falls back to the default collective, logged once per reason: all-gathers of a mixed-dtype
 (uint8) group; reductions other than SUM and AVG (e.g. PREMUL_SUM). Sizes need not divide
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from engine.config import ZeroPPConfig
 from engine.errors import UserError
 from engine.quantize import dequantize, quantize, unpack_wire, wire_bytes
 
@@ -65,40 +66,18 @@ def _log_once(reason: str) -> None:
         log.warning("ZeRO++: %s", reason)
 
 
-@dataclass(frozen=True)
-class ZeroPPSettings:
-    qwz: bool = False           # quantized weight all-gather
-    hpz: int = 0                # 0: off; else ranks per secondary partition (ranks per node)
-    qgz: bool = False           # quantized gradient reduce-scatter (all-to-all based)
-    weight_bits: int = 8        # 8 or 4
-    grad_bits: int = 8          # 8 or 4
-    block: int = 256            # values per quantization block (one fp32 scale each)
-    quantize: bool = True       # False: the same hooks, values sent as they are (tests)
-
-    def __post_init__(self):
-        if self.weight_bits not in (8, 4) or self.grad_bits not in (8, 4):
-            raise ValueError(f"bits must be 8 or 4, got weight_bits={self.weight_bits}, "
-                             f"grad_bits={self.grad_bits}")
-        if self.block <= 0 or self.block % 2:
-            raise ValueError(f"block must be positive and even, got {self.block}")
-        if self.hpz < 0:
-            raise ValueError(f"hpz must be 0 (off) or the ranks per partition, got {self.hpz}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.qwz or self.qgz or self.hpz > 0
-
-
-def hpz_kwargs(settings: ZeroPPSettings, world_size: int) -> dict:
-    """The `fully_shard` kwargs for hpZ: {"reshard_after_forward": hpz} (a secondary
-    partition over `hpz` consecutive ranks); {} when hpZ is off or covers the whole world
-    (then it is plain ZeRO-3). hpz must divide the world size."""
-    if settings.hpz in (0, world_size):
+def hpz_kwargs(zeropp: ZeroPPConfig, world_size: int, ranks_per_node: int) -> dict:
+    """The `fully_shard` kwargs for hpZ: {"reshard_after_forward": size}, a secondary
+    partition over `size` consecutive ranks. The size is `zeropp.hpz` read as DeepSpeed's
+    zero_hpz_partition_size (1: off), 0 standing for the ranks of one node; {} when it is 1
+    or the whole world (then it is plain ZeRO-3). It must divide the world size."""
+    size = ranks_per_node if zeropp.hpz == 0 else zeropp.hpz
+    if size in (1, world_size):
         return {}
-    if settings.hpz == 1 or world_size % settings.hpz:
-        raise UserError(f"engine.zeropp.hpz={settings.hpz}: the partition size must divide "
-                        f"the {world_size} ranks and be at least 2 (1 is off)")
-    return {"reshard_after_forward": settings.hpz}
+    if world_size % size:
+        raise UserError(f"engine.zeropp.hpz={zeropp.hpz}: a partition of {size} ranks must "
+                        f"divide the {world_size} ranks (1 is off)")
+    return {"reshard_after_forward": size}
 
 
 # (group's global ranks, ranks per node) -> (this rank's intra-node, cross-node subgroup)
@@ -271,24 +250,24 @@ class QuantizedReduceScatter(ReduceScatter):
         return total
 
 
-def apply_zeropp(module: FSDPModule, settings: ZeroPPSettings, *,
-                 ranks_per_node: int | None = None) -> None:
+def apply_zeropp(module: FSDPModule, zeropp: ZeroPPConfig, *,
+                 ranks_per_node: int | None = None, quantize: bool = True) -> None:
     """Install qwZ / qgZ on one `fully_shard`-ed module (one parameter group: no
     `shard_placement_fn` that splits it). hpZ is not installed here: pass `hpz_kwargs` to
     `fully_shard`. A collective call when qgZ is hierarchical (it creates subgroups): call
-    it on every rank, in the same module order, like `fully_shard` itself."""
+    it on every rank, in the same module order, like `fully_shard` itself. `quantize=False`
+    (tests): the same hooks, sending the values as they are."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"apply_zeropp needs a fully_shard-ed module, got "
                         f"{type(module).__name__}")
-    if settings.qwz:
+    if zeropp.qwz:
         module.set_custom_all_gather(QuantizedAllGather(
-            settings.weight_bits, settings.block, quantize=settings.quantize,
-            ranks_per_node=ranks_per_node))
-    if settings.qgz:
+            zeropp.weight_bits, zeropp.block, quantize=quantize, ranks_per_node=ranks_per_node))
+    if zeropp.qgz:
         group = _shard_group(module) if ranks_per_node is not None else None
         module.set_custom_reduce_scatter(QuantizedReduceScatter(
-            settings.grad_bits, settings.block, quantize=settings.quantize,
-            ranks_per_node=ranks_per_node, group=group))
+            zeropp.grad_bits, zeropp.block, quantize=quantize, ranks_per_node=ranks_per_node,
+            group=group))
 
 
 def _shard_group(module: FSDPModule) -> dist.ProcessGroup | None:

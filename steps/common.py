@@ -14,11 +14,10 @@ from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
 from engine.data_parallel import DataParallel
-from engine.lora import LoraSettings
 from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps import demo
 from steps.data import DataError, permutation, train_eval_split
 from steps.tokenize import TokenizeStats
@@ -86,9 +85,11 @@ class StepCheckpoints:
 
 
 def placement(cfg: DictConfig, rt: Runtime) -> Placement:
-    """Where this run's models live: the engine reads its own config group."""
-    return Placement.from_config(cfg.engine, rt, actor_zero_stage=cfg.actor_zero_stage,
-                                 reward_zero_stage=cfg.reward_zero_stage)
+    """Where this run's models live: the engine takes its own config group (as its schema
+    object), and the two ZeRO-stage flags as its families' (engine/placement.py): the
+    policies' (steps 1 and 3's actor) and the scorers' (step 2's reward model, the critic)."""
+    return Placement(rt, OmegaConf.to_object(cfg.engine),
+                     {"policy": cfg.actor_zero_stage, "scorer": cfg.reward_zero_stage})
 
 
 def log(message: str) -> None:
@@ -153,17 +154,6 @@ def num_batches(n: int, batch_size: int) -> int:
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def optim_settings(section: DictConfig, lr: float, lora: DictConfig) -> OptimSettings:
-    return OptimSettings(lr=lr, weight_decay=section.weight_decay,
-                         lr_scheduler=section.lr_scheduler, warmup_steps=section.warmup_steps,
-                         grad_clip=section.grad_clip, grad_accum=section.get("grad_accum", 1),
-                         lora_lr=lora.learning_rate)
-
-
-def lora_settings(lora: DictConfig) -> LoraSettings:
-    return LoraSettings(**OmegaConf.to_container(lora, resolve=True))
 
 
 def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> tuple[float, int] | None:

@@ -1,6 +1,7 @@
-"""A run's config: every key, its type, its default and its one-line comment, in one place.
-Defaults follow DeepSpeed-Chat's settings for OPT-1.3B-class actors; configs/recipe/ holds
-override files (`demo`, which train.py picks when given no model, scales them down).
+"""A run's config: every key, its type, its default and its one-line comment, in one tree
+(the engine's groups are engine/config.py's, composed here). Defaults follow
+DeepSpeed-Chat's settings for OPT-1.3B-class actors; configs/recipe/ holds override files
+(`demo`, which train.py picks when given no model, scales them down).
 Hydra composes configs/config.yaml (this schema, then a recipe) and the command line onto
 it, so an unknown key or a value of the wrong type (`ppo.kl_coef=abc`) is refused before
 anything runs; `listing()` is what `train.py --help` prints."""
@@ -8,70 +9,25 @@ anything runs; `listing()` is what `train.py --help` prints."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, NamedTuple, Optional  # noqa: UP035 - OmegaConf's schema needs Optional
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Optional  # noqa: UP035 - OmegaConf's schema needs Optional
 
 from hydra.core.config_store import ConfigStore
 
-
-class Rule(NamedTuple):
-    """What values a key allows: `test(value)` is true for those, `allowed` says which."""
-
-    test: Callable[[Any], bool]
-    allowed: str
-
-
-def at_least(n: float) -> Rule:
-    return Rule(lambda v: v >= n, f"give {n} or more")
-
-
-def above(n: float) -> Rule:
-    return Rule(lambda v: v > n, f"give a number above {n}")
-
-
-def within(low: float, high: float, *, high_open: bool = False) -> Rule:
-    return Rule(lambda v: low <= v < high if high_open else low <= v <= high,
-                f"give a number in [{low}, {high}{')' if high_open else ']'}")
-
-
-def one_of(*choices: Any) -> Rule:
-    names = list(map(str, choices))
-    said = " or ".join(names) if len(names) == 2 else f"one of {', '.join(names)}"
-    return Rule(lambda v: v in choices, f"choose {said}")
-
-
-def each(rule: Rule) -> Rule:
-    return Rule(lambda v: all(rule.test(x) for x in v), f"{rule.allowed}, for every entry")
-
-
-POSITIVE, COUNT, NON_NEGATIVE = above(0), at_least(1), at_least(0)
-EVEN = Rule(lambda v: v >= 2 and v % 2 == 0, "give an even number of values, e.g. 64")
-SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                    "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau",
-                    "cosine_with_min_lr", "warmup_stable_decay")
-
-
-def val(default: Any, help: str = "", ok: Rule | None = None) -> Any:
-    """A field's default with its comment and the values it allows (`ok`, checked by
-    `validate`). A list, or a callable making the value (a section's class), is a default
-    factory, so every config gets its own."""
-    meta = {"help": help, "ok": ok}
-    if callable(default):
-        return field(default_factory=default, metadata=meta)
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class LoraConfig:
-    dim: int = val(0, "rank; 0 = off", NON_NEGATIVE)
-    alpha: float = val(16.0, ok=POSITIVE)
-    dropout: float = val(0.0, ok=within(0, 1, high_open=True))
-    target_modules: Any = val("all-linear", '"all-linear" or a list of module names')
-    only_optimize_lora: bool = False
-    learning_rate: Optional[float] = val(5e-4, "null: the model's", POSITIVE)  # noqa: UP045
+from engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE,
+    SCHEDULERS,
+    EngineConfig,
+    LoraConfig,
+    OptimConfig,
+    Rule,
+    each,
+    one_of,
+    val,
+    within,
+)
 
 
 @dataclass
@@ -89,82 +45,6 @@ class DataConfig:
 
 
 @dataclass
-class HybridConfig:
-    enabled: bool = val(True, "false: generate on the sharded training model (slow)")
-    kernel_injection: bool = val(True, "fused inference modules (Llama, OPT families); "
-                                 "false: a gathered HF copy")
-    pin_parameters: bool = val(True, "keep the gathered inference weights between rollouts "
-                               "(false: free them)")
-    release_inference_cache: bool = val(False, "free the KV cache after every rollout")
-    gather_group_size: int = val(1, "decoder layers all-gathered at once (bounds the "
-                                 "gather's extra memory)", COUNT)
-    cuda_graphs: bool = val(True, "capture the decode step as a CUDA graph (CUDA only)")
-    fused_kernels: bool = val(True, "Triton kernels for add+norm and SiLU*up (CUDA only)")
-
-
-@dataclass
-class ZeroPPConfig:
-    qwz: bool = val(False, "qwZ: weight all-gathers quantized block-wise across nodes")
-    hpz: int = val(1, "hpZ: a secondary weight partition of N ranks that serves the backward "
-                   "all-gather; 1 = off, 0 = the ranks of one node",
-                   Rule(lambda v: v >= 0, "give 1 (off), 0 (one node's ranks) or the "
-                        "partition's rank count"))
-    qgz: bool = val(False, "qgZ: gradient reduce-scatter as a quantized all-to-all, inside "
-                    "the node, then across")
-    weight_bits: int = val(8, "qwZ: 8 or 4", one_of(8, 4))
-    grad_bits: int = val(8, "qgZ: 8 or 4", one_of(8, 4))
-    block: int = val(256, "values per quantization block (one fp32 scale each)", EVEN)
-
-
-@dataclass
-class QuantizedBaseConfig:
-    enabled: bool = val(False, "LoRA models keep their frozen Linear/Embedding weights as "
-                        "integers: sharded, gathered and stored quantized")
-    bits: int = val(8, "8 or 4", one_of(8, 4))
-    block: int = val(64, "values per scale along a row", EVEN)
-
-
-@dataclass
-class EngineConfig:
-    device: str = val("auto", "auto | cpu | cuda | cuda:N",
-                      Rule(lambda v: v in ("auto", "cpu", "cuda") or (
-                          v.startswith("cuda:") and v[5:].isdigit()),
-                           "choose auto, cpu, cuda or cuda:N"))
-    dtype: str = val("auto", "compute dtype: auto (bf16 on CUDA, fp32 on CPU) | float32 | "
-                     "bfloat16; trained weights and optimizer state stay fp32",
-                     one_of("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"))
-    procs: int = val(1, "processes on this node; >1 starts them through torchrun (gloo on "
-                     "CPU, NCCL on CUDA)", COUNT)
-    procs_per_node: Optional[int] = val(None, "ranks per node for ZeRO++ (default: "  # noqa: UP045
-                                        "torchrun's); fewer than engine.procs simulates "
-                                        "nodes on one machine")
-    timeout_s: float = val(600.0, "collective timeout: a dead or hung rank stops the job "
-                           "within it", POSITIVE)
-    gradient_checkpointing: bool = val(False, "activation checkpointing of the trained models")
-    offload: bool = val(False, "ZeRO-Offload: trained models' params and optimizer state on "
-                        "the CPU (CUDA runs)")
-    shard_frozen_models: bool = val(True, "step 3 reference and reward models: ZeRO-3 "
-                                    "sharded (true) or replicated")
-    offload_reference_model: bool = val(False, "keep the reference model on the CPU between uses")
-    offload_reward_model: bool = False
-    max_skipped_steps: int = val(5, "updates with a non-finite loss or gradient norm are "
-                                 "skipped; this many in a row stop the run", COUNT)
-    checkpoint_every: int = val(200, "optimizer steps (steps 1, 2) / PPO iterations (step 3) "
-                                "between checkpoints; 0 = none", NON_NEGATIVE)
-    keep_checkpoints: int = val(1, ok=COUNT)
-    hybrid: HybridConfig = val(HybridConfig, "step 3's actor generates in inference form "
-                               "(engine/hybrid.py)")
-    zeropp: ZeroPPConfig = val(ZeroPPConfig, "ZeRO++ on the trained ZeRO-3 models "
-                               "(engine/zeropp.py)")
-    quantized_base: QuantizedBaseConfig = val(QuantizedBaseConfig, "frozen base of LoRA "
-                                              "models in INT8/INT4 (engine/quantized_base.py)")
-    share_reference: bool = val(True, "step 3: a LoRA actor over a frozen base is its own "
-                                "reference (adapters disabled); false: a separate copy")
-    log_comm: bool = val(False, "debug: log rank 0's collective bytes (comm/*, intra- and "
-                         "cross-node) with each metrics row")
-
-
-@dataclass
 class LaunchConfig:
     nnodes: int = 1
     node_rank: Optional[int] = val(None, "this node's rank (default 0, or its place in the "  # noqa: UP045
@@ -176,17 +56,13 @@ class LaunchConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(OptimConfig):
     """Step 1 (SFT) and step 2 (reward model) share this shape."""
 
     epochs: int = val(1, ok=COUNT)
     batch_size: int = val(8, "examples (step 2: pairs) per micro-batch", COUNT)
     grad_accum: int = val(1, ok=COUNT)
     lr: float = val(9.65e-6, ok=POSITIVE)
-    weight_decay: float = val(0.0, ok=NON_NEGATIVE)
-    lr_scheduler: str = val("cosine", ok=SCHEDULERS)
-    warmup_steps: int = val(0, ok=NON_NEGATIVE)
-    grad_clip: float = val(1.0, "max gradient norm; 0 = off", NON_NEGATIVE)
     eval_batch_size: int = val(16, ok=COUNT)
     log_every: int = val(10, ok=COUNT)
     lora: LoraConfig = val(LoraConfig)
@@ -206,7 +82,7 @@ class PtxConfig:
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(OptimConfig):
     actor_path: Optional[str] = val(None, "default: <output_dir>/actor (step 1)")  # noqa: UP045
     reward_path: Optional[str] = val(None, "default: <output_dir>/reward (step 2); the "  # noqa: UP045
                                      "critic starts from it")
@@ -216,10 +92,7 @@ class PPOConfig:
     micro_batch_size: int = val(8, "answers per optimizer step", COUNT)
     actor_lr: float = val(9.65e-6, ok=POSITIVE)
     critic_lr: float = val(5e-6, ok=POSITIVE)
-    weight_decay: float = val(0.0, ok=NON_NEGATIVE)
-    lr_scheduler: str = val("linear", ok=SCHEDULERS)
-    warmup_steps: int = val(0, ok=NON_NEGATIVE)
-    grad_clip: float = val(1.0, "max gradient norm; 0 = off", NON_NEGATIVE)
+    lr_scheduler: str = val("linear", ok=SCHEDULERS)   # OptimConfig's key, its own default
     algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp (the last three train no "
                          "critic)", one_of("ppo", "grpo", "rloo", "reinforce_pp"))
     samples_per_prompt: int = val(1, "answers sampled per prompt, a group (GRPO and RLOO need "

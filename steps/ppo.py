@@ -61,9 +61,7 @@ from steps.common import (
     batches,
     epoch_batches,
     log,
-    lora_settings,
     num_batches,
-    optim_settings,
     placement,
     report_tokenized,
     require_examples,
@@ -278,7 +276,7 @@ class Models(NamedTuple):
 
 def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                  reward_path: str | None, updates: int) -> Models:
-    ppo, trc = cfg.ppo, cfg.trust_remote_code
+    ppo, trc = OmegaConf.to_object(cfg.ppo), cfg.trust_remote_code   # a PPOConfig
     scorer = None
     critic_start = dict(spec=actor_path, flag="ppo.actor_path", seed=cfg.seed)
     critic_tokenizer = tokenizer
@@ -287,7 +285,7 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                                           trust_remote_code=trc)
         reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
                                                  flag="ppo.reward_path", trust_remote_code=trc),
-                              role="reward")
+                              family="scorer")
         scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
         if scorer.same_tokenizer:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
@@ -301,19 +299,20 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     critic = None
     if ALGORITHMS[ppo.algorithm].critic:
         critic = place.reward_model(**critic_start, tokenizer=tokenizer, trained=True,
-                                    lora=lora_settings(ppo.critic_lora), trust_remote_code=trc)
+                                    lora=ppo.critic_lora, trust_remote_code=trc)
     actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc,
-                            lora=lora_settings(ppo.actor_lora))
+                            lora=ppo.actor_lora)
     if ppo.disable_dropout:   # else old and new log-probs differ before any update
         disable_dropout(actor)
         if critic is not None:
             disable_dropout(critic)
-    actor = place.rollout_actor(actor, optim_settings(ppo, ppo.actor_lr, ppo.actor_lora), updates)
+    actor = place.trainer(actor, ppo, updates, family="policy", generates=True, name="actor",
+                          lr=ppo.actor_lr, lora_lr=ppo.actor_lora.learning_rate)
     if critic is not None:
-        critic = place.trainer(critic, optim_settings(ppo, ppo.critic_lr, ppo.critic_lora),
-                               updates, role="reward", name="critic")
-    # LoRA over a frozen base: the actor with its adapters off is the reference
-    reference = place.reference(actor, actor_path, tokenizer, trust_remote_code=trc)
+        critic = place.trainer(critic, ppo, updates, family="scorer", name="critic",
+                               lr=ppo.critic_lr, lora_lr=ppo.critic_lora.learning_rate)
+    # the policy the actor started from; LoRA over a frozen base: the actor, adapters off
+    reference = place.frozen_start(actor, actor_path, tokenizer, trust_remote_code=trc)
     return Models(actor, critic, reference, rewards, tokenizer,
                   critic_tokenizer if critic is not None else None)
 
@@ -787,11 +786,11 @@ def keep_if_best(state: Progress, metrics: dict[str, float], s: Settings, kept: 
     far: a higher gold score (else reward; reward breaks ties), within the KL budget."""
     if kept.best is None or not metrics:
         return state
-    def rank(m: dict) -> tuple:   # gold first when there is one, the reward breaks ties
+    def standing(m: dict) -> tuple:   # gold first when there is one, the reward breaks ties
         return m.get("ground_truth", 0.0), m["reward"]
 
     within = s.kl_budget is None or metrics["kl"] <= s.kl_budget
-    if within and (state.best is None or rank(metrics) > rank(state.best)):
+    if within and (state.best is None or standing(metrics) > standing(state.best)):
         kept.best.load_state_dict(actor.copy_weights(trainable_only=True).tensors)
         return state._replace(best={**metrics, "iteration": state.iteration})
     return state

@@ -7,13 +7,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, lora_settings, placement, to_device, train_eval_examples
+from steps.common import batches, placement, to_device, train_eval_examples
 from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
 from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
@@ -48,17 +48,17 @@ def evaluate(model, examples: list[PairExample], pad_token_id: int, batch_size: 
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
-    rm = cfg.rm
+    rm = OmegaConf.to_object(cfg.rm)   # a TrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
-                               lora=lora_settings(rm.lora), trust_remote_code=cfg.trust_remote_code)
+                               lora=rm.lora, trust_remote_code=cfg.trust_remote_code)
     pad, nan = tokenizer.pad_token_id, float("nan")
     task = supervised.Task(
-        step=2, name="reward model", role="reward", section=rm, examples=train,
+        step=2, name="reward model", role="reward", family="scorer", section=rm, examples=train,
         collate=partial(collate_pairs, pad_token_id=pad), loss=pair_loss,
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)

@@ -8,13 +8,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer, position_ids
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, lora_settings, placement, to_device, train_eval_examples
+from steps.common import batches, placement, to_device, train_eval_examples
 from steps.data import PreferencePair
 from steps.rlhf import sft_loss
 from steps.tokenize import IGNORE_INDEX, SFTExample, collate_sft, tokenize_sft
@@ -48,17 +48,17 @@ def perplexity(model, examples: list[SFTExample], pad_token_id: int, batch_size:
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
-    sft = cfg.sft
+    sft = OmegaConf.to_object(cfg.sft)   # a TrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
                                trust_remote_code=cfg.trust_remote_code)
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
 
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,
-                            lora=lora_settings(sft.lora), trust_remote_code=cfg.trust_remote_code)
+                            lora=sft.lora, trust_remote_code=cfg.trust_remote_code)
     pad = tokenizer.pad_token_id
     task = supervised.Task(
-        step=1, name="SFT", role="actor", section=sft, examples=train,
+        step=1, name="SFT", role="actor", family="policy", section=sft, examples=train,
         collate=partial(collate_sft, pad_token_id=pad), loss=batch_loss,
         tokens=lambda batch: sum(len(ex.input_ids) for ex in batch),
         evaluate=lambda engine: {"eval/perplexity": perplexity(

@@ -22,10 +22,10 @@ from steps.common import (
     epoch_batches,
     log,
     num_batches,
-    optim_settings,
     start_step,
     to_device,
 )
+from steps.config import TrainConfig
 
 # (engine, this process's collated rows, the whole batch's examples) -> (the loss, and
 # statistics to log), each this process's share: sums over processes give the batch's value
@@ -36,8 +36,9 @@ LossFn = Callable[[TrainEngine, dict[str, torch.Tensor], list],
 class Task(NamedTuple):
     step: int                    # 1 or 2
     name: str                    # what it trains, for the closing line: "SFT", "reward model"
-    role: str                    # the trained model's placement role: "actor" or "reward"
-    section: DictConfig          # cfg.sft or cfg.rm
+    role: str                    # what the trained model is called: "actor" or "reward"
+    family: str                  # its placement family (engine/placement.py): "policy", "scorer"
+    section: TrainConfig         # cfg.sft or cfg.rm, as its schema object
     examples: list               # tokenized training examples
     collate: Callable[[list], dict[str, torch.Tensor]]
     loss: LossFn
@@ -55,8 +56,9 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     out = start_step(cfg, task.step, dp, resume=resume)
     section = task.section
     steps_per_epoch = num_batches(len(task.examples), section.batch_size)
-    engine = place.trainer(model, optim_settings(section, section.lr, section.lora),
-                           section.epochs * steps_per_epoch // section.grad_accum, role=task.role)
+    engine = place.trainer(model, section, section.epochs * steps_per_epoch // section.grad_accum,
+                           family=task.family, name=task.role, lr=section.lr,
+                           lora_lr=section.lora.learning_rate, grad_accum=section.grad_accum)
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)

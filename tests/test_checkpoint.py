@@ -11,18 +11,19 @@ import torch
 
 import train
 from engine.checkpoint import Checkpointer
+from engine.config import OptimConfig
 from engine.errors import UserError
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
 from engine.tracking import Tracker
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 
 
 def engine_at(seed: int = 0) -> TrainEngine:
     model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=seed)
-    return TrainEngine(model, OptimSettings(lr=1e-2, warmup_steps=2), total_steps=10, runtime=CPU)
+    return TrainEngine(model, OptimConfig(warmup_steps=2), total_steps=10, runtime=CPU, lr=1e-2)
 
 
 def train_steps(engine: TrainEngine, first: int, count: int) -> None:

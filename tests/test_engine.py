@@ -10,11 +10,12 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 import steps.ppo as ppo
+from engine.config import LoraConfig, OptimConfig
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.hybrid import HybridEngine
-from engine.lora import LoraSettings, apply_lora
+from engine.lora import apply_lora
 from engine.models import (
     PRESETS,
     byte_tokenizer,
@@ -27,7 +28,7 @@ from engine.models import (
 )
 from engine.parallel import frozen
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps.config import RunConfig
 from steps.rlhf import sft_loss
 from steps.scoring import Rewards, RewardScorer
@@ -159,7 +160,7 @@ def test_left_padding_does_not_change_logits(tok, preset):
 def test_token_values_match_hf_pooled_logits(tok, preset, lora):
     model = load_reward_model(preset, tok, seed=0)
     if lora:
-        model = apply_lora(model, LoraSettings(dim=4))
+        model = apply_lora(model, LoraConfig(dim=4))
         with torch.no_grad():  # make the adapters matter (lora_B starts at zero)
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -239,8 +240,8 @@ def test_atomic_directory_replaces_an_existing_dir(tmp_path):
 
 
 def _engine(model, grad_accum: int) -> TrainEngine:
-    settings = OptimSettings(lr=1e-3, lr_scheduler="constant", grad_accum=grad_accum)
-    return TrainEngine(model, settings, total_steps=4, runtime=CPU)
+    return TrainEngine(model, OptimConfig(lr_scheduler="constant"), total_steps=4, runtime=CPU,
+                       lr=1e-3, grad_accum=grad_accum)
 
 
 def _loss(engine: TrainEngine, ids: torch.Tensor) -> torch.Tensor:
@@ -274,9 +275,9 @@ def test_grad_accumulation_matches_one_full_batch(tok):
 
 
 def test_lora_params_get_their_own_learning_rate(tok):
-    model = apply_lora(load_causal_lm("tiny-llama", tok, seed=0), LoraSettings(dim=4))
-    settings = OptimSettings(lr=1e-3, weight_decay=0.1, lora_lr=5e-4)
-    engine = TrainEngine(model, settings, total_steps=4, runtime=CPU)
+    model = apply_lora(load_causal_lm("tiny-llama", tok, seed=0), LoraConfig(dim=4))
+    engine = TrainEngine(model, OptimConfig(weight_decay=0.1), total_steps=4, runtime=CPU,
+                         lr=1e-3, lora_lr=5e-4)
     lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
     assert lora
     seen = set()
@@ -298,10 +299,9 @@ N = 5
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])  # rotary / absolute positions
 def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
-    actor = HybridEngine(load_causal_lm(preset, tok, seed=1), OptimSettings(lr=1e-3), 1, CPU)
+    actor = HybridEngine(load_causal_lm(preset, tok, seed=1), OptimConfig(), 1, CPU, lr=1e-3)
     ref = frozen(load_causal_lm(preset, tok, seed=2), CPU)
-    critic = TrainEngine(load_reward_model(preset, tok, seed=3), OptimSettings(lr=1e-3), 1,
-                         CPU)
+    critic = TrainEngine(load_reward_model(preset, tok, seed=3), OptimConfig(), 1, CPU, lr=1e-3)
     reward = frozen(load_reward_model(preset, tok, seed=4), CPU)
     rewards = Rewards(tok, RewardScorer(reward, tok, tok, CPU.device), 1.0, None, 0.0)
     models = ppo.Models(actor, critic, ref, rewards, tok, tok)

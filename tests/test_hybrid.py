@@ -20,13 +20,13 @@ import torch
 from transformers import BloomConfig, BloomForCausalLM
 
 from engine import decode
+from engine.config import HybridConfig, OptimConfig
 from engine.generation import SamplingSettings, generate
-from engine.hybrid import HybridEngine, HybridSettings
+from engine.hybrid import HybridEngine
 from engine.inference_form import inference_form
 from engine.inference_plans import Unsupported, plan
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings
 from steps.tokenize import collate_prompts
 from tests.harness.hybrid_check import (
     POST_NORM_OPT,
@@ -73,8 +73,8 @@ def _batch(prompts=PROMPTS) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _engine(model, **settings) -> HybridEngine:
-    return HybridEngine(model, OptimSettings(lr=1e-3), 10, ONE_PROCESS,
-                        hybrid=HybridSettings(**settings))
+    return HybridEngine(model, OptimConfig(), 10, ONE_PROCESS, hybrid=HybridConfig(**settings),
+                        lr=1e-3)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])

@@ -12,16 +12,15 @@ import pytest
 import torch
 
 from engine.checkpoint import Checkpointer, Tensors
+from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
-from engine.lora import LoraSettings
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.placement import Placement
 from engine.precision import Precision
-from engine.quantized_base import QuantizedBaseSettings
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps.ppo import answer_logprobs
 from steps.rlhf import logprobs_of_tokens, sft_loss
 
@@ -41,8 +40,8 @@ def batch(seed: int = 0) -> torch.Tensor:
 
 
 def engine_for(model, rt: Runtime = CPU, **guards) -> TrainEngine:
-    settings = OptimSettings(lr=1e-2, lr_scheduler="constant")
-    return TrainEngine(model, settings, total_steps=10, runtime=rt, **guards)
+    return TrainEngine(model, OptimConfig(lr_scheduler="constant"), total_steps=10, runtime=rt,
+                       lr=1e-2, **guards)
 
 
 def train_step(engine: TrainEngine, ids: torch.Tensor, poison: float = 1.0) -> float | None:
@@ -81,7 +80,7 @@ def test_one_process_bf16_trains_fp32_master_weights_under_autocast(tok):
     """Trained weights and AdamW state stay fp32 in a single bf16 process (they were bf16
     before), the forward computes in bf16, and the update is the fp32 one to bf16 rounding;
     frozen models load in bf16."""
-    place = Placement(CPU_BF16, {"actor": 0, "reward": 0})
+    place = Placement(CPU_BF16, EngineConfig(), {"policy": 0, "scorer": 0})
     model = place.causal_lm("tiny-llama", tok, trained=True, seed=0)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     frozen = place.causal_lm("tiny-llama", tok, trained=False, seed=0)
@@ -103,10 +102,10 @@ def test_one_process_bf16_trains_fp32_master_weights_under_autocast(tok):
 def test_one_process_bf16_lora_over_a_frozen_base(tok, bits):
     """LoRA over a frozen bf16, INT8 or INT4 base in a bf16 process: the adapters (and only
     they) train, in fp32; the base stays as it was loaded; the step is taken."""
-    quantized = QuantizedBaseSettings(enabled=bits is not None, bits=bits or 8)
-    place = Placement(CPU_BF16, {"actor": 0, "reward": 0}, quantized_base=quantized)
+    quantized = QuantizedBaseConfig(enabled=bits is not None, bits=bits or 8)
+    place = Placement(CPU_BF16, EngineConfig(quantized_base=quantized), {"policy": 0, "scorer": 0})
     model = place.causal_lm("tiny-llama", tok, trained=True, seed=0,
-                            lora=LoraSettings(dim=4, only_optimize_lora=True))
+                            lora=LoraConfig(dim=4, only_optimize_lora=True))
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n for n in trained)
     assert {p.dtype for p in trained.values()} == {torch.float32}

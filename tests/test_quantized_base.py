@@ -10,18 +10,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engine.quantized_base as qb
+from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.lora import BaseWithoutAdapters, LoraSettings
+from engine.lora import BaseWithoutAdapters
 from engine.models import byte_tokenizer, load_causal_lm, load_quantized
 from engine.placement import Placement
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps.tokenize import collate_prompts
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
-LORA = LoraSettings(dim=4, alpha=8, only_optimize_lora=True)
+LORA = LoraConfig(dim=4, alpha=8, only_optimize_lora=True)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def tok():
 
 
 def placement(bits: int = 8) -> Placement:
-    return Placement(CPU, {"actor": 3, "reward": 3},
-                     quantized_base=qb.QuantizedBaseSettings(True, bits, 64))
+    return Placement(CPU, EngineConfig(quantized_base=QuantizedBaseConfig(True, bits, 64)),
+                     {"policy": 3, "scorer": 3})
 
 
 def quantized_lora_model(tok, bits: int, spec: str = "tiny-llama"):
@@ -121,7 +122,7 @@ def test_adapters_disabled_give_the_reference_log_probs(tok):
 def test_only_lora_parameters_train(tok):
     model = quantized_lora_model(tok, 8)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine = TrainEngine(model, OptimSettings(lr=1e-2), total_steps=2, runtime=CPU)
+    engine = TrainEngine(model, OptimConfig(), total_steps=2, runtime=CPU, lr=1e-2)
     names = {id(p): n for n, p in model.named_parameters()}
     in_optimizer = [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     assert in_optimizer and all("lora_" in n for n in in_optimizer)
@@ -151,7 +152,7 @@ def test_loading_quantizes_one_module_at_a_time(tok, tmp_path, monkeypatch):
         return real(model, settings, dtype, modules, tied)
 
     monkeypatch.setattr(qb, "quantize_modules", spy)
-    settings = qb.QuantizedBaseSettings(True, 8, 64)
+    settings = QuantizedBaseConfig(True, 8, 64)
     model, report = load_quantized("causal_lm", str(tmp_path), tok, settings, flag="--x",
                                    dtype=torch.float32, head_dtype=torch.float32,
                                    device=torch.device("cpu"))
@@ -173,7 +174,7 @@ def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tok, tmp_path):
     load_causal_lm("tiny-llama", tok).save_pretrained(tmp_path, safe_serialization=False)
     (tmp_path / "model.safetensors").unlink(missing_ok=True)
     with pytest.raises(UserError, match="loads safetensors checkpoints only"):
-        load_quantized("causal_lm", str(tmp_path), tok, qb.QuantizedBaseSettings(True),
+        load_quantized("causal_lm", str(tmp_path), tok, QuantizedBaseConfig(True),
                        flag="--actor-model", dtype=torch.float32, head_dtype=torch.float32,
                        device=torch.device("cpu"))
 
@@ -184,7 +185,7 @@ def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, 
     export (LoRA merged into the dequantized weights): greedy answers token for token."""
     model = quantized_lora_model(tok, 8, spec)
     perturb_adapters(model)
-    actor = HybridEngine(model, OptimSettings(lr=1e-3), 1, CPU)
+    actor = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
     assert actor.injected
     merged = AutoModelForCausalLM.from_pretrained(actor.export(tok, tmp_path / "a")).eval()
     prompts = [tok(text)["input_ids"] for text in ("Hello there", "What is 2+2?", "Hi")]
@@ -201,7 +202,7 @@ def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, 
 def test_export_merges_lora_into_the_dequantized_base(tok, tmp_path):
     model = quantized_lora_model(tok, 4)
     perturb_adapters(model)
-    engine = TrainEngine(model, OptimSettings(lr=1e-3), 1, CPU)
+    engine = TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
     engine.export(tok, tmp_path / "actor")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").eval()
     assert not any("lora_" in k or k.endswith("_scale") for k in loaded.state_dict())

@@ -11,12 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from engine.config import OptimConfig
 from engine.data_parallel import DataParallel, Share
 from engine.hybrid import HybridEngine
 from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
 from engine.parallel import frozen
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings
 from steps import ppo
 from steps.config import RunConfig
 from steps.scoring import RewardFunction, Rewards, RewardScorer, decode_rollouts
@@ -55,8 +55,8 @@ def test_a_cut_off_answer_is_scored_as_if_it_ended_with_eos():
 
 
 def tiny_models(tok, lr: float = 1e-3, gold=None) -> ppo.Models:
-    actor = HybridEngine(load_causal_lm("tiny-llama", tok, seed=1), OptimSettings(
-        lr=lr, lr_scheduler="constant", grad_clip=0), 100, CPU)
+    actor = HybridEngine(load_causal_lm("tiny-llama", tok, seed=1),
+                         OptimConfig(lr_scheduler="constant", grad_clip=0), 100, CPU, lr=lr)
     reference = frozen(load_causal_lm("tiny-llama", tok, seed=1), CPU)
     reward = frozen(load_reward_model("tiny-llama", tok, seed=4), CPU)
     rewards = Rewards(tok, RewardScorer(reward, tok, tok, CPU.device), 1.0, None, 0.0)

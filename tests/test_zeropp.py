@@ -26,6 +26,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import ZeroPPConfig
+from engine.errors import UserError
+from engine.zeropp import hpz_kwargs
+
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "harness" / "zeropp_checks.py"
 TIMEOUT = 150   # seconds: a deadlock fails the test instead of hanging the suite
@@ -99,6 +103,18 @@ def test_hpz_alone_is_zero3_with_node_local_backward_gathers(world4):
     # the backward re-gathers stay inside the node: fewer cross-node bytes
     assert hpz["meter"]["all_gather"]["cross_node_bytes"] < \
         0.6 * base["all_gather"]["cross_node_bytes"]
+
+
+def test_hpz_reads_as_the_config_says():
+    """engine.zeropp.hpz: 1 = off, 0 = the ranks of one node, N = a partition of N ranks
+    (plain ZeRO-3 when that is the whole world), which must divide the world."""
+    def size(hpz: int, world: int = 8, per_node: int = 2) -> int | None:
+        return hpz_kwargs(ZeroPPConfig(hpz=hpz), world, per_node).get("reshard_after_forward")
+
+    assert size(1) is None and size(0) == 2 and size(4) == 4 and size(8) is None
+    assert size(0, per_node=1) is None and size(0, world=2, per_node=2) is None
+    with pytest.raises(UserError, match="engine.zeropp.hpz=3"):
+        size(3)
 
 
 def test_quantization_cuts_cross_node_bytes(world4):

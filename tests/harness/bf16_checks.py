@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine.config import OptimConfig
 from engine.models import byte_tokenizer, load_causal_lm, position_ids
 from engine.runtime import Runtime
-from engine.trainer import OptimSettings, TrainEngine
+from engine.trainer import TrainEngine
 from steps.rlhf import sft_loss
 
 if not torch.cuda.is_available():
@@ -70,6 +71,6 @@ def test_train_engine_bf16_gradients_are_finite(length):
     that breaks cuDNN's backward: finite gradients, and the step is taken."""
     ids, mask = left_padded_batch(length)
     model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=0)
-    engine = TrainEngine(model, OptimSettings(lr=1e-3), total_steps=2, runtime=CUDA_BF16)
+    engine = TrainEngine(model, OptimConfig(), total_steps=2, runtime=CUDA_BF16, lr=1e-3)
     assert gradients_finite(engine, engine.module, ids, mask)
     assert engine.step() is not None and engine.skipped_steps == 0

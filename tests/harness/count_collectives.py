@@ -17,10 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from engine.config import OptimConfig  # noqa: E402
 from engine.models import byte_tokenizer, load_causal_lm  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
-from engine.trainer import OptimSettings, TrainEngine  # noqa: E402
+from engine.trainer import TrainEngine  # noqa: E402
 
 
 class CountGradientReductions(TorchDispatchMode):
@@ -37,8 +38,8 @@ class CountGradientReductions(TorchDispatchMode):
 def main() -> None:
     rt = setup_runtime("cpu", "float32", seed=0, timeout_s=60)
     model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=0)
-    engine = TrainEngine(model, OptimSettings(lr=1e-3, grad_accum=int(sys.argv[1])), 10, rt,
-                         ShardSettings(zero_stage=int(sys.argv[2])))
+    engine = TrainEngine(model, OptimConfig(), 10, rt, ShardSettings(zero_stage=int(sys.argv[2])),
+                         lr=1e-3, grad_accum=int(sys.argv[1]))
     counts = []
     for micro in range(2 * int(sys.argv[1])):
         ids = torch.randint(4, 200, (2, 8), generator=torch.Generator().manual_seed(micro))

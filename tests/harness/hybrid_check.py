@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from engine.config import HybridConfig, LoraConfig, OptimConfig  # noqa: E402
 from engine.generation import SamplingSettings, generate  # noqa: E402
-from engine.hybrid import HybridEngine, HybridSettings  # noqa: E402
-from engine.lora import LoraSettings, apply_lora  # noqa: E402
+from engine.hybrid import HybridEngine  # noqa: E402
+from engine.lora import apply_lora  # noqa: E402
 from engine.models import byte_tokenizer, load_causal_lm, preset_config  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import Runtime, setup_runtime  # noqa: E402
-from engine.trainer import OptimSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
 PROMPTS = ["hello there", "a", "The quick brown fox jumps over", "12+34=", "Why is the sky",
@@ -42,15 +42,15 @@ SAMPLED = SamplingSettings(max_new_tokens=24, temperature=0.9, top_k=40, top_p=0
 POST_NORM_OPT = "tiny-opt-post-norm"
 # (name, preset, LoRA rank, ZeRO stage, hybrid settings)
 CASES = [
-    ("llama", "tiny-llama", 0, 3, HybridSettings()),
+    ("llama", "tiny-llama", 0, 3, HybridConfig()),
     ("llama-lora", "tiny-llama", 4, 3,
-     HybridSettings(gather_group_size=2, pin_parameters=False)),
-    ("opt", "tiny-opt", 0, 3, HybridSettings(release_inference_cache=True)),
-    ("opt-lora-stage0", "tiny-opt", 4, 0, HybridSettings()),
-    ("llama-stage2", "tiny-llama", 0, 2, HybridSettings(gather_group_size=2)),
-    ("gpt2-lora", "tiny-gpt2", 4, 3, HybridSettings()),
-    ("neox-lora", "tiny-gpt-neox", 4, 3, HybridSettings()),
-    ("postnorm-opt-fallback", POST_NORM_OPT, 4, 3, HybridSettings()),
+     HybridConfig(gather_group_size=2, pin_parameters=False)),
+    ("opt", "tiny-opt", 0, 3, HybridConfig(release_inference_cache=True)),
+    ("opt-lora-stage0", "tiny-opt", 4, 0, HybridConfig()),
+    ("llama-stage2", "tiny-llama", 0, 2, HybridConfig(gather_group_size=2)),
+    ("gpt2-lora", "tiny-gpt2", 4, 3, HybridConfig()),
+    ("neox-lora", "tiny-gpt-neox", 4, 3, HybridConfig()),
+    ("postnorm-opt-fallback", POST_NORM_OPT, 4, 3, HybridConfig()),
 ]
 
 
@@ -66,7 +66,7 @@ def model_with_answers_that_end(preset: str, lora: int, eos: int) -> torch.nn.Mo
         model = load_causal_lm(preset, byte_tokenizer(), seed=3)
     with torch.no_grad():
         model.get_output_embeddings().weight[eos] *= 3
-    model = apply_lora(model, LoraSettings(dim=lora))
+    model = apply_lora(model, LoraConfig(dim=lora))
     torch.manual_seed(5)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -75,15 +75,15 @@ def model_with_answers_that_end(preset: str, lora: int, eos: int) -> torch.nn.Mo
     return model
 
 
-def check_case(preset: str, lora: int, stage: int, settings: HybridSettings,
+def check_case(preset: str, lora: int, stage: int, settings: HybridConfig,
                rt: Runtime) -> dict:
     tok = byte_tokenizer()
     eos, pad = tok.eos_token_id, tok.pad_token_id
     model = model_with_answers_that_end(preset, lora, eos)
     reference, twin = copy.deepcopy(model).eval(), copy.deepcopy(model)
-    optim, sharding = OptimSettings(lr=1e-3), ShardSettings(zero_stage=stage)
-    engine = HybridEngine(model, optim, 10, rt, sharding, settings)
-    twin = HybridEngine(twin, optim, 10, rt, sharding, replace(settings, enabled=False))
+    optim, sharding = OptimConfig(), ShardSettings(zero_stage=stage)
+    engine = HybridEngine(model, optim, 10, rt, sharding, settings, lr=1e-3)
+    twin = HybridEngine(twin, optim, 10, rt, sharding, replace(settings, enabled=False), lr=1e-3)
 
     rows = list(range(rt.rank, len(PROMPTS), rt.world_size))
     batch = collate_prompts([tok(PROMPTS[i])["input_ids"] for i in rows], pad)

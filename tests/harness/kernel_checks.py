@@ -76,11 +76,11 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     from engine import decode
+    from engine.config import OptimConfig
     from engine.generation import SamplingSettings, generate
     from engine.hybrid import HybridEngine
     from engine.models import byte_tokenizer
     from engine.runtime import Runtime
-    from engine.trainer import OptimSettings
     from steps.tokenize import collate_prompts
     from tests.harness.hybrid_check import PROMPTS, model_with_answers_that_end
 
@@ -88,7 +88,7 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     model = model_with_answers_that_end(preset, 0, tok.eos_token_id).to(DEVICE)
     reference = copy.deepcopy(model)
     runtime = Runtime(DEVICE, torch.float32, 0, 1, 0)
-    decoder = HybridEngine(model, OptimSettings(lr=1e-3), 1, runtime)._gather().model
+    decoder = HybridEngine(model, OptimConfig(), 1, runtime, lr=1e-3)._gather().model
     decoder.use_fused_kernels(True)
     batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}

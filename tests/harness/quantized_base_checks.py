@@ -23,15 +23,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
+from engine.config import (  # noqa: E402
+    EngineConfig,
+    LoraConfig,
+    OptimConfig,
+    QuantizedBaseConfig,
+    ZeroPPConfig,
+)
 from engine.export import full_copy  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
-from engine.lora import LoraSettings  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
-from engine.quantized_base import QuantizedBaseSettings  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
-from engine.trainer import OptimSettings  # noqa: E402
-from engine.zeropp import ZeroPPSettings  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
 ROWS, LENGTH, STEPS = 4, 24, 3
@@ -44,15 +47,15 @@ def main() -> None:
     rt = setup_runtime("cpu", "float32", seed=0, timeout_s=120,
                        procs_per_node=2 if zeropp else None)
     tok = byte_tokenizer()
-    place = Placement(rt, {"actor": 3, "reward": 3},
-                      quantized_base=QuantizedBaseSettings(True, bits, 64),
-                      zeropp=ZeroPPSettings(qwz=True, qgz=True, hpz=2,
-                                            quantize="--zeropp" in sys.argv) if zeropp
-                      else ZeroPPSettings())
+    engine = EngineConfig(quantized_base=QuantizedBaseConfig(True, bits, 64),
+                          zeropp=ZeroPPConfig(qwz=zeropp, qgz=zeropp, hpz=2 if zeropp else 1))
+    place = Placement(rt, engine, {"policy": 3, "scorer": 3},
+                      zeropp_quantize="--zeropp-exact" not in sys.argv)
     model = place.causal_lm(model_dir, tok, trained=True, seed=3,
-                            lora=LoraSettings(dim=4, alpha=8, only_optimize_lora=True))
-    actor = place.rollout_actor(model, OptimSettings(lr=2e-2, grad_clip=0), STEPS)
-    reference = place.reference(actor, model_dir, tok)
+                            lora=LoraConfig(dim=4, alpha=8, only_optimize_lora=True))
+    actor = place.trainer(model, OptimConfig(grad_clip=0), STEPS, family="policy",
+                          generates=True, lr=2e-2)
+    reference = place.frozen_start(actor, model_dir, tok)
 
     ids = torch.randint(4, 250, (ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
     mine = ids[rt.rank::rt.world_size]

@@ -23,17 +23,16 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
+from engine.config import OptimConfig, ZeroPPConfig  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.hybrid import HybridEngine  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.quantize import QMAX  # noqa: E402
 from engine.runtime import Runtime  # noqa: E402
-from engine.trainer import OptimSettings  # noqa: E402
 from engine.zeropp import (  # noqa: E402
     QuantizedAllGather,
     QuantizedReduceScatter,
-    ZeroPPSettings,
     apply_zeropp,
     hpz_kwargs,
 )
@@ -119,26 +118,28 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def sharded(settings: ZeroPPSettings | None, bf16: bool = False) -> LlamaForCausalLM:
+def sharded(settings: ZeroPPConfig | None, bf16: bool = False,
+            quantize: bool = True) -> LlamaForCausalLM:
     model = tiny_llama()
     world = dist.get_world_size()
     kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                  reduce_dtype=torch.float32) if bf16
                   else MixedPrecisionPolicy())
     if settings is not None:
-        kwargs.update(hpz_kwargs(settings, world))
+        kwargs.update(hpz_kwargs(settings, world, PER_NODE))
     units = [*model.model.layers, model.model.embed_tokens, model]
     for unit in units:
         fully_shard(unit, **kwargs)
         if settings is not None:
-            apply_zeropp(unit, settings, ranks_per_node=PER_NODE)
+            apply_zeropp(unit, settings, ranks_per_node=PER_NODE, quantize=quantize)
     return model
 
 
-def train_step(settings: ZeroPPSettings | None, bf16: bool = False) -> dict:
+def train_step(settings: ZeroPPConfig | None, bf16: bool = False,
+               quantize: bool = True) -> dict:
     """One AdamW step: losses before/after, full gradients and weights, metered bytes of
     the step's forward + backward."""
-    model = sharded(settings, bf16)
+    model = sharded(settings, bf16, quantize)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
     with CommMeter(ranks_per_node=PER_NODE) as meter:
@@ -165,22 +166,22 @@ def model_checks() -> dict:
     world = dist.get_world_size()
     base = train_step(None)
     runs = {
-        "exact_hooks": ZeroPPSettings(qwz=True, qgz=True, block=BLOCK, quantize=False),
-        "qwz8": ZeroPPSettings(qwz=True, block=BLOCK),
-        "qwz4": ZeroPPSettings(qwz=True, weight_bits=4, block=BLOCK),
-        "qgz8": ZeroPPSettings(qgz=True, block=BLOCK),
+        "exact_hooks": ZeroPPConfig(qwz=True, qgz=True, block=BLOCK),   # sending exact values
+        "qwz8": ZeroPPConfig(qwz=True, block=BLOCK),
+        "qwz4": ZeroPPConfig(qwz=True, weight_bits=4, block=BLOCK),
+        "qgz8": ZeroPPConfig(qgz=True, block=BLOCK),
     }
     if world == 4:
-        runs["hpz"] = ZeroPPSettings(hpz=PER_NODE)
-        runs["all8"] = ZeroPPSettings(qwz=True, hpz=PER_NODE, qgz=True, block=BLOCK)
+        runs["hpz"] = ZeroPPConfig(hpz=PER_NODE)
+        runs["all8"] = ZeroPPConfig(qwz=True, hpz=PER_NODE, qgz=True, block=BLOCK)
     out = {"base_meter": base["meter"]}
     for name, settings in runs.items():
-        result = train_step(settings)
+        result = train_step(settings, quantize=name != "exact_hooks")
         out[name] = compare(result, base)
         out[name]["meter"] = result["meter"]
     if world == 4:
         out["bf16_base_meter"] = train_step(None, bf16=True)["meter"]
-        out["bf16_qwz8_meter"] = train_step(ZeroPPSettings(qwz=True, block=BLOCK),
+        out["bf16_qwz8_meter"] = train_step(ZeroPPConfig(qwz=True, block=BLOCK),
                                             bf16=True)["meter"]
     return out
 
@@ -214,11 +215,12 @@ def hybrid_checks() -> dict:
     ids_train = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(rank))
     every = dict(qwz=True, hpz=PER_NODE, qgz=True)
 
-    def engine(zeropp: ZeroPPSettings) -> HybridEngine:
+    def engine(zeropp: ZeroPPConfig, quantize: bool = True) -> HybridEngine:
         torch.manual_seed(0)    # LoRA A's initialisation draws from the global generator
         model = model_with_answers_that_end("tiny-llama", 4, eos)
-        return HybridEngine(model, OptimSettings(lr=1e-3), 10, rt,
-                            ShardSettings(zero_stage=3, zeropp=zeropp))
+        return HybridEngine(model, OptimConfig(), 10, rt,
+                            ShardSettings(zero_stage=3, zeropp=zeropp, zeropp_quantize=quantize),
+                            lr=1e-3)
 
     def rollouts(e: HybridEngine) -> tuple[list[torch.Tensor], CommMeter]:
         with CommMeter(ranks_per_node=PER_NODE) as meter:
@@ -239,9 +241,9 @@ def hybrid_checks() -> dict:
     def everywhere(flag: bool) -> bool:
         return rt.total(float(not flag))[0] == 0
 
-    plain, plain_meter = rollouts(engine(ZeroPPSettings()))
-    exact, exact_meter = rollouts(engine(ZeroPPSettings(**every, quantize=False)))
-    quantized = engine(ZeroPPSettings(**every))
+    plain, plain_meter = rollouts(engine(ZeroPPConfig()))
+    exact, exact_meter = rollouts(engine(ZeroPPConfig(**every), quantize=False))
+    quantized = engine(ZeroPPConfig(**every))
     before = shards(quantized)
     _, meter = rollouts(quantized)
     after_first = shards(quantized)
@@ -251,7 +253,7 @@ def hybrid_checks() -> dict:
     with torch.no_grad():
         loss_after = loss(quantized)
     after = shards(quantized)
-    twin = engine(ZeroPPSettings(**every))              # never generates
+    twin = engine(ZeroPPConfig(**every))                # never generates
     with torch.no_grad():
         twin_loss = loss(twin)
     for e in (quantized, twin):
