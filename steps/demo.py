@@ -10,7 +10,7 @@ distribution, the better one is `chosen`. SFT on `chosen` therefore imitates a m
 of good and mediocre answers; the reward model learns the rule from comparisons; PPO
 pushes the policy past what it saw in the data.
 
-Two tasks (`data.demo_task`):
+Three tasks (`data.demo_task`):
 - `digits` ("Give me some even digits."): some of its pairs hold hand-made degenerate
   answers (empty, too short, digits run together), so its reward model learns to score
   them low.
@@ -20,12 +20,14 @@ Two tasks (`data.demo_task`):
   an unguarded step 3 can hack it.
 - `pick` ("Which of 3 8 5 2 9 are even?"): list the prompt's digits that obey the rule,
   each once, and stop. Its answers have a natural end (after the last such digit), and its
-  pairs never go past it: answers drop some of the right digits and slip in some wrong ones
-  of the prompt, but never list more digits than the prompt holds, never repeat one, and
-  only rarely name a digit the prompt lacks. So its reward model learns "more digits of
-  the rule, fewer others" well and "only the prompt's, each once, then stop" barely: it is
-  good on the SFT model's answers (best-of-n by it beats greedy) and blind to running on,
-  the task on which step 3 can end below the model it started from.
+  pairs never go past it: answers drop some of the right digits and slip in some wrong
+  ones of the prompt, rarely name a digit of the rule that the prompt lacks, and never
+  repeat one or list more digits than the prompt. Checking an answer against the prompt
+  is hard for the tiny models: the SFT model copies badly (greedy ground truth about 0.4)
+  and the reward model ranks held-out pairs imperfectly; and it never saw answers that run
+  on, repeat or invent digits, which are just what a drifting policy writes. The task on
+  which step 3 with the demo's fixed KL penalty ends below the SFT model it started from
+  (`python bench/step3_quality.py --task pick`).
 """
 
 from __future__ import annotations
@@ -138,17 +140,15 @@ def _pick_prompt(rng: random.Random, rule: str) -> tuple[str, list[int]]:
 def _pick_answer(rng: random.Random, rule: str, items: list[int]) -> str:
     """A noisy answer to a `pick` prompt, in the prompt's order: each right digit kept with a
     per-answer probability, each wrong one of the prompt slipped in with another; now and
-    then one digit replaced by a digit of the rule that the prompt lacks, or one said twice.
-    Never more digits than the prompt lists, plus one."""
+    then one right digit replaced by a digit of the rule that the prompt lacks. Never a
+    repeat, nor more digits than the prompt lists."""
     follows = RULES[rule]
-    p_keep, p_wrong = rng.uniform(0.4, 1.0), rng.uniform(0.0, 0.4)
+    p_keep, p_wrong = rng.uniform(0.3, 1.0), rng.uniform(0.0, 0.4)
     digits = [d for d in items if rng.random() < (p_keep if follows(d) else p_wrong)]
     outside = [d for d in range(10) if follows(d) and d not in items]
-    if digits and outside and rng.random() < 0.25:
-        digits[rng.randrange(len(digits))] = rng.choice(outside)
-    if digits and rng.random() < 0.15:
-        i = rng.randrange(len(digits))
-        digits.insert(i, digits[i])
+    right = [i for i, d in enumerate(digits) if follows(d)]
+    if outside and right and rng.random() < 0.1:
+        digits[rng.choice(right)] = rng.choice(outside)
     return "".join(f" {d}" for d in digits)
 
 

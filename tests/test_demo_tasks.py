@@ -49,7 +49,11 @@ def test_pick_pairs_are_well_formed_and_ordered():
         for answer in (pair.chosen, pair.rejected):
             tokens = answer.split()
             assert all(len(t) == 1 and t.isdigit() for t in tokens)
-            assert len(tokens) <= len(listed) + 1            # never far past the natural end
+            # never a repeat, at most one digit the prompt lacks (and then one of the rule):
+            # never past the natural end
+            assert len(set(tokens)) == len(tokens) <= len(listed)
+            invented = [int(t) for t in tokens if int(t) not in listed]
+            assert len(invented) <= 1 and all(map(follows, invented))
         assert demo.score(pair.prompt, pair.chosen) > demo.score(pair.prompt, pair.rejected)
     assert demo.make_pairs(50, seed=5, task="pick") == pairs[:50]
     with pytest.raises(ValueError, match="pick"):
