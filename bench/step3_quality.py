@@ -19,7 +19,8 @@ token of the answer, its EOS when it ended, its last token when cut off).
 Run:  python bench/step3_quality.py --task pick --seeds 1234 99 7 \\
           [--setting defaults] [--setting nokl ppo.kl_coef=0] [--root DIR] [--out FILE]
       (--setting NAME [OVERRIDE ...], repeatable; default: `defaults` with no overrides.
-      About 2.5 min per seed plus 1 min per setting, 2 CPU cores.)
+      On 2 idle CPU cores about 1.5 min per seed for steps 1-2 and the baselines, plus
+      1 min per setting; several times that on shared cores.)
 Runs already finished under --root are read, not run again.
 """
 
