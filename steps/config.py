@@ -41,7 +41,8 @@ class DataConfig:
     max_prompt_len: int = val(256, "longer prompts are dropped (and counted)", COUNT)
     max_answer_len: int = val(256, "longer answers are truncated", COUNT)
     demo_pairs: int = val(4000, "size of the built-in demo data set", COUNT)
-    demo_task: str = val("digits", 'what "demo" generates: digits | distinct (steps/demo.py)')
+    demo_task: str = val("digits", 'what "demo" generates: digits | distinct | pick '
+                         '(steps/demo.py)')
 
 
 @dataclass

@@ -1,0 +1,204 @@
+"""Does step 3 beat best-of-n? Step 3's ground truth against the baselines it should beat,
+on a built-in demo task (data.demo_task), on CPU, through train.py (subprocesses).
+
+Per seed: steps 1-2 once (`python train.py --step 1 2 seed=S data.demo_task=T`), then on
+step 3's own held-out evaluation prompts (the same 64 it scores before and after):
+  - the reward model's held-out pair accuracy (step 2's eval/accuracy);
+  - the SFT model's greedy answer's ground truth (steps.demo.score);
+  - n answers sampled at temperature 1 (row-seeded; sample 0 is step 3's own "before"
+    evaluation): their mean ground truth, the ground truth of the reward model's favourite
+    (best-of-n) and least favourite (worst-of-n), the favourite's mean reward-model score,
+    and the best ground truth among them (oracle best-of-n, a ceiling);
+  - step 3 under each named setting (hydra overrides on top of the demo recipe), from the
+    same step-1/2 models: its final ground truth (eval/ground_truth_after, sampled), the
+    exported actor's greedy ground truth, and over its last 10 iterations the KL per answer
+    to the reference (reward/kl), the share of answers ended with EOS, and their length.
+The reward model scores exactly as step 3 does (steps.scoring.RewardScorer: at the last
+token of the answer, its EOS when it ended, its last token when cut off).
+
+Run:  python bench/step3_quality.py --task pick --seeds 1234 99 7 \\
+          [--setting defaults] [--setting nokl ppo.kl_coef=0] [--root DIR] [--out FILE]
+      (--setting NAME [OVERRIDE ...], repeatable; default: `defaults` with no overrides.
+      On 2 idle CPU cores about 1.5 min per seed for steps 1-2 and the baselines, plus
+      1 min per setting; several times that on shared cores.)
+Runs already finished under --root are read, not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quantized_base import rows, train  # noqa: E402
+
+from engine.generation import SamplingSettings, generate  # noqa: E402
+from engine.models import load_causal_lm, load_reward_model, load_tokenizer  # noqa: E402
+from steps import demo  # noqa: E402
+from steps.ppo import row_seeds  # noqa: E402
+from steps.rlhf import answer_mask  # noqa: E402
+from steps.scoring import RewardScorer  # noqa: E402
+from steps.tokenize import collate_prompts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {"defaults": []}
+BASELINES = ("rm accuracy", "SFT greedy GT", "SFT sample GT (mean)", "best-of-n GT",
+             "best-of-n RM score", "worst-of-n GT", "oracle best-of-n GT")
+STEP3 = ("step 3 GT (sampled)", "step 3 greedy GT", "step 3 KL (last 10)",
+         "step 3 ended with EOS", "step 3 answer length", "step 3 RM score")
+
+
+def eval_prompts(seed: int, overrides: list[str], actor_dir: Path
+                 ) -> tuple[list[list[int]], list[str], int]:
+    """Step 3's held-out prompts (token ids, texts) exactly as steps/ppo.py picks them, and
+    the answer length limit (data.max_answer_len)."""
+    import train as cli
+    from steps.data import load_blend
+    from steps.ppo import load_prompts
+
+    cfg = cli.build_config(cli.parse_args([f"seed={seed}", *overrides]))
+    _, _, ppo_pairs = load_blend(list(cfg.data.path), list(cfg.data.split), cfg.seed,
+                                 demo_pairs=lambda: demo.make_pairs(
+                                     cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task))
+    tokenizer = load_tokenizer(str(actor_dir))
+    prompts = load_prompts(cfg, tokenizer, ppo_pairs, [])
+    return prompts.eval, prompts.eval_texts, cfg.data.max_answer_len
+
+
+@torch.no_grad()
+def answers(model, tokenizer, prompt_ids: list[list[int]], sampling: SamplingSettings,
+            seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Sequences [B, P+N], their attention masks (prompt + answer up to EOS), answer texts."""
+    batch = collate_prompts(prompt_ids, tokenizer.pad_token_id)
+    sequences = generate(model, batch["input_ids"], batch["attention_mask"], sampling,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         row_seeds=seeds, synced=False)
+    p = batch["input_ids"].shape[1]
+    answered = answer_mask(sequences[:, p:], tokenizer.eos_token_id)
+    mask = torch.cat([batch["attention_mask"], answered.long()], 1)
+    return sequences, mask, tokenizer.batch_decode(sequences[:, p:], skip_special_tokens=True)
+
+
+def greedy_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str],
+                 max_len: int) -> float:
+    tokenizer = load_tokenizer(str(actor_dir))
+    model = load_causal_lm(str(actor_dir), tokenizer).eval()
+    _, _, said = answers(model, tokenizer, prompt_ids,
+                         SamplingSettings(max_len, do_sample=False), None)
+    return statistics.fmean(demo.score(p, a) for p, a in zip(texts, said, strict=True))
+
+
+def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len: int,
+              seed: int, n: int) -> dict[str, float]:
+    """The baselines from n row-seeded samples of the SFT model per prompt."""
+    tokenizer = load_tokenizer(str(base / "actor"))
+    actor = load_causal_lm(str(base / "actor"), tokenizer).eval()
+    scorer = RewardScorer(load_reward_model(str(base / "reward"), tokenizer).eval(),
+                          tokenizer, tokenizer, torch.device("cpu"))
+    truths, scores = [], []
+    rows_ = list(range(len(prompt_ids)))
+    for j in range(n):   # sample 0 uses step 3's evaluation seeds
+        seeds = row_seeds(seed, 0, [j * len(rows_) + i for i in rows_])
+        sequences, mask, said = answers(actor, tokenizer, prompt_ids,
+                                        SamplingSettings(max_len), seeds)
+        scores.append(scorer(sequences, mask).tolist())
+        truths.append([demo.score(p, a) for p, a in zip(texts, said, strict=True)])
+    best = [max(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
+    worst = [min(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
+    return {"SFT sample GT (mean)": statistics.fmean(t for row in truths for t in row),
+            "best-of-n GT": statistics.fmean(truths[best[i]][i] for i in rows_),
+            "best-of-n RM score": statistics.fmean(scores[best[i]][i] for i in rows_),
+            "worst-of-n GT": statistics.fmean(truths[worst[i]][i] for i in rows_),
+            "oracle best-of-n GT": statistics.fmean(max(t[i] for t in truths) for i in rows_)}
+
+
+def step3(out: Path, base: Path, seed: int, flags: list[str], prompts) -> dict[str, float]:
+    """Step 3 from the seed's step-1/2 models; its figures."""
+    if not (out / "step3" / "actor" / "config.json").exists():
+        train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
+              f"ppo.reward_path={base / 'reward'}", *flags)
+    metrics = rows(out / "step3" / "metrics.jsonl")
+    last = [r for r in metrics if "reward/kl" in r][-10:]
+    return {"step 3 GT (sampled)": metrics[-1]["eval/ground_truth_after"],
+            "step 3 greedy GT": greedy_truth(out / "step3" / "actor", *prompts),
+            "step 3 KL (last 10)": statistics.fmean(r["reward/kl"] for r in last),
+            "step 3 ended with EOS": statistics.fmean(r["answer/ended_with_eos"] for r in last),
+            "step 3 answer length": statistics.fmean(r["answer/length"] for r in last),
+            "step 3 RM score": metrics[-1]["eval/reward_after"]}
+
+
+def one_seed(root: Path, seed: int, task: str, settings: dict[str, list[str]],
+             extra: list[str], n: int) -> tuple[dict[str, float], int]:
+    """The seed's figures (steps 1-2 and each step-3 setting run when not already under
+    `root`) and the number of held-out prompts they were measured on."""
+    common = [f"data.demo_task={task}", *extra]
+    base = root / f"{task}-steps12-{seed}"
+    if not (base / "reward" / "config.json").exists():
+        train(base, "--step", "1", "2", f"seed={seed}", *common)
+    prompts = eval_prompts(seed, common, base / "actor")
+    result = {"rm accuracy": rows(base / "step2" / "metrics.jsonl")[-1]["eval/accuracy"],
+              "SFT greedy GT": greedy_truth(base / "actor", *prompts),
+              **best_of_n(base, *prompts, seed, n)}
+    print(f"seed {seed} baselines: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()),
+          flush=True)
+    for name, flags in settings.items():
+        figures = step3(root / f"{task}-{name}-{seed}", base, seed, [*common, *flags], prompts)
+        result.update({f"[{name}] {k}": v for k, v in figures.items()})
+    print(f"seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
+    return result, len(prompts[0])
+
+
+def table(results: dict[int, dict[str, float]], n: int) -> str:
+    """One row per measure, one column per seed, then mean ± sd over the seeds."""
+    seeds = list(results)
+    head = f"{'measure':<38}" + "".join(f"{f'seed {s}':>11}" for s in seeds) + "   mean ± sd"
+    lines = [head, "-" * len(head)]
+    for key in results[seeds[0]]:
+        values = [results[s][key] for s in seeds]
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        label = key.replace("-of-n", f"-of-{n}")
+        lines.append(f"{label:<38}" + "".join(f"{v:>11.3f}" for v in values)
+                     + f"   {statistics.fmean(values):.3f} ± {sd:.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="pick", choices=demo.TASKS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234])
+    parser.add_argument("--setting", nargs="+", action="append", metavar=("NAME", "OVERRIDE"),
+                        help="a step-3 setting: its name, then hydra overrides (repeatable)")
+    parser.add_argument("--overrides", nargs="*", default=[],
+                        help="hydra overrides for every run (steps 1-3), e.g. data.demo_pairs=")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt for best-of-n")
+    parser.add_argument("--root", type=Path, help="run directory (default: a temp dir)")
+    parser.add_argument("--out", type=Path, help="also write the table here")
+    args = parser.parse_args()
+    transformers.logging.disable_progress_bar()
+    settings = {s[0]: s[1:] for s in args.setting} if args.setting else SETTINGS
+    root = args.root or Path(tempfile.mkdtemp(prefix="step3-quality-"))
+    command = f"python bench/step3_quality.py {shlex.join(sys.argv[1:])}"
+    print(f"command: {command}\nruns under {root}", flush=True)
+    results, count = {}, 0
+    for seed in args.seeds:
+        results[seed], count = one_seed(root, seed, args.task, settings, args.overrides, args.n)
+    described = "; ".join(f"{k}: {' '.join(v) or 'the demo recipe'}" for k, v in settings.items())
+    report = (f"command: {command}\ntask {args.task}; step-3 settings: {described}\n"
+              f"GT = steps.demo.score on step 3's {count} held-out prompts; {args.n} samples "
+              f"per prompt at temperature 1\n\n" + table(results, args.n))
+    print("\n" + report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
