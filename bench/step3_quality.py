@@ -13,8 +13,8 @@ step 3's own held-out evaluation prompts (the same 64 it scores before and after
     same step-1/2 models: its final ground truth (eval/ground_truth_after, sampled), the
     exported actor's greedy ground truth, and over its last 10 iterations the KL per answer
     to the reference (reward/kl), the share of answers ended with EOS, and their length.
-The reward model scores exactly as step 3 does (steps.scoring.RewardScorer: at the last
-token of the answer, its EOS when it ended, its last token when cut off).
+The reward model scores exactly as step 3 does (steps.scoring.RewardScorer: at the EOS
+that ends the answer, appended when it was cut off).
 
 Run:  python bench/step3_quality.py --task pick --seeds 1234 99 7 \\
           [--setting defaults] [--setting nokl ppo.kl_coef=0] [--root DIR] [--out FILE]
