@@ -145,3 +145,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     root = hf_model(model)
     if isinstance(root, FSDPModule):
         root.set_requires_gradient_sync(enabled)
+
+
+def resharded(model: nn.Module) -> nn.Module:
+    """`model` with every FSDP2 unit's parameters sharded again. A forward without a
+    backward (an evaluation) leaves the root unit's parameters unsharded, plain tensors in
+    place of its DTensors; copies of the parameters must all be of one kind."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model

@@ -30,7 +30,7 @@ from engine.errors import NonFiniteError
 from engine.export import save_hf
 from engine.lora import is_lora_param
 from engine.models import sequence_scores, token_values
-from engine.parallel import ShardSettings, set_gradient_sync, shard
+from engine.parallel import ShardSettings, resharded, set_gradient_sync, shard
 from engine.runtime import Runtime
 
 BETAS = (0.9, 0.95)   # AdamW's
@@ -173,7 +173,8 @@ class TrainEngine:
     def copy_weights(self, trainable_only: bool = False) -> Tensors:
         """A detached copy of the parameters (`trainable_only`: those that train, e.g. LoRA
         adapters alone), sharded as they are (e.g. an EMA, a best-so-far policy)."""
-        return Tensors({name: p.detach().clone() for name, p in self.module.named_parameters()
+        return Tensors({name: p.detach().clone()
+                        for name, p in resharded(self.module).named_parameters()
                         if p.requires_grad or not trainable_only})
 
     def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None) -> Path:
@@ -186,7 +187,8 @@ class TrainEngine:
             require_finite(self.module.parameters(), self.runtime, what)
             return save_hf(self.module, tokenizer, out_dir, self.runtime)
         require_finite(weights.tensors.values(), self.runtime, what)
-        live, params = self.copy_weights(), Tensors(dict(self.module.named_parameters()))
+        live = self.copy_weights()
+        params = Tensors(dict(resharded(self.module).named_parameters()))
         params.load_state_dict(weights.tensors)   # copied in place, by name
         try:
             return save_hf(self.module, tokenizer, out_dir, self.runtime)

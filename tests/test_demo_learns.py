@@ -53,7 +53,9 @@ def grpo_run(demo_run, tmp_path_factory):
                        f"ppo.actor_path={demo_run / 'actor'}",
                        f"ppo.reward_path={demo_run / 'reward'}", "ppo.algorithm=grpo",
                        "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
-                       "ppo.epochs=1"]) == 0
+                       "ppo.epochs=1",
+                       # the default run above shows the baseline and the evaluations
+                       "ppo.best_of_n=0", "ppo.eval_every=0"]) == 0
     return out
 
 

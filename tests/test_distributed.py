@@ -100,7 +100,9 @@ def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_
             for key, value in row_want.items():
                 # a gradient norm sums the squares of every shard's gradients, in an order
                 # that depends on the sharding: it rounds differently by a few 1e-5
-                loose = 10 if key.endswith("grad_norm") else 1
+                # (so, since step 2 reads every answer at EOS, does the critic's value mean
+                # after a few updates: 4.5e-5 at iteration 3 of the two-rank run)
+                loose = 10 if key.endswith(("grad_norm", "value/mean")) else 1
                 assert row_got[key] == pytest.approx(value, rel=rtol * loose, abs=atol), \
                     f"step {step} row {row_want['step']} {key}"
     for name in models:
@@ -163,7 +165,9 @@ def test_grpo_on_two_ranks_matches_one_process(single, grpo_two_ranks, tmp_path)
     _assert_same_run(grpo_two_ranks, tmp_path, rtol=1e-5, atol=1e-5, weight_max=2e-4,
                      weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"))
     rows = [r for r in _rows(tmp_path, 3) if "kl_coef" in r]
-    assert len({r["kl_coef"] for r in rows}) == len(rows) > 3     # it adapted
+    coefs = [r["kl_coef"] for r in rows]
+    assert len(set(coefs)) > 3                          # it adapted,
+    assert min(coefs) >= 0.05 - 1e-9                    # never below ppo.kl_coef (its floor)
     assert "train/kl_loss" in rows[0] and "train/value_loss" not in rows[0]
     assert not (tmp_path / "step3" / "critic").exists()
 
@@ -340,7 +344,7 @@ def test_zeropp_on_2x2_nodes_tracks_one_process(single, zeropp_run):
     for got, want in pairs[3]:
         if "train/ptx_loss" in want:
             assert _rel(got["train/ptx_loss"], want["train/ptx_loss"]) < 1e-2, want["step"]
-    first, first_single = pairs[3][0]
+    first, first_single = next(pair for pair in pairs[3] if "reward/kl" in pair[1])
     assert first_single["reward/kl"] == pytest.approx(0, abs=1e-6)
     assert 1e-4 < abs(first["reward/kl"]) < 5e-2
     for name in MODEL_DIRS:
