@@ -10,9 +10,12 @@ step 3's own held-out evaluation prompts (the same 64 it scores before and after
     (best-of-n) and least favourite (worst-of-n), the favourite's mean reward-model score,
     and the best ground truth among them (oracle best-of-n, a ceiling);
   - step 3 under each named setting (hydra overrides on top of the demo recipe), from the
-    same step-1/2 models: its final ground truth (eval/ground_truth_after, sampled), the
-    exported actor's greedy ground truth, and over its last 10 iterations the KL per answer
-    to the reference (reward/kl), the share of answers ended with EOS, and their length.
+    same step-1/2 models: the last policy's ground truth (eval/ground_truth_after, sampled)
+    and the exported one's (ppo.export: the best evaluated policy, or the last), with the
+    exported policy's iteration, KL to the reference, greedy ground truth and mean ground
+    truth over n fresh samples per prompt (seeds its evaluations never used); over the last
+    10 iterations the KL per answer to the reference (reward/kl), the share of answers ended
+    with EOS, and their length.
 The reward model scores exactly as step 3 does (steps.scoring.RewardScorer: at the EOS
 that ends the answer, appended when it was cut off).
 
@@ -50,10 +53,8 @@ from steps.tokenize import collate_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"defaults": []}
-BASELINES = ("rm accuracy", "SFT greedy GT", "SFT sample GT (mean)", "best-of-n GT",
-             "best-of-n RM score", "worst-of-n GT", "oracle best-of-n GT")
-STEP3 = ("step 3 GT (sampled)", "step 3 greedy GT", "step 3 KL (last 10)",
-         "step 3 ended with EOS", "step 3 answer length", "step 3 RM score")
+FRESH_SEED_OFFSET = 10_000
+
 
 
 def eval_prompts(seed: int, overrides: list[str], actor_dir: Path
@@ -96,6 +97,20 @@ def greedy_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str],
     return statistics.fmean(demo.score(p, a) for p, a in zip(texts, said, strict=True))
 
 
+def sampled_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str],
+                  max_len: int, seed: int, n: int) -> float:
+    """Mean ground truth of n fresh samples per prompt (seeds step 3 never evaluated with,
+    so a policy picked by its evaluations is not measured on the samples that picked it)."""
+    tokenizer = load_tokenizer(str(actor_dir))
+    model = load_causal_lm(str(actor_dir), tokenizer).eval()
+    rows_, truths = range(len(prompt_ids)), []
+    for j in range(n):
+        seeds = row_seeds(seed + FRESH_SEED_OFFSET, 0, [j * len(rows_) + i for i in rows_])
+        _, _, said = answers(model, tokenizer, prompt_ids, SamplingSettings(max_len), seeds)
+        truths += [demo.score(p, a) for p, a in zip(texts, said, strict=True)]
+    return statistics.fmean(truths)
+
+
 def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len: int,
               seed: int, n: int) -> dict[str, float]:
     """The baselines from n row-seeded samples of the SFT model per prompt."""
@@ -120,19 +135,26 @@ def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len
             "oracle best-of-n GT": statistics.fmean(max(t[i] for t in truths) for i in rows_)}
 
 
-def step3(out: Path, base: Path, seed: int, flags: list[str], prompts) -> dict[str, float]:
+def step3(out: Path, base: Path, seed: int, flags: list[str], prompts, n: int
+          ) -> dict[str, float]:
     """Step 3 from the seed's step-1/2 models; its figures."""
     if not (out / "step3" / "actor" / "config.json").exists():
         train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
               f"ppo.reward_path={base / 'reward'}", *flags)
     metrics = rows(out / "step3" / "metrics.jsonl")
     last = [r for r in metrics if "reward/kl" in r][-10:]
-    return {"step 3 GT (sampled)": metrics[-1]["eval/ground_truth_after"],
-            "step 3 greedy GT": greedy_truth(out / "step3" / "actor", *prompts),
+    summary = metrics[-1]
+    return {"step 3 last GT (sampled)": summary["eval/ground_truth_after"],
+            "step 3 exported GT (sampled)": summary["eval/ground_truth_exported"],
+            "step 3 exported iteration": summary["eval/iteration_exported"],
+            "step 3 exported KL": summary["eval/kl_exported"],
+            "step 3 exported GT (fresh samples)": sampled_truth(out / "step3" / "actor",
+                                                                *prompts, seed, n),
+            "step 3 exported greedy GT": greedy_truth(out / "step3" / "actor", *prompts),
             "step 3 KL (last 10)": statistics.fmean(r["reward/kl"] for r in last),
             "step 3 ended with EOS": statistics.fmean(r["answer/ended_with_eos"] for r in last),
             "step 3 answer length": statistics.fmean(r["answer/length"] for r in last),
-            "step 3 RM score": metrics[-1]["eval/reward_after"]}
+            "step 3 last RM score": summary["eval/reward_after"]}
 
 
 def one_seed(root: Path, seed: int, task: str, settings: dict[str, list[str]],
@@ -150,7 +172,8 @@ def one_seed(root: Path, seed: int, task: str, settings: dict[str, list[str]],
     print(f"seed {seed} baselines: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()),
           flush=True)
     for name, flags in settings.items():
-        figures = step3(root / f"{task}-{name}-{seed}", base, seed, [*common, *flags], prompts)
+        figures = step3(root / f"{task}-{name}-{seed}", base, seed, [*common, *flags], prompts,
+                        n)
         result.update({f"[{name}] {k}": v for k, v in figures.items()})
     print(f"seed {seed}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
     return result, len(prompts[0])
@@ -159,13 +182,14 @@ def one_seed(root: Path, seed: int, task: str, settings: dict[str, list[str]],
 def table(results: dict[int, dict[str, float]], n: int) -> str:
     """One row per measure, one column per seed, then mean ± sd over the seeds."""
     seeds = list(results)
-    head = f"{'measure':<38}" + "".join(f"{f'seed {s}':>11}" for s in seeds) + "   mean ± sd"
+    labels = {key: key.replace("-of-n", f"-of-{n}") for key in results[seeds[0]]}
+    width = max(map(len, labels.values())) + 2
+    head = f"{'measure':<{width}}" + "".join(f"{f'seed {s}':>11}" for s in seeds) + "   mean ± sd"
     lines = [head, "-" * len(head)]
-    for key in results[seeds[0]]:
+    for key, label in labels.items():
         values = [results[s][key] for s in seeds]
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        label = key.replace("-of-n", f"-of-{n}")
-        lines.append(f"{label:<38}" + "".join(f"{v:>11.3f}" for v in values)
+        lines.append(f"{label:<{width}}" + "".join(f"{v:>11.3f}" for v in values)
                      + f"   {statistics.fmean(values):.3f} ± {sd:.3f}")
     return "\n".join(lines)
 
