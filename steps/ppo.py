@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from engine.checkpoint import Tensors
@@ -638,11 +639,17 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
     """[B, N] fp32 log-probability of each answer token under `model` at the sampling
-    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T)."""
+    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T).
+    The model's head runs on the N + 1 last positions only (`logits_to_keep`): the prompt's
+    logits are never made."""
+    answer_len = sequences.shape[1] - prompt_len
     logits = model(input_ids=sequences, attention_mask=attention_mask,
-                   position_ids=position_ids(attention_mask)).logits
-    return logprobs_of_tokens(logits[:, prompt_len - 1:-1], sequences[:, prompt_len:],
-                              temperature)
+                   position_ids=position_ids(attention_mask),
+                   logits_to_keep=answer_len + 1).logits
+    # the last position's log-prob (of a stand-in token 0) is dropped: slicing the logits
+    # instead would make the backward fill a zero [B, N + 1, V] gradient to copy into
+    answers = F.pad(sequences[:, prompt_len:], (0, 1))
+    return logprobs_of_tokens(logits, answers, temperature)[:, :-1]
 
 
 def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,

@@ -69,18 +69,55 @@ def answer_mask(answer_ids: Tensor, eos_token_id: int | Sequence[int] | None) ->
     return (eos_strictly_before == 0).to(torch.float32)
 
 
-def logprobs_of_tokens(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+LOGPROB_CHUNK = 2**24   # elements of a float32 [rows, T, V] chunk (64 MiB) made at one time
+
+
+def logprobs_of_tokens(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
+                       chunk: int = LOGPROB_CHUNK) -> Tensor:
     """float32 [B, T] log-probability ``log_softmax(logits / temperature)[b, t, tokens[b, t]]``
     of ``tokens`` [B, T] under ``logits`` [B, T, V] of any float dtype: ``logits[:, t]`` is
     the distribution of ``tokens[:, t]`` (no shifting is done here). ``temperature``: the
     one the tokens were sampled at, so that the log-probs are those of the sampling
-    distribution."""
-    if temperature != 1.0:   # in fp32: a bf16 quotient would round the logits again
-        logits = logits.float() / temperature
-    # One extra [B, T, V] float32 tensor (the log-softmax); on CUDA a bf16 input is read
-    # directly by the kernel (half_to_float), without a separate float copy of the logits.
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    return torch.gather(logp, dim=-1, index=tokens.unsqueeze(-1)).squeeze(-1)
+    distribution.
+
+    Fused and chunked: no float32 [B, T, V] tensor is made, forward or backward, and the
+    logits (a view, e.g. ``logits[:, :-1]``) are not copied. The forward takes as many rows
+    at a time as fit in ``chunk`` float32 elements (at least one) and keeps only the [B, T]
+    log-sum-exp for the backward, which recomputes each chunk's softmax:
+    d logp / d logits = (onehot(token) - softmax(logits / T)) / T, returned in the logits'
+    dtype (the one [B, T, V] tensor the backward has to make)."""
+    rows = max(1, chunk // (tokens.shape[1] * logits.shape[-1]))
+    return _TokenLogprobs.apply(logits, tokens, temperature, rows)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, rows: int):
+        out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for b in range(0, tokens.shape[0], rows):
+            part = slice(b, b + rows)
+            # a float32 copy (also of float32 logits: divided in place), chunk-sized
+            scaled = logits[part].to(torch.float32, copy=True).div_(temperature)
+            lse[part] = torch.logsumexp(scaled, dim=-1)
+            out[part] = scaled.gather(-1, tokens[part, :, None]).squeeze(-1) - lse[part]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b in range(0, tokens.shape[0], ctx.rows):
+            part = slice(b, b + ctx.rows)
+            # (onehot(token) - softmax(x / T)) * upstream / T, in place on one float32 copy
+            chunk = logits[part].to(torch.float32, copy=True).div_(t)
+            chunk.sub_(lse[part, :, None]).exp_().neg_()
+            chunk.scatter_add_(-1, tokens[part, :, None], torch.ones_like(chunk[..., :1]))
+            grad[part] = chunk.mul_(grad_out[part, :, None].float() / t)
+        return grad, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +487,8 @@ def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100,
     """Causal-LM cross entropy; ``logits[:, t]`` predicts ``labels[:, t + 1]``.
 
     Args:
-        logits: [B, T, V] model outputs for ``input_ids`` [B, T] (any float dtype; float32 math).
+        logits: [B, T, V] model outputs for ``input_ids`` [B, T] (any float dtype; float32
+            math, without a float32 copy of the logits: see logprobs_of_tokens).
         labels: LongTensor [B, T] aligned with ``input_ids``; ``ignore_index`` marks positions
             that are not trained on (prompt, padding).
         num_tokens: the count the mean divides by; default the batch's target tokens (give
@@ -460,11 +498,11 @@ def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100,
         scalar: mean cross entropy over the non-ignored target tokens of the whole batch
         (0, not NaN, when every label is ignored).
     """
-    vocab = logits.shape[-1]
-    targets = labels[:, 1:].reshape(-1)
-    total = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), targets,
-                            ignore_index=ignore_index, reduction="sum")
-    count = num_tokens if num_tokens is not None else (targets != ignore_index).sum()
+    targets = labels[:, 1:]
+    trained = targets != ignore_index
+    logprobs = logprobs_of_tokens(logits[:, :-1], targets.masked_fill(~trained, 0))
+    total = -torch.where(trained, logprobs, torch.zeros((), device=logits.device)).sum()
+    count = num_tokens if num_tokens is not None else trained.sum()
     return total / max(int(count), 1)
 
 

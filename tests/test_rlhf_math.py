@@ -116,6 +116,60 @@ def test_logprobs_of_tokens_hand_computed():
     close(out_bf16, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 55, 110, 121, 2**24])
+def test_chunked_logprobs_equal_the_full_log_softmax(dtype, temperature, chunk):
+    """Values and gradients of the fused, chunked log-probs equal autograd through a full
+    float32 log_softmax to rounding, for chunks of 1 row (chunk <= T * V = 55), 2 rows (110,
+    121: the last chunk shorter) and all 3; the gradient comes back in the logits' dtype and
+    float32 logits are left as they were."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 11)).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 11, (3, 5))
+    upstream = torch.randn(3, 5)
+    before = logits.detach().clone()
+    got = logprobs_of_tokens(logits, tokens, temperature, chunk=chunk)
+    (got_grad,) = torch.autograd.grad((got * upstream).sum(), logits)
+    want = torch.log_softmax(logits.float() / temperature, -1).gather(-1, tokens[..., None])
+    (want_grad,) = torch.autograd.grad((want.squeeze(-1) * upstream).sum(), logits)
+    assert got.dtype == torch.float32 and got_grad.dtype == dtype
+    torch.testing.assert_close(got, want.squeeze(-1), rtol=0, atol=2e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-6)
+    assert torch.equal(logits.detach(), before)
+
+
+def test_chunked_logprobs_keep_no_float32_vocab_sized_tensor_for_backward():
+    """What autograd keeps for the backward of bf16 logits [B, T, V]: the logits themselves
+    (already alive as the model's output) and a [B, T] log-sum-exp, no float32 [B, T, V]
+    copy (a log_softmax(dtype=float32) keeps one: the memory issue 22 measured)."""
+    saved = []
+
+    def keep(tensor):
+        saved.append((tensor.dtype, tensor.numel()))
+        return tensor
+
+    logits = torch.randn(4, 6, 50, dtype=torch.bfloat16, requires_grad=True)
+    tokens = torch.randint(0, 50, (4, 6))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logprobs_of_tokens(logits, tokens, 0.7, chunk=2 * 6 * 50)
+    assert (torch.float32, logits.numel()) not in saved
+    assert sum(n for dtype, n in saved if dtype == torch.float32) == 4 * 6   # the lse
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):   # the old way
+        torch.log_softmax(logits, -1, dtype=torch.float32)
+    assert (torch.float32, logits.numel()) in saved
+
+
+def test_chunked_logprob_gradient_hand_computed():
+    # d log softmax(x / T)_k / d x_j = (1[j = k] - softmax(x / T)_j) / T
+    # x = [0, ln 3] at T = 1: softmax = [1/4, 3/4]; token 0 -> [3/4, -3/4]
+    logits = torch.tensor([[[0.0, math.log(3.0)]]], requires_grad=True)
+    out = logprobs_of_tokens(logits, torch.tensor([[0]]))
+    close(out, [[math.log(0.25)]])
+    out.sum().backward()
+    close(logits.grad, [[[0.75, -0.75]]])
+
+
 # --------------------------------------------------------------------------------------------
 # kl_penalized_rewards
 # --------------------------------------------------------------------------------------------
