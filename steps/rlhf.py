@@ -81,42 +81,42 @@ def logprobs_of_tokens(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
     distribution.
 
     Fused and chunked: no float32 [B, T, V] tensor is made, forward or backward, and the
-    logits (a view, e.g. ``logits[:, :-1]``) are not copied. The forward takes as many rows
-    at a time as fit in ``chunk`` float32 elements (at least one) and keeps only the [B, T]
-    log-sum-exp for the backward, which recomputes each chunk's softmax:
+    logits (a view, e.g. ``logits[:, :-1]``) are not copied. Both passes take as many rows
+    at a time as fit in ``chunk`` float32 elements (at least one); the forward keeps nothing
+    but its inputs, and the backward recomputes each chunk's softmax:
     d logp / d logits = (onehot(token) - softmax(logits / T)) / T, returned in the logits'
-    dtype (the one [B, T, V] tensor the backward has to make)."""
+    dtype (the one [B, T, V] tensor the backward has to make). torch's own (log_)softmax
+    kernels do the arithmetic, so values and gradients round as a full log_softmax does."""
     rows = max(1, chunk // (tokens.shape[1] * logits.shape[-1]))
     return _TokenLogprobs.apply(logits, tokens, temperature, rows)
+
+
+def _scaled_chunks(logits: Tensor, temperature: float, rows: int):
+    """(slice of rows, float32 logits / temperature of those rows): a fresh chunk each."""
+    for b in range(0, logits.shape[0], rows):
+        part = slice(b, b + rows)
+        yield part, logits[part].to(torch.float32, copy=True).div_(temperature)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, rows: int):
         out = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
-        lse = torch.empty_like(out)
-        for b in range(0, tokens.shape[0], rows):
-            part = slice(b, b + rows)
-            # a float32 copy (also of float32 logits: divided in place), chunk-sized
-            scaled = logits[part].to(torch.float32, copy=True).div_(temperature)
-            lse[part] = torch.logsumexp(scaled, dim=-1)
-            out[part] = scaled.gather(-1, tokens[part, :, None]).squeeze(-1) - lse[part]
-        ctx.save_for_backward(logits, tokens, lse)
+        for part, scaled in _scaled_chunks(logits, temperature, rows):
+            out[part] = torch.log_softmax(scaled, -1).gather(-1, tokens[part, :, None])[..., 0]
+        ctx.save_for_backward(logits, tokens)
         ctx.temperature, ctx.rows = temperature, rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        logits, tokens, lse = ctx.saved_tensors
-        t = ctx.temperature
+        logits, tokens = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for b in range(0, tokens.shape[0], ctx.rows):
-            part = slice(b, b + ctx.rows)
-            # (onehot(token) - softmax(x / T)) * upstream / T, in place on one float32 copy
-            chunk = logits[part].to(torch.float32, copy=True).div_(t)
-            chunk.sub_(lse[part, :, None]).exp_().neg_()
+        for part, scaled in _scaled_chunks(logits, ctx.temperature, ctx.rows):
+            chunk = torch.softmax(scaled, -1).neg_()
+            del scaled
             chunk.scatter_add_(-1, tokens[part, :, None], torch.ones_like(chunk[..., :1]))
-            grad[part] = chunk.mul_(grad_out[part, :, None].float() / t)
+            grad[part] = chunk.mul_(grad_out[part, :, None].float() / ctx.temperature)
         return grad, None, None, None
 
 

@@ -270,8 +270,11 @@ def test_grad_accumulation_matches_one_full_batch(tok):
 
     after_full, after_accum = weights(full.module), weights(accum.module)
     assert not same_weights(after_full, start)
+    # Adam's first step moves each weight by lr * g / (|g| + eps) = 1e-3 in size, except
+    # where |g| is near eps (1e-8): there a gradient's rounding (two half-batch sums against
+    # one) shows up amplified, measured up to 2.7e-6. 5e-6 is 0.5% of the step.
     for name, value in after_full.items():
-        torch.testing.assert_close(after_accum[name], value, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(after_accum[name], value, atol=5e-6, rtol=0, msg=name)
 
 
 def test_lora_params_get_their_own_learning_rate(tok):
