@@ -148,7 +148,8 @@ class PPOConfig(OptimConfig):
                          "by the reward, scored on the eval prompts; 0: off",
                          Rule(lambda v: v == 0 or v >= 2, "give 0 (off) or 2 or more"))
     kl_budget: Optional[float] = val(None, "the most KL per answer an exported policy may "  # noqa: UP045
-                                     "have (export=best); null: best-of-n's, log n - (n-1)/n",
+                                     "have (export=best); null: best-of-n's, log n - (n-1)/n "
+                                     "(n = best_of_n, 8 when that is 0)",
                                      POSITIVE)
     export: str = val("auto", "best: the evaluated policy with the highest gold score (else "
                       "reward) within kl_budget | last | auto (best with a gold score)",

@@ -121,6 +121,7 @@ def best_of_n_kl(n: int) -> float:
 
 
 KL_TARGET_SHARE = 0.8         # the controller aims this far under the budget: its noise fits
+DEFAULT_BEST_OF_N = 8         # whose KL is the default budget when ppo.best_of_n is 0
 KL_HORIZON_SHARE = 0.005      # of the run's samples: the controller settles early in any run
 DEMO_GOLD = "steps.demo:score"
 
@@ -137,7 +138,7 @@ class Settings(NamedTuple):
     sampling: SamplingSettings        # rollouts (and the KL measured in evaluations)
     greedy: SamplingSettings          # evaluation answers
     gold: RewardFunction | None       # the evaluations' gold score
-    kl_budget: float | None           # export=best's limit
+    kl_budget: float                  # export=best's limit
     kl_target: float | None           # the adaptive controller's (None: kl_coef fixed)
     kl_horizon: float
     export_best: bool
@@ -149,9 +150,10 @@ def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
     ppo: PPOConfig = OmegaConf.to_object(cfg.ppo)
     spec = ppo.eval_reward_fn or (DEMO_GOLD if list(cfg.data.path) == ["demo"] else None)
     gold = RewardFunction.named(spec, "ppo.eval_reward_fn") if spec else None
-    budget = ppo.kl_budget or (best_of_n_kl(ppo.best_of_n) if ppo.best_of_n else None)
-    target = ppo.kl_target if ppo.kl_target is not None else (
-        KL_TARGET_SHARE * budget if budget else 0.0)
+    # best-of-n's KL whether or not the baseline is measured: turning the baseline off
+    # must not turn off the KL controller and the budget with it
+    budget = ppo.kl_budget or best_of_n_kl(ppo.best_of_n or DEFAULT_BEST_OF_N)
+    target = ppo.kl_target if ppo.kl_target is not None else KL_TARGET_SHARE * budget
     per_round = ppo.rollout_batch_size * ppo.samples_per_prompt
     horizon = ppo.kl_horizon or max(KL_HORIZON_SHARE * total_samples, per_round)
     sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
@@ -796,7 +798,7 @@ def keep_if_best(state: Progress, metrics: dict[str, float], s: Settings, kept: 
     def standing(m: dict) -> tuple:   # gold first when there is one, the reward breaks ties
         return m.get("ground_truth", 0.0), m["reward"]
 
-    within = s.kl_budget is None or metrics["kl"] <= s.kl_budget
+    within = metrics["kl"] <= s.kl_budget
     if within and (state.best is None or standing(metrics) > standing(state.best)):
         kept.best.load_state_dict(actor.copy_weights(trainable_only=True).tensors)
         return state._replace(best={**metrics, "iteration": state.iteration})

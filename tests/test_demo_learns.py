@@ -62,7 +62,8 @@ def grpo_run(demo_run, tmp_path_factory):
 def test_grpo_beats_sft_on_ground_truth_without_a_critic(grpo_run):
     summary = _last(grpo_run / "step3" / "metrics.jsonl")
     before, after = summary["eval/ground_truth_before"], summary["eval/ground_truth_after"]
-    # measured: 0.74 -> 0.99 (README, algorithms table)
-    assert after >= before + 0.15, (before, after)
+    # measured with the KL controller holding ~1 nat: 0.74 -> 0.91-0.94 over 3 seeds
+    # (bench/results/step3-guards-digits-cpu-2026-11-26.txt, [grpo] last GT), 0.93 here
+    assert after >= before + 0.12, (before, after)
     assert summary["eval/reward_after"] > summary["eval/reward_before"]
     assert not (grpo_run / "step3" / "critic").exists()

@@ -450,7 +450,8 @@ def test_export_best_writes_the_policy_of_the_best_evaluation(llama_run, tmp_pat
     run = run_train("--step", "3", "--output-dir", out, settings=SMALL, **{
         "ppo.actor_path": src / "actor", "ppo.reward_path": src / "reward",
         "ppo.eval_reward_fn": f"{module}:score", "ppo.export": "best", "ppo.eval_every": 1,
-        "ppo.best_of_n": 0, "ppo.actor_lora.dim": lora, "ppo.rollout_batch_size": 8,
+        "ppo.best_of_n": 0, "ppo.kl_budget": 100, "ppo.actor_lora.dim": lora,
+        "ppo.rollout_batch_size": 8,
         "ppo.micro_batch_size": 8, "data.eval_fraction": 0.25}).check()
     summary = metrics(out / "step3" / "metrics.jsonl")[-1]
     assert summary["iterations"] >= 3
