@@ -151,3 +151,17 @@ def test_export_best_writes_the_peak_not_the_last_policy(tmp_path):
         torch.testing.assert_close(value, snapshots[2][name], atol=0, rtol=0)
     live = dict(actor.copy_weights().tensors)
     assert all(torch.equal(live[k], snapshots[4][k]) for k in live)   # live ones untouched
+
+
+@pytest.mark.parametrize("best_of_n, budget", [(8, math.log(8) - 7 / 8), (4, math.log(4) - 3 / 4),
+                                               (0, math.log(8) - 7 / 8)])
+def test_the_kl_budget_and_target_default_from_best_of_n_also_without_the_baseline(best_of_n,
+                                                                                   budget):
+    """The default budget is best-of-n's KL; with the baseline off (best_of_n=0) it is
+    best-of-8's, so turning the baseline off leaves the KL controller on (it used to turn
+    it off: a GRPO demo run drifted to 6.5 nats)."""
+    s = settings(best_of_n=best_of_n)
+    assert s.kl_budget == pytest.approx(budget)
+    assert s.kl_target == pytest.approx(0.8 * budget)
+    assert settings(best_of_n=0, kl_budget=2.0).kl_target == pytest.approx(1.6)
+    assert settings(best_of_n=0, kl_target=0).kl_target is None     # 0: off, as documented
