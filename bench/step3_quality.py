@@ -53,8 +53,7 @@ from steps.tokenize import collate_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"defaults": []}
-FRESH_SEED_OFFSET = 10_000
-
+FRESH_SEED_OFFSET = 10_000   # sample seeds for the exported policy, apart from step 3's
 
 
 def eval_prompts(seed: int, overrides: list[str], actor_dir: Path
@@ -88,10 +87,26 @@ def answers(model, tokenizer, prompt_ids: list[list[int]], sampling: SamplingSet
     return sequences, mask, tokenizer.batch_decode(sequences[:, p:], skip_special_tokens=True)
 
 
+def load_actor(actor_dir: Path):
+    tokenizer = load_tokenizer(str(actor_dir))
+    return load_causal_lm(str(actor_dir), tokenizer).eval(), tokenizer
+
+
+def samples(model, tokenizer, prompt_ids: list[list[int]], texts: list[str], max_len: int,
+            seed: int, n: int):
+    """n row-seeded answers per prompt at temperature 1, one batch at a time: (sequences,
+    masks, each answer's ground truth). Batch 0 uses step 3's evaluation seeds at `seed`."""
+    rows_ = range(len(prompt_ids))
+    for j in range(n):
+        seeds = row_seeds(seed, 0, [j * len(rows_) + i for i in rows_])
+        sequences, mask, said = answers(model, tokenizer, prompt_ids,
+                                        SamplingSettings(max_len), seeds)
+        yield sequences, mask, [demo.score(p, a) for p, a in zip(texts, said, strict=True)]
+
+
 def greedy_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str],
                  max_len: int) -> float:
-    tokenizer = load_tokenizer(str(actor_dir))
-    model = load_causal_lm(str(actor_dir), tokenizer).eval()
+    model, tokenizer = load_actor(actor_dir)
     _, _, said = answers(model, tokenizer, prompt_ids,
                          SamplingSettings(max_len, do_sample=False), None)
     return statistics.fmean(demo.score(p, a) for p, a in zip(texts, said, strict=True))
@@ -101,31 +116,24 @@ def sampled_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str]
                   max_len: int, seed: int, n: int) -> float:
     """Mean ground truth of n fresh samples per prompt (seeds step 3 never evaluated with,
     so a policy picked by its evaluations is not measured on the samples that picked it)."""
-    tokenizer = load_tokenizer(str(actor_dir))
-    model = load_causal_lm(str(actor_dir), tokenizer).eval()
-    rows_, truths = range(len(prompt_ids)), []
-    for j in range(n):
-        seeds = row_seeds(seed + FRESH_SEED_OFFSET, 0, [j * len(rows_) + i for i in rows_])
-        _, _, said = answers(model, tokenizer, prompt_ids, SamplingSettings(max_len), seeds)
-        truths += [demo.score(p, a) for p, a in zip(texts, said, strict=True)]
-    return statistics.fmean(truths)
+    model, tokenizer = load_actor(actor_dir)
+    return statistics.fmean(t for *_, truths in samples(model, tokenizer, prompt_ids, texts,
+                                                         max_len, seed + FRESH_SEED_OFFSET, n)
+                            for t in truths)
 
 
 def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len: int,
               seed: int, n: int) -> dict[str, float]:
     """The baselines from n row-seeded samples of the SFT model per prompt."""
-    tokenizer = load_tokenizer(str(base / "actor"))
-    actor = load_causal_lm(str(base / "actor"), tokenizer).eval()
+    actor, tokenizer = load_actor(base / "actor")
     scorer = RewardScorer(load_reward_model(str(base / "reward"), tokenizer).eval(),
                           tokenizer, tokenizer, torch.device("cpu"))
     truths, scores = [], []
-    rows_ = list(range(len(prompt_ids)))
-    for j in range(n):   # sample 0 uses step 3's evaluation seeds
-        seeds = row_seeds(seed, 0, [j * len(rows_) + i for i in rows_])
-        sequences, mask, said = answers(actor, tokenizer, prompt_ids,
-                                        SamplingSettings(max_len), seeds)
+    for sequences, mask, said_truths in samples(actor, tokenizer, prompt_ids, texts, max_len,
+                                                seed, n):
         scores.append(scorer(sequences, mask).tolist())
-        truths.append([demo.score(p, a) for p, a in zip(texts, said, strict=True)])
+        truths.append(said_truths)
+    rows_ = range(len(prompt_ids))
     best = [max(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
     worst = [min(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
     return {"SFT sample GT (mean)": statistics.fmean(t for row in truths for t in row),
