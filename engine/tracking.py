@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.errors import UserError
+
 
 def _wandb_mode(mode: str) -> str:
     """"auto" is online only when a wandb API key is configured (env or ~/.netrc)."""
@@ -46,7 +48,11 @@ class Tracker:
         self.rows = len(kept)
         ws = wandb_settings or {}
         if ws.get("enabled"):
-            import wandb
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("logging.wandb.enabled=true: the wandb package is not installed "
+                                "(pip install wandb, or logging.wandb.enabled=false)") from None
 
             self._wandb = wandb.init(
                 project=ws.get("project"), name=ws.get("run_name"), group=ws.get("group"),

@@ -21,7 +21,6 @@ process); being deterministic, its kill-and-resume is still exact to 1e-6.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from safetensors.torch import load_file
 
 import train
 from engine.models import byte_tokenizer, load_causal_lm
+from tests.harness.environment import child_env
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ ARGS = [
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return child_env(OMP_NUM_THREADS="1")
 
 
 def _train(out: Path, *extra: str, fault: str = "",
@@ -272,24 +272,29 @@ def test_killed_run_resumes_to_the_same_end(two_ranks, tmp_path):
                      weight_mean=1e-7)
 
 
-@pytest.mark.parametrize("fault, timeout, said, named, at_least", [
-    # rank 1 raises: it says so; torchrun stops rank 0 at once
-    ("raise:1:3", 30, "rank 1 failed: RuntimeError: injected fault", "rank 1 failed (exit code 1)",
-     0),
-    # rank 1 hangs: rank 0's next collective times out after engine.timeout_s
-    ("hang:1:3", 8, "rank 0 stopped: another rank failed or hung",
-     "rank 1 failed (killed by signal 15)", 8),
-])
-def test_failed_or_hung_rank_stops_the_job_and_is_named(tmp_path, fault, timeout, said, named,
-                                                         at_least):
-    start = time.monotonic()
-    result = _train(tmp_path, "engine.procs=2", f"engine.timeout_s={timeout}", fault=fault)
-    elapsed = time.monotonic() - start
-    assert result.returncode == 1
-    assert said in result.stderr
-    assert f"faulty_train.py: {named}" in result.stderr
-    assert at_least <= elapsed < timeout + 25, f"took {elapsed:.0f}s"  # + start-up, 2 cores
-    assert not (tmp_path / "actor").exists()
+def test_failed_or_hung_rank_stops_the_job_and_is_named(tmp_path):
+    """Rank 1 raises at step 3: it says so, and torchrun stops rank 0 at once. Rank 1 hangs
+    there instead: rank 0's next collective times out after engine.timeout_s and the job
+    ends, so the hang costs about the timeout over the raise (the same start-up and steps
+    before the fault; measured against it, the bound holds on a busy machine too)."""
+    def faulty(fault: str, timeout: int) -> tuple[subprocess.CompletedProcess, float]:
+        start = time.monotonic()
+        result = _train(tmp_path / fault.split(":")[0], "engine.procs=2",
+                        f"engine.timeout_s={timeout}", fault=fault)
+        return result, time.monotonic() - start
+
+    raised, raised_s = faulty("raise:1:3", 120)
+    hung, hung_s = faulty("hang:1:3", 8)
+    for result, said, named in (
+            (raised, "rank 1 failed: RuntimeError: injected fault", "rank 1 failed (exit code 1)"),
+            (hung, "rank 0 stopped: another rank failed or hung",
+             "rank 1 failed (killed by signal 15)")):
+        assert result.returncode == 1
+        assert said in result.stderr
+        assert f"faulty_train.py: {named}" in result.stderr
+    assert raised_s < 120, f"the raise took {raised_s:.0f}s"   # not held to its timeout
+    assert 8 <= hung_s < raised_s + 8 + 15, f"hang {hung_s:.0f}s, raise {raised_s:.0f}s"
+    assert not any((tmp_path / case / "actor").exists() for case in ("raise", "hang"))
 
 
 def test_one_process_resume_flag_needs_an_interrupted_run(tmp_path):

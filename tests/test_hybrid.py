@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from engine.inference_plans import Unsupported, plan
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
 from steps.tokenize import collate_prompts
+from tests.harness.environment import child_env
 from tests.harness.hybrid_check import (
     POST_NORM_OPT,
     PROMPTS,
@@ -56,7 +56,7 @@ def test_one_process_matches_hf_generate():
 
 @pytest.mark.slow
 def test_two_ranks_zero3_match_hf_generate():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(ROOT / "tests" / "harness" / "hybrid_check.py")],

@@ -4,19 +4,20 @@ interpreter (which must be switched on before Triton is first imported)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.harness.environment import child_env
+
 pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_triton_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          str(ROOT / "tests" / "harness" / "kernel_checks.py")],

@@ -1,7 +1,11 @@
 """metrics.jsonl and the wandb mirror (offline: no key, no network)."""
 
 import json
+import sys
 
+import pytest
+
+from engine.errors import UserError
 from engine.tracking import Tracker, _wandb_mode
 
 
@@ -26,6 +30,7 @@ def test_wandb_auto_mode_is_offline_without_a_key(monkeypatch, tmp_path):
 
 
 def test_wandb_offline_run_is_written_inside_the_step_dir(monkeypatch, tmp_path):
+    pytest.importorskip("wandb")   # a project dependency; missing on the GPU device's image
     for var in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -39,3 +44,9 @@ def test_wandb_offline_run_is_written_inside_the_step_dir(monkeypatch, tmp_path)
     assert len(runs) == 1 and runs[0].stat().st_size > 0
     assert json.loads((tmp_path / "step2" / "metrics.jsonl").read_text()) == {
         "step": 3, "eval/accuracy": 0.75}
+
+
+def test_wandb_missing_is_one_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)   # `import wandb` raises ImportError
+    with pytest.raises(UserError, match="logging.wandb.enabled=true: the wandb package"):
+        Tracker(tmp_path / "step1", wandb_settings={"enabled": True}, config={})

@@ -19,7 +19,6 @@ plus padding: measured 0.255x), and the training form (the fp32 shards) is untou
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 from engine.config import ZeroPPConfig
 from engine.errors import UserError
 from engine.zeropp import hpz_kwargs
+from tests.harness.environment import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "harness" / "zeropp_checks.py"
@@ -39,7 +39,7 @@ def _run(world: int) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={world}", str(HARNESS)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"),
         capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return json.loads(result.stdout.strip().splitlines()[-1])
