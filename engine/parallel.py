@@ -16,8 +16,9 @@ the units' int `reshard_after_forward`, qwZ and qgZ as their custom collectives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -32,6 +33,11 @@ from engine.config import ZeroPPConfig
 from engine.errors import UserError
 from engine.runtime import Runtime
 from engine.zeropp import apply_zeropp, hpz_kwargs
+
+# FSDP2 before torch 2.12 cannot shard an integer parameter (it re-wraps each shard as a
+# Parameter that requires grad, which only floats can): there a quantized base's int8/uint8
+# payloads stay out of FSDP, a full copy on every rank, and only its float parameters shard.
+SHARDS_INTEGER_PARAMS = torch.torch_version.TorchVersion(torch.__version__) >= "2.12"
 
 
 @dataclass(frozen=True)
@@ -92,11 +98,20 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
                   reshard_after_forward=settings.zero_stage == 3)
     # hpZ: an int reshard_after_forward
     kwargs.update(hpz_kwargs(zeropp, rt.world_size, rt.ranks_per_node))
+    kept_whole = _integer_params_kept_whole(model, rt)
+    if kept_whole:
+        kwargs["ignored_params"] = kept_whole
 
     def place(unit: nn.Module, **overrides) -> None:
+        hooks = zeropp
+        if any(p in kept_whole for p in unit.parameters()):
+            # no qwZ where a quantized base is kept whole: from torch 2.12 on such a unit's
+            # group mixes dtypes and is gathered exactly, and quantizing the rest (scales and
+            # LoRA weights in shared blocks) would round the adapters' small updates away
+            hooks = replace(zeropp, qwz=False)
         fully_shard(unit, **{**kwargs, **overrides})
-        if zeropp.qwz or zeropp.qgz:
-            apply_zeropp(unit, zeropp, ranks_per_node=rt.ranks_per_node,
+        if hooks.qwz or hooks.qgz:
+            apply_zeropp(unit, hooks, ranks_per_node=rt.ranks_per_node,
                          quantize=settings.zeropp_quantize)
 
     # fully_shard moves each block to the mesh's device as it shards it: the full model is
@@ -116,6 +131,23 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
     # output would never re-gather it.
     place(inner, reshard_after_forward=not trainable)
     return model
+
+
+def _integer_params_kept_whole(model: nn.Module, rt: Runtime) -> set[nn.Parameter]:
+    """The integer parameters to keep out of FSDP (fully_shard's `ignored_params`) where this
+    torch cannot shard them (SHARDS_INTEGER_PARAMS), moved to the device here since FSDP will
+    not move them; none elsewhere."""
+    integer = {p for p in model.parameters() if not p.is_floating_point()}
+    if not integer or SHARDS_INTEGER_PARAMS:
+        return set()
+    for p in integer:
+        p.data = p.data.to(rt.device)
+    if rt.is_main:
+        mib = sum(p.numel() * p.element_size() for p in integer) / 2**20
+        print(f"note: torch {torch.__version__}'s FSDP2 cannot shard integer weights: the "
+              f"quantized base ({mib:.0f} MiB) is kept whole on every rank (torch>=2.12 "
+              "shards it)")
+    return integer
 
 
 def frozen(model: nn.Module, rt: Runtime, *, sharded: bool = True,
