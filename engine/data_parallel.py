@@ -61,6 +61,10 @@ class DataParallel:
             return torch.tensor([0]), 0.0
         return held, 1.0
 
+    def most(self, number: int) -> int:
+        """The largest of the processes' `number`s."""
+        return self.runtime.most(number)
+
     def sum(self, *numbers: float) -> list[float]:
         """Each number summed over all processes (one collective for all of them)."""
         return self.runtime.total(*numbers)

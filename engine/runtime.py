@@ -55,6 +55,14 @@ class Runtime:
         """Sum plain numbers over the ranks: one all-reduce for several counters."""
         return self.all_sum(torch.tensor(numbers, dtype=torch.float64, device=self.device)).tolist()
 
+    def most(self, number: int) -> int:
+        """The largest of the ranks' `number`s (the number itself in one process)."""
+        if not self.distributed or self.world_size == 1:
+            return number
+        value = torch.tensor([number], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value)
+
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
             dist.barrier()

@@ -109,6 +109,15 @@ class TrainEngine:
         self.steps += 1
         return grad_norm
 
+    def discard(self) -> None:
+        """Drop the gradients accumulated since the last step (steps/ppo.py: parts of a
+        micro-batch already backpropagated when target_kl stops it), leaving weights,
+        optimizer and schedule as they are. Only where each step is one backward
+        (grad_accum 1), so no accumulation window is left half counted."""
+        assert self.grad_accum == 1, "discard() with gradient accumulation"
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_nonfinite.zero_()
+
     def _skip(self, what: str) -> None:
         """Leave the weights as they are; stop after max_skipped_steps skips in a row."""
         self.skipped_steps += 1

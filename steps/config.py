@@ -91,6 +91,13 @@ class PPOConfig(OptimConfig):
     rollout_batch_size: int = val(8, "prompts per generation round", COUNT)
     ppo_epochs: int = val(1, "optimisation passes over each round's experience", COUNT)
     micro_batch_size: int = val(8, "answers per optimizer step", COUNT)
+    forward_batch_size: Optional[int] = val(None, "answers per forward pass, bounding "  # noqa: UP045
+                                            "activation memory: the update accumulates "
+                                            "gradients over them into one optimizer step, "
+                                            "and the experience's log-probs, values and "
+                                            "scores run in such chunks; null: a whole "
+                                            "micro-batch (the experience: a whole round)",
+                                            COUNT)
     actor_lr: float = val(9.65e-6, ok=POSITIVE)
     critic_lr: float = val(5e-6, ok=POSITIVE)
     lr_scheduler: str = val("linear", ok=SCHEDULERS)   # OptimConfig's key, its own default

@@ -527,18 +527,24 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     prompt_len = prompts["input_ids"].shape[1]
     actions = answered * weight
 
+    def by_rows(fn) -> torch.Tensor:   # fn(sequences, attention_mask) over row chunks
+        return in_row_chunks(lambda rows: fn(sequences[rows], attention_mask[rows]),
+                             len(sequences), s.ppo.forward_batch_size, dp)
+
+    temperature = s.sampling.temperature
     actor.eval()
-    logprobs = answer_logprobs(actor, sequences, attention_mask, prompt_len,
-                               s.sampling.temperature)
+    logprobs = by_rows(lambda seq, mask: answer_logprobs(actor, seq, mask, prompt_len,
+                                                         temperature))
     actor.train()
-    ref_logprobs = answer_logprobs(models.reference, sequences, attention_mask, prompt_len,
-                                   s.sampling.temperature)
+    ref_logprobs = by_rows(lambda seq, mask: answer_logprobs(models.reference, seq, mask,
+                                                             prompt_len, temperature))
     values = torch.zeros_like(logprobs)
     if critic is not None:
         critic.eval()
-        values = answer_values(critic, sequences, attention_mask, prompt_len) * actions
+        values = by_rows(lambda seq, mask: answer_values(critic, seq, mask, prompt_len))
+        values = values * actions
         critic.train()
-    scores = models.rewards(sequences, attention_mask, prompt_len)
+    scores = by_rows(lambda seq, mask: models.rewards(seq, mask, prompt_len))
     if s.ppo.missing_eos_penalty is not None:
         cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
         scores = scores - s.ppo.missing_eos_penalty * cut_off.to(scores.dtype)
@@ -599,43 +605,77 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
              weights: torch.Tensor, count: float, ptx: PtxRows | None, dp: DataParallel
              ) -> tuple[dict[str, float], dict[str, float]] | None:
     """One optimisation step of the actor (and critic) on this process's rows of a
-    micro-batch. `weights` [B, N], `count`: each action's loss weight and the micro-batch's
-    loss divisor over all processes (see loss_weights). Returns this process's shares of
-    the statistics (their sums over processes are the micro-batch's), and the gradient
-    norms (the whole micro-batch's already: NaN or inf where the update was skipped); None,
-    with nothing updated, when the policy is already `ppo.target_kl` from the sampling one."""
+    micro-batch, in forwards of `ppo.forward_batch_size` rows whose gradients add up.
+    `weights` [B, N], `count`: each action's loss weight and the micro-batch's loss divisor
+    over all processes (see loss_weights), so the parts' losses sum to the micro-batch's.
+    Returns this process's shares of the statistics (their sums over processes are the
+    micro-batch's), and the gradient norms (the whole micro-batch's already: NaN or inf
+    where the update was skipped); None, with nothing updated, when the policy is already
+    `ppo.target_kl` from the sampling one."""
     exp, prompt_len, actor = experience, experience.prompt_len, models.actor
-    logprobs = answer_logprobs(actor, exp.sequences, exp.attention_mask, prompt_len,
-                               s.sampling.temperature)
-    actor_out = policy_loss(logprobs, exp.logprobs, exp.advantages, weights,
-                            s.ppo.clip_range, count)
-    if s.ppo.target_kl is not None and dp.sum(float(actor_out.approx_kl))[0] > s.ppo.target_kl:
-        return None
-    loss, stats = actor_out.loss, {}
-    if s.kl.in_loss:
-        kl_loss = masked_sum(kl_estimate(logprobs, exp.ref_logprobs, exp.action_mask,
-                                         s.kl.estimator), weights) / max(count, 1.0)
-        loss = loss + kl_coef * kl_loss
-        stats["train/kl_loss"] = kl_loss.item()
-    if ptx is not None:
-        ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
-        loss = loss + s.ppo.ptx.coef * ptx_loss
-        stats["train/ptx_loss"] = ptx_loss.item()
-    actor.backward(loss)
+    chunks = row_chunks(len(exp.sequences), s.ppo.forward_batch_size, dp)
+    stats: dict[str, float] = {}
+
+    def add(name: str, value) -> None:
+        stats[name] = stats.get(name, 0.0) + (value.item() if torch.is_tensor(value) else value)
+
+    for i, (rows, real) in enumerate(chunks):
+        last, part_weights = i == len(chunks) - 1, weights[rows] * real
+        logprobs = answer_logprobs(actor, exp.sequences[rows], exp.attention_mask[rows],
+                                   prompt_len, s.sampling.temperature)
+        actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
+                                part_weights, s.ppo.clip_range, count)
+        for name, value in zip(("train/policy_loss", "train/clip_fraction", "train/approx_kl",
+                                "train/ratio"), actor_out, strict=True):
+            add(name, value)
+        # the whole micro-batch's KL from the sampling policy is known at its last part:
+        # past the bound, the parts already backpropagated are dropped and nothing moves
+        if last and s.ppo.target_kl is not None and \
+                dp.sum(stats["train/approx_kl"])[0] > s.ppo.target_kl:
+            actor.discard()
+            return None
+        loss = actor_out.loss
+        if s.kl.in_loss:
+            kl_loss = masked_sum(kl_estimate(logprobs, exp.ref_logprobs[rows],
+                                             exp.action_mask[rows], s.kl.estimator),
+                                 part_weights) / max(count, 1.0)
+            loss = loss + kl_coef * kl_loss
+            add("train/kl_loss", kl_loss)
+        if ptx is not None and last:
+            ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
+            loss = loss + s.ppo.ptx.coef * ptx_loss
+            add("train/ptx_loss", ptx_loss)
+        actor.backward(loss)   # the parts' gradients add up: one step below
     norms = {"train/grad_norm": actor.step()}
-    stats.update({"train/policy_loss": actor_out.loss.item(),
-                  "train/clip_fraction": float(actor_out.clip_fraction),
-                  "train/approx_kl": float(actor_out.approx_kl),
-                  "train/ratio": float(actor_out.ratio_mean)})
     if models.critic is not None:
-        values = answer_values(models.critic, exp.sequences, exp.attention_mask, prompt_len)
-        critic_out = value_loss(values, exp.values, exp.returns, weights,
-                                s.ppo.value_clip_range, count)
-        models.critic.backward(critic_out.loss)
+        for rows, real in chunks:
+            values = answer_values(models.critic, exp.sequences[rows],
+                                   exp.attention_mask[rows], prompt_len)
+            critic_out = value_loss(values, exp.values[rows], exp.returns[rows],
+                                    weights[rows] * real, s.ppo.value_clip_range, count)
+            models.critic.backward(critic_out.loss)
+            add("train/value_loss", critic_out.loss)
+            add("train/value_clip_fraction", critic_out.clip_fraction)
         norms["train/critic_grad_norm"] = models.critic.step()
-        stats.update({"train/value_loss": critic_out.loss.item(),
-                      "train/value_clip_fraction": float(critic_out.clip_fraction)})
     return stats, norms
+
+
+def row_chunks(rows: int, size: int | None, dp: DataParallel) -> list[tuple[slice, bool]]:
+    """This process's `rows` as slices of at most `size` (None: one slice), each with
+    whether it is real: under FSDP every forward is a collective, so a process with fewer
+    slices than another adds stand-ins (row 0, False) until all run the same number."""
+    if size is None:
+        return [(slice(0, rows), True)]
+    count = dp.most(-(-rows // size))
+    return [(slice(start, min(start + size, rows)), True) if start < rows
+            else (slice(0, 1), False) for start in range(0, count * size, size)]
+
+
+def in_row_chunks(fn, rows: int, size: int | None, dp: DataParallel) -> torch.Tensor:
+    """fn(row slice) -> [rows of the slice, ...] over row_chunks, concatenated (the
+    stand-ins' results dropped)."""
+    results = [(fn(chunk), real) for chunk, real in row_chunks(rows, size, dp)]
+    return torch.cat([result for result, real in results if real])
 
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,

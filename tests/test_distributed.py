@@ -43,12 +43,15 @@ MODEL_DIRS = ("actor", "reward", "step3/actor", "step3/critic", "step3/actor_ema
 LAUNCH_TIMEOUT = 240  # seconds: a deadlock fails the test instead of hanging the suite
 
 # Tiny but complete: gradient accumulation in step 1, LoRA + EMA + PTX in step 3, and
-# batches that leave some of 4 ranks without rows (the stand-in row path).
+# batches that leave some of 4 ranks without rows (the stand-in row path); step 3 forwards
+# of 2 rows, so ranks holding 1 and 3 rows of a micro-batch run 1 and 2 forwards (the
+# stand-in forward path).
 ARGS = [
     "data.demo_pairs=120", "data.max_prompt_len=64", "data.max_answer_len=10",
     "sft.epochs=1", "sft.batch_size=4", "sft.grad_accum=2", "sft.lr=2e-3", "sft.log_every=1",
     "rm.epochs=1", "rm.batch_size=6", "rm.lr=1e-3", "rm.log_every=1", "rm.eval_batch_size=3",
-    "ppo.rollout_batch_size=8", "ppo.micro_batch_size=4", "ppo.eval_prompts=6",
+    "ppo.rollout_batch_size=8", "ppo.micro_batch_size=4", "ppo.forward_batch_size=2",
+    "ppo.eval_prompts=6",
     "ppo.actor_lr=2e-4", "ppo.critic_lr=5e-4", "ppo.actor_lora.dim=4",
     "ppo.ema.enabled=true", "ppo.ptx.enabled=true", "ppo.ptx.batch_size=3", "ppo.ptx.coef=0.5",
     "engine.checkpoint_every=2", "engine.device=cpu", "logging.progress=false",

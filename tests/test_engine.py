@@ -3,6 +3,7 @@ gradient accumulation, and the masks of steps/ppo.make_experience on scripted ro
 
 import copy
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from engine.parallel import frozen
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 from steps.config import RunConfig
-from steps.rlhf import sft_loss
+from steps.rlhf import loss_weights, sft_loss
 from steps.scoring import Rewards, RewardScorer
 from steps.tokenize import collate_prompts
 
@@ -300,21 +301,37 @@ def test_lora_params_get_their_own_learning_rate(tok):
 N = 5
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])  # rotary / absolute positions
-def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
+class Scripted(NamedTuple):
+    models: ppo.Models
+    reward: PreTrainedModel          # the reward model inside models.rewards
+    prompt_rows: list[list[int]]
+    prompt_ids: torch.Tensor         # [3, P] left-padded
+    prompt_mask: torch.Tensor
+    answers: torch.Tensor            # [3, N]
+
+
+def scripted_step3(tok, preset: str) -> Scripted:
+    """Step 3's models (actor, critic, reference, reward model: tiny, seeded), three
+    left-padded prompts and the answers a scripted rollout gives them."""
     actor = HybridEngine(load_causal_lm(preset, tok, seed=1), OptimConfig(), 1, CPU, lr=1e-3)
     ref = frozen(load_causal_lm(preset, tok, seed=2), CPU)
     critic = TrainEngine(load_reward_model(preset, tok, seed=3), OptimConfig(), 1, CPU, lr=1e-3)
     reward = frozen(load_reward_model(preset, tok, seed=4), CPU)
     rewards = Rewards(tok, RewardScorer(reward, tok, tok, CPU.device), 1.0, None, 0.0)
     models = ppo.Models(actor, critic, ref, rewards, tok, tok)
-
     prompt_rows = [tok(t)["input_ids"] for t in ("Hi", "Hello there, how are you?", "Q: 2+2")]
     prompt_ids, prompt_mask = left_pad(prompt_rows)
     a, b, c, d, e = tok("abcde", add_special_tokens=False)["input_ids"]
     answers = torch.tensor([[a, b, EOS, PAD, PAD],   # ends early, then padding
                             [a, b, c, d, e],         # runs to the limit, no EOS
                             [EOS, PAD, PAD, PAD, PAD]])  # empty answer
+    return Scripted(models, reward, prompt_rows, prompt_ids, prompt_mask, answers)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])  # rotary / absolute positions
+def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
+    models, reward, prompt_rows, prompt_ids, prompt_mask, answers = scripted_step3(tok, preset)
+    actor, critic, ref = models.actor, models.critic, models.reference
     calls = []
 
     def scripted_generate(input_ids, attention_mask, sampling, *, eos_token_id,
@@ -375,3 +392,46 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
             read = real if real[0, -1] == EOS else torch.cat([real, torch.tensor([[EOS]])], 1)
             score = sequence_scores(reward, read, torch.ones_like(read))[0]
             torch.testing.assert_close(exp.scores[i], score, atol=1e-5, rtol=0)
+
+
+def test_forward_batches_equal_one_pass(tok, monkeypatch):
+    """ppo.forward_batch_size=1: the experience (log-probs, reference log-probs, values,
+    scores) and one update of actor and critic (KL in the loss) equal one pass over the
+    micro-batch; and a second update past ppo.target_kl moves nothing either way, though
+    the chunked one has backpropagated its first parts before the bound is known."""
+    runs = {}
+    for size in (None, 1):
+        models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
+        monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, answers=answers,
+                            **__: torch.cat([input_ids, answers], dim=1))
+        settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
+            algorithm="ppo", kl_penalty="loss", kl_coef=0.1, max_new_tokens=N,
+            forward_batch_size=size, target_kl=1e-3)}))
+        dp = DataParallel(CPU)
+        exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
+                                              "attention_mask": prompt_mask}, settings, dp,
+                                     kl_coef=0.1)
+        weights, count = loss_weights(exp.action_mask, "token-mean")
+        update = (exp, models, settings, 0.1, weights, float(count), None, dp)
+        first = ppo.train_on(*update)
+        after_first = [p.detach().clone() for p in models.actor.parameters()]
+        assert ppo.train_on(*update) is None   # moved 1e-3 nats from the sampling policy
+        assert all(torch.equal(p, q) for p, q in zip(models.actor.parameters(), after_first,
+                                                     strict=True))
+        assert all(p.grad is None for p in models.actor.parameters())
+        runs[size] = (exp, first, after_first,
+                      [p.detach().clone() for p in models.critic.parameters()])
+    (exp, (stats, norms), actor, critic), (exp1, (stats1, norms1), actor1, critic1) = \
+        runs[None], runs[1]
+    for name in ("logprobs", "ref_logprobs", "values", "scores", "advantages"):
+        torch.testing.assert_close(getattr(exp1, name), getattr(exp, name), atol=1e-6, rtol=0)
+    assert stats1.keys() == stats.keys() and norms1.keys() == norms.keys()
+    for name in stats:
+        assert stats1[name] == pytest.approx(stats[name], abs=1e-6), name
+    for name in norms:
+        assert norms1[name] == pytest.approx(norms[name], rel=1e-5), name
+    for p, q in zip(actor1 + critic1, actor + critic, strict=True):
+        torch.testing.assert_close(p, q, atol=2e-6, rtol=0)
+    assert any(not torch.equal(p, q) for p, q in zip(
+        actor, [p.detach() for p in scripted_step3(tok, "tiny-llama").models.actor.parameters()],
+        strict=True))   # the first update did move the actor
