@@ -18,6 +18,13 @@ if TYPE_CHECKING:
     from engine.inference_modules import InferenceDecoder
 
 
+# Whether every row has ended is read on the host every this many steps, not every step:
+# each read waits for the device, while between reads the decode steps queue back to back.
+# Steps after the last row ended write only padding, and the answers are cut where Hugging
+# Face's would stop.
+ENDED_CHECK_EVERY = 16
+
+
 def generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              sampling: SamplingSettings, **kwargs) -> torch.Tensor:
     """See `_generate`. Decoding runs in inference mode (less bookkeeping per op); the
@@ -41,7 +48,10 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     group_size g: rows come in groups of g consecutive rows holding the same prompt (group
     sampling; the row seeds differ). The prompt's prefill runs once per group, on its first
     row ([B/g, P]), whose KV cache slots are then copied to the rest of the group; the
-    decode steps run on all B rows as with g = 1."""
+    decode steps run on all B rows as with g = 1.
+
+    Without `on_token` the loop reads nothing from the device per token (see
+    ENDED_CHECK_EVERY): one CUDA graph replay after another."""
     b, p = input_ids.shape
     _check_groups(input_ids, attention_mask, group_size)
     n = sampling.max_new_tokens
@@ -67,17 +77,24 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     out[:, :p] = input_ids
     unfinished = torch.ones(b, dtype=torch.bool, device=device)
     next_position = attention_mask.long().sum(-1)                   # [B]
+    cache_slots = torch.arange(p, length, device=device)            # step t writes slot p + t
+    ended_at = torch.tensor(n - 1, device=device)   # the step every row had ended by
     for t in range(n):
         token = chooser(logits, t)
         token = token.masked_fill(~unfinished, pad_token_id)
         out[:, p + t] = token
         unfinished &= ~torch.isin(token, eos)
-        stop = on_token is not None and on_token(token)
-        if stop or t == n - 1 or not bool(unfinished.any()):
-            chooser.check()
-            return out[:, :p + t + 1]
+        if on_token is not None:   # a caller that sees every token: stop exactly, per token
+            if on_token(token) or t == n - 1 or not bool(unfinished.any()):
+                chooser.check()
+                return out[:, :p + t + 1]
+        else:
+            ended_at = torch.where((ended_at == n - 1) & ~unfinished.any(), t, ended_at)
+            if t == n - 1 or ((t + 1) % ENDED_CHECK_EVERY == 0 and not bool(unfinished.any())):
+                chooser.check()
+                return out[:, :p + int(ended_at) + 1]
         key_valid[:, p + t] = True
-        slot = torch.tensor([p + t], device=device)
+        slot = cache_slots[t:t + 1]
         if step is not None:
             logits = step(token, next_position + t, slot, key_valid)
         else:

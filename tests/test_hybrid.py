@@ -97,6 +97,25 @@ def test_static_decode_step_matches(preset):
     assert len(lengths) == 2 and len(decoder.cache.static_steps) == 1
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_answers_end_where_hf_generate_stops_without_a_read_per_token(static):
+    """Every row ends within a few tokens: the decoder reads "all ended?" only every
+    ENDED_CHECK_EVERY steps, decodes padding until then, and still returns HF generate's
+    answers at HF's length."""
+    model = model_with_answers_that_end("tiny-llama", 0, EOS)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS] *= 20   # EOS first within a few tokens
+    reference = copy.deepcopy(model)
+    decoder = _engine(model)._gather().model
+    sampling = SamplingSettings(max_new_tokens=40, do_sample=False)
+    ids, mask = _batch(PROMPTS[:4])
+    want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+    got = decode.generate(decoder, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
+                          static=static)
+    assert torch.equal(got, want)
+    assert 1 < want.shape[1] - ids.shape[1] < decode.ENDED_CHECK_EVERY
+
+
 def test_seeded_sampling_and_stop_tokens_match_hf_generate():
     """Sampling from torch's generator draws what generate draws (same seed, same
     tokens, and again on a second run); a list of stop tokens ends rows like generate."""
