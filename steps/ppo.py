@@ -742,11 +742,10 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
                                           models.tokenizer.pad_token_id), dp.device)
         sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
         greedy = rollout(models, batch, s.greedy, None)
-        kl = masked_sum(_policy_and_reference(models, sampled, s), sampled.answered, dim=1)
+        kl = masked_sum(_policy_and_reference(models, sampled, s, dp), sampled.answered, dim=1)
         sums = [float(kl.sum())]
         for answers in (sampled, greedy):
-            reward = models.rewards(answers.sequences, answers.attention_mask,
-                                    answers.prompt_len)
+            reward = _scores(models, answers, s, dp)
             sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
         totals += share.weight * torch.tensor(sums, dtype=torch.float64)
     kl, reward, gold, greedy_reward, greedy_gold = (
@@ -764,15 +763,27 @@ def _gold(s: Settings, tokenizer, answers: Rollout) -> torch.Tensor:
                                                 answers.prompt_len)))
 
 
-def _policy_and_reference(models: Models, answers: Rollout, s: Settings) -> torch.Tensor:
+def _policy_and_reference(models: Models, answers: Rollout, s: Settings, dp: DataParallel
+                          ) -> torch.Tensor:
     """[B, N] log pi - log pi_ref of each answer token (k1, whose sum is an unbiased
-    estimate of the KL per answer)."""
+    estimate of the KL per answer), `ppo.forward_batch_size` rows at a time."""
+    def both(rows: slice) -> torch.Tensor:
+        args = (answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len,
+                s.sampling.temperature)
+        return answer_logprobs(models.actor, *args) - answer_logprobs(models.reference, *args)
+
     models.actor.eval()
-    args = (answers.sequences, answers.attention_mask, answers.prompt_len,
-            s.sampling.temperature)
-    logprobs = answer_logprobs(models.actor, *args)
+    kl = in_row_chunks(both, len(answers.sequences), s.ppo.forward_batch_size, dp)
     models.actor.train()
-    return logprobs - answer_logprobs(models.reference, *args)
+    return kl
+
+
+def _scores(models: Models, answers: Rollout, s: Settings, dp: DataParallel) -> torch.Tensor:
+    """[B] the step-3 score of each answer, `ppo.forward_batch_size` rows at a time."""
+    return in_row_chunks(lambda rows: models.rewards(answers.sequences[rows],
+                                                     answers.attention_mask[rows],
+                                                     answers.prompt_len),
+                         len(answers.sequences), s.ppo.forward_batch_size, dp)
 
 
 @torch.no_grad()
@@ -794,7 +805,7 @@ def best_of_n(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
         seeds = row_seeds(s.seed, BEST_OF_N_STREAM,
                           [batch_rows[0] * n + i for i in share.index])
         answers = rollout(models, batch, s.sampling, seeds, n)
-        reward = models.rewards(answers.sequences, answers.attention_mask, answers.prompt_len)
+        reward = _scores(models, answers, s, dp)
         picks = reward.view(-1, n).argmax(1) + torch.arange(0, len(reward), n,
                                                           device=reward.device)
         gold = _gold(s, models.tokenizer, answers)
