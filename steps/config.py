@@ -162,6 +162,10 @@ class PPOConfig(OptimConfig):
                       "reward) within kl_budget | last | auto (best with a gold score)",
                       one_of("auto", "best", "last"))
     log_every: int = val(1, ok=COUNT)
+    profile: list[int] = val([], "[first, last]: iterations recorded with torch.profiler "
+                             "into <output>/step3/profile (trace.json, ops.txt); []: off",
+                             Rule(lambda v: len(v) == 0 or (len(v) == 2 and 1 <= v[0] <= v[1]),
+                                  "give [] or [first, last] with 1 <= first <= last"))
     ema: EmaConfig = val(EmaConfig)
     ptx: PtxConfig = val(PtxConfig, "pretraining loss on step-1 data")
     actor_lora: LoraConfig = val(LoraConfig)

@@ -36,6 +36,7 @@ the rank that samples it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
@@ -54,6 +55,7 @@ from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
 from engine.models import disable_dropout, load_tokenizer, position_ids
 from engine.placement import Placement
+from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
 from engine.tracking import Tracker
 from engine.trainer import TrainEngine
@@ -360,7 +362,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     state = Progress(**position)
     if state.before is None:
         state = baseline(models, prompts, s, dp, tracker, state)
-    state, mean_times = train(cfg, s, models, prompts, kept, ckpt, tracker, dp, state, rounds)
+    profiler = IterationProfiler(*s.ppo.profile, out / "profile", writes=dp.reports,
+                                 cuda=dp.device.type == "cuda") if s.ppo.profile else None
+    state, mean_times = train(cfg, s, models, prompts, kept, ckpt, tracker, dp, state, rounds,
+                              profiler)
     models.actor.eval()
     after = evaluate(models, prompts, s, dp)
     state = keep_if_best(state, after, s, kept, models.actor)
@@ -376,10 +381,12 @@ class Kept(NamedTuple):
 
 def train(cfg: DictConfig, s: Settings, models: Models, prompts: Prompts, kept: Kept,
           ckpt: StepCheckpoints, tracker: Tracker, dp: DataParallel, state: Progress,
-          rounds: int) -> tuple[Progress, dict[str, float]]:
+          rounds: int, profiler: IterationProfiler | None = None
+          ) -> tuple[Progress, dict[str, float]]:
     """The loop: for each round of prompts, rollouts -> advantages -> updates -> metrics,
-    an evaluation every ppo.eval_every iterations, a checkpoint when due. Returns the final
-    state and the mean time breakdown of the iterations run here."""
+    an evaluation every ppo.eval_every iterations, a checkpoint when due (and `profiler`
+    around the iterations it records). Returns the final state and the mean time breakdown
+    of the iterations run here."""
     start, first = time.perf_counter() - state.seconds, state.iteration
     time_totals: dict[str, float] = {}
     for epoch in range(state.epoch, s.ppo.epochs):
@@ -387,11 +394,15 @@ def train(cfg: DictConfig, s: Settings, models: Models, prompts: Prompts, kept: 
                 prompts.train, s.ppo.rollout_batch_size, seed=s.seed + epoch,
                 skip=state.round if epoch == state.epoch else 0,
                 desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports):
+            number = state.iteration + 1
             try:
-                state, times = iterate(s, models, prompts, prompt_batch, kept, dp, tracker,
-                                       state, bars=cfg.logging.progress)
+                with profiler.iteration(number) if profiler else contextlib.nullcontext():
+                    state, times = iterate(s, models, prompts, prompt_batch, kept, dp, tracker,
+                                           state, bars=cfg.logging.progress)
             except NonFiniteError as err:
-                raise NonFiniteError(f"step 3 iteration {state.iteration + 1}: {err}") from None
+                raise NonFiniteError(f"step 3 iteration {number}: {err}") from None
+            if profiler and number == profiler.last:
+                _profiled(profiler, dp)
             time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
             if s.ppo.eval_every and state.iteration % s.ppo.eval_every == 0:
                 state = evaluate_during(models, prompts, s, kept, dp, tracker, state)
@@ -400,8 +411,16 @@ def train(cfg: DictConfig, s: Settings, models: Models, prompts: Prompts, kept: 
                                    round=0 if epoch_done else round_index,
                                    seconds=time.perf_counter() - start)
             ckpt.save_if_due(state.iteration, state._asdict(), tracker)
+    if profiler and profiler.close(state.iteration):   # the run ended inside the span
+        _profiled(profiler, dp)
     ran = max(state.iteration - first, 1)
     return state, {k: v / ran for k, v in time_totals.items()}
+
+
+def _profiled(profiler: IterationProfiler, dp: DataParallel) -> None:
+    if dp.reports:
+        log(f"step 3 profile of iterations {profiler.first}-{profiler.last}: "
+            f"{profiler.out / 'ops.txt'}, {profiler.out / 'trace.json'}")
 
 
 def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[list[int]],

@@ -325,6 +325,8 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     ("ppo.temperature=0", "ppo.temperature=0.0: give a number above 0"),
     ("ppo.top_p=1.5", "ppo.top_p=1.5: give a number in (0, 1]"),
     ("ppo.gamma=2", "ppo.gamma=2.0: give a number in [0, 1]"),
+    ("ppo.profile=[3,2]", "ppo.profile=[3, 2]: give [] or [first, last] with 1 <= first"),
+    ("ppo.forward_batch_size=0", "ppo.forward_batch_size=0: give 1 or more"),
     ("sft.lr_scheduler=sine", "sft.lr_scheduler=sine: choose one of linear, cosine"),
     ("ppo.algorithm=dpo", "ppo.algorithm=dpo: choose one of ppo, grpo, rloo, reinforce_pp"),
     ("engine.max_skipped_steps=0", "engine.max_skipped_steps=0: give 1 or more"),

@@ -789,6 +789,24 @@ def test_non_finite_update_in_step3_is_skipped_and_logged(llama_run, tmp_path, m
     assert all(torch.isfinite(w).all() for w in weights(tmp_path / "step3" / "actor").values())
 
 
+@pytest.mark.parametrize("span, recorded", [("[1,2]", "1-2"), ("[2,9]", "2-2")])
+def test_profile_records_the_chosen_iterations(llama_run, tmp_path, span, recorded):
+    """ppo.profile=[first,last]: torch.profiler over those step-3 iterations (this run has
+    2: a span past the end closes with the run), an op table and a Chrome trace in
+    step3/profile, and a log line naming them."""
+    out, _ = llama_run
+    run = run_train("--step", "3", "--output-dir", tmp_path, settings=SMALL,
+                    **{"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward",
+                       "ppo.profile": span}).check()
+    assert "step 3 (PPO) done: 2 iterations" in run.stdout
+    profile = tmp_path / "step3" / "profile"
+    ops = (profile / "ops.txt").read_text()
+    assert ops.startswith(f"iterations {recorded}, ops by cpu_time_total") and "aten::mm" in ops
+    events = json.loads((profile / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    assert f"step 3 profile of iterations {recorded}: {profile / 'ops.txt'}" in run.stdout
+
+
 @pytest.mark.parametrize("step", [1, 3])
 def test_non_finite_updates_in_a_row_stop_the_run(llama_run, tmp_path, monkeypatch, step):
     """engine.max_skipped_steps NaN updates in a row: exit 2 with one line naming the step,
