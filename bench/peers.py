@@ -133,7 +133,8 @@ def write_prompts(path: Path, tokenizer_dir: Path, run: Run) -> int:
 # --- ours: train.py ----------------------------------------------------------------------
 
 
-def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str) -> dict:
+def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str,
+             profile: bool = False) -> dict:
     """Step 3 alone through train.py (GRPO, the rule reward, no reward model), then its
     metrics.jsonl read back."""
     command = [
@@ -147,7 +148,8 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.reward_fn=peers:reward", "ppo.reward_model_weight=0", f"ppo.kl_coef={run.kl}",
         "ppo.kl_target=0", "ppo.target_kl=null", f"ppo.actor_lr={run.lr}",
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
-        f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false"]
+        f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
+        *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 2}]"] * profile)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
@@ -316,6 +318,8 @@ def main() -> None:
                    "backward pass: ours ppo.forward_batch_size, TRL's "
                    "per_device_train_batch_size (its gradient accumulation fills the step)")
     p.add_argument("--out", type=Path, default=None, help="default: a temporary directory")
+    p.add_argument("--profile", action="store_true", help="also profile two of our timed "
+                   "iterations (ppo.profile) and print the top of each op table")
     # the child process of one TRL row
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -348,9 +352,12 @@ def main() -> None:
         table = []
         for gc in args.gc:
             for system in args.systems:
-                runner = run_ours if system == "ours" else run_trl
-                row = runner(model, prompts, out / f"{system}-gc-{gc}", run, gc == "on",
-                             args.device)
+                where = out / f"{system}-gc-{gc}"
+                if system == "ours":
+                    row = run_ours(model, prompts, where, run, gc == "on", args.device,
+                                   args.profile)
+                else:
+                    row = run_trl(model, prompts, where, run, gc == "on", args.device)
                 table.append((system, gc, row))
 
         name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
@@ -378,6 +385,11 @@ def main() -> None:
             b = bound(params, weight_bytes, run, prompt_tokens, gc == "on", bandwidth, flops)
             print(f"bound  {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
                   f"{b['experience']:>10.3f} {b['train']:>7.3f}")
+        if args.profile:
+            for gc in args.gc:
+                ops = out / f"ours-gc-{gc}" / "step3" / "profile" / "ops.txt"
+                print(f"\nours, GC {gc}: {ops}")
+                print("\n".join(ops.read_text().splitlines()[:20]))
 
 
 if __name__ == "__main__":
