@@ -71,7 +71,7 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
         logits = _group_prefill(model, input_ids, positions, slots, mask, keys, values,
                                 group_size)
 
-    chooser = TokenChooser(sampling, row_seeds)
+    chooser = TokenChooser(sampling, row_seeds, fused=model.fused_kernels)
     eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)   # 0-d or [E]
     out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
     out[:, :p] = input_ids

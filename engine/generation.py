@@ -27,6 +27,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from engine import kernels
 from engine.errors import NonFiniteError
 
 # a per-step callback (streaming): called with the [B] tokens chosen at each step, pad after
@@ -123,12 +124,20 @@ class TokenChooser:
     picks it under the same settings: argmax when greedy; with sampling, the warpers, then
     row-seeded Gumbel-max (`row_seeds` given) or `torch.multinomial` on torch's global
     generator (same draws as generate's). Non-finite logits are noted on the device and
-    refused by `check()`, which the decoder calls once the answers are complete."""
+    refused by `check()`, which the decoder calls once the answers are complete. `fused`:
+    row-seeded sampling at a temperature alone (no top-k/top-p) runs as one Triton kernel
+    (engine.kernels.row_seeded_sample), the same tokens but for fp32 rounding ties."""
 
-    def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor | None = None):
+    def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor | None = None, *,
+                 fused: bool = False):
         self.sampling, self.row_seeds = sampling, row_seeds
         self.warpers = _warpers(sampling)
         self.saw_nonfinite: torch.Tensor | None = None
+        self.fused = (fused and sampling.do_sample and row_seeds is not None
+                      and sampling.top_k == 0 and sampling.top_p == 1.0)
+
+    def _note(self, bad: torch.Tensor) -> None:
+        self.saw_nonfinite = bad if self.saw_nonfinite is None else self.saw_nonfinite | bad
 
     def check(self) -> None:
         """Raise NonFiniteError if any logits chosen from so far were NaN or +inf."""
@@ -136,8 +145,13 @@ class TokenChooser:
             raise _refuse_nonfinite()
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        bad = _nonfinite(logits)
-        self.saw_nonfinite = bad if self.saw_nonfinite is None else self.saw_nonfinite | bad
+        if self.fused:
+            self.row_seeds = self.row_seeds.to(logits.device)   # once: no copy per token
+            token, bad = kernels.row_seeded_sample(logits, self.row_seeds, step,
+                                                   self.sampling.temperature)
+            self._note(bad)
+            return token
+        self._note(_nonfinite(logits))
         if not self.sampling.do_sample:
             return logits.argmax(-1)
         for warp in self.warpers:

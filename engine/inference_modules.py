@@ -179,6 +179,7 @@ class InferenceDecoder(nn.Module):
         self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
         self.rotary = plan.rotary
         self.cache: KVCache | None = None
+        self.fused_kernels = False   # Triton kernels (use_fused_kernels), sampling's too
 
     def allocate(self, shapes: dict[str, torch.Size], dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -241,7 +242,8 @@ class InferenceDecoder(nn.Module):
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Triton kernels for add+norm and SiLU*up (CUDA; on CPU only under Triton's
-        interpreter, for tests)."""
+        interpreter, for tests); engine/decode.py then samples with one too."""
+        self.fused_kernels = enabled
         self.norm.fused = enabled
         for layer in self.layers:
             layer.use_fused_kernels(enabled)

@@ -4,6 +4,9 @@ and writes the hidden state once instead of three or four times:
 
   add_norm   residual += delta, then RMSNorm or LayerNorm of the new residual
   silu_mul   silu(gate) * up, from the fused gate/up projection's output
+  row_seeded_sample  the next token of each row (temperature, then row-seeded Gumbel-max:
+             engine.generation's sampling) in two reads of the logits, instead of a score
+             tensor and a 64-bit hash tensor of [B, V] through some twenty ops
 
 Both round where the Hugging Face modules round (the residual sum and the activation to
 the model's dtype) and compute the rest in fp32. The kernels are compiled on first use;
@@ -71,3 +74,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     tk.silu_mul_kernel[(gate_up.numel() // (2 * n_cols), tk.triton.cdiv(n_cols, block))](
         gate_up, out, n_cols, BLOCK=block)
     return out
+
+
+def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] fp32 logits -> ([B] tokens, 0-d bool: any NaN or +inf): the argmax of
+    engine.generation._gumbel_scores(logits / temperature, row_seeds, step), fused."""
+    from engine import triton_kernels as tk
+    logits = logits.contiguous()
+    rows, n_cols = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    bad = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    tk.row_seeded_sample_kernel[(rows,)](
+        logits, row_seeds.to(device=logits.device, dtype=torch.long).contiguous(), step,
+        temperature, tokens, bad, n_cols, BLOCK=min(tk.triton.next_power_of_2(n_cols), 2048))
+    return tokens, bad.any()

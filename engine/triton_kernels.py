@@ -45,3 +45,56 @@ def silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     activated = (g32 * tl.sigmoid(g32)).to(gate.dtype)
     out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
+
+
+@triton.jit
+def _splitmix64(x):
+    """splitmix64's finaliser on uint64 (multiplication wraps), as engine.generation._mix."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def row_seeded_sample_kernel(logits_ptr, seeds_ptr, step, temperature, tokens_ptr, bad_ptr,
+                             n_cols, BLOCK: tl.constexpr):
+    """One row: argmax over tokens of log_softmax(logits / T) + Gumbel noise from the row's
+    seed, step and token id (engine.generation.row_uniforms), in two passes over the row;
+    `bad` = the row holds a NaN or +inf."""
+    row = tl.program_id(0)
+    golden = 0x9E3779B97F4A7C15
+    seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
+    key = _splitmix64(seed * golden + step.to(tl.uint64))
+    base = logits_ptr + row.to(tl.int64) * n_cols
+    # pass 1: the row's max and sum of exp (online), and whether anything is NaN or +inf
+    running_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")) / temperature
+        bad |= ((x != x) | (x == float("inf"))).to(tl.int32)
+        new_max = tl.maximum(running_max, x)
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - safe) + tl.exp(x - safe)
+        running_max = new_max
+    row_max = tl.max(running_max, axis=0)
+    log_sum = tl.log(tl.sum(running_sum * tl.exp(running_max - row_max), axis=0))
+    # pass 2: the noisy scores' argmax, the first index on ties (as torch.argmax)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int64)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")) / temperature
+        bits = _splitmix64(key + cols.to(tl.uint64) * golden) >> 40
+        uniform = (bits.to(tl.float32) + 0.5) / 16777216.0
+        score = ((x - row_max) - log_sum) - tl.log(-tl.log(uniform))
+        # past the row's end, and NaN (a row then refused through `bad`), never win
+        score = tl.where((cols < n_cols) & (score == score), score, float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_index = tl.argmax(score, axis=0).to(tl.int64) + start
+        take = block_best > best
+        best_index = tl.where(take, block_index, best_index)
+        best = tl.where(take, block_best, best)
+    tl.store(tokens_ptr + row, best_index)
+    tl.store(bad_ptr + row, tl.max(bad, axis=0))

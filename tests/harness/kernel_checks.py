@@ -4,7 +4,8 @@ tests/test_kernels.py runs this file with pytest in a fresh process with TRITON_
 
 Each kernel equals the PyTorch formula it replaces: exactly in fp32; in bf16 to within
 2 units in the last place, because the interpreter truncates to bf16 where CUDA rounds to
-nearest. A decoder using the kernels still generates what Hugging Face generate does."""
+nearest; the fused sampler picks the same tokens. A decoder using the kernels still
+generates what Hugging Face generate does, greedy and row-seeded sampled."""
 
 from __future__ import annotations
 
@@ -73,6 +74,28 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
     _assert_close(got, kernels.silu_mul_reference(gate_up.float()))
 
 
+@pytest.mark.parametrize("vocab", [1000, 50272])   # one block; several, the last partial
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_row_seeded_sample_equals_the_pytorch_sampler(vocab, temperature):
+    """The fused sampler picks the argmax of engine.generation's row-seeded Gumbel scores at
+    every step (random logits: no fp32 near-ties), masked tokens never, and flags a row
+    with NaN or +inf."""
+    from engine.generation import _gumbel_scores
+    gen = torch.Generator().manual_seed(2)
+    logits = (3 * torch.randn(6, vocab, generator=gen)).to(DEVICE)
+    logits[:, 1::2] = float("-inf")                   # masked tokens (top-k style)
+    seeds = torch.randint(-2**62, 2**62, (6,), generator=gen).to(DEVICE)
+    for step in (0, 1, 37):
+        got, bad = kernels.row_seeded_sample(logits, seeds, step, temperature)
+        want = _gumbel_scores(logits / temperature, seeds, step).argmax(-1)
+        assert torch.equal(got, want) and not bool(bad)
+        assert (got % 2 == 0).all()
+    for poison in (float("nan"), float("inf")):
+        poisoned = logits.clone()
+        poisoned[4, 10] = poison
+        assert bool(kernels.row_seeded_sample(poisoned, seeds, 0, temperature)[1])
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     from engine import decode
@@ -102,3 +125,11 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
         got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
                               **kwargs, cuda_graph=True)
         assert torch.equal(got, want)
+    # row-seeded sampling through the fused sampler: generate's answers with its processor
+    sampled = SamplingSettings(max_new_tokens=12, temperature=0.8)
+    seeds = torch.tensor([11, -3, 2**40, 7], device=DEVICE)
+    want = generate(reference, batch["input_ids"], batch["attention_mask"], sampled,
+                    row_seeds=seeds, **kwargs)
+    got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampled,
+                          row_seeds=seeds, **kwargs)
+    assert torch.equal(got, want)
