@@ -55,7 +55,7 @@ def _splitmix64(x):
     return x ^ (x >> 31)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step"])   # compiled once: 1 is not a constant step
 def row_seeded_sample_kernel(logits_ptr, seeds_ptr, step, temperature, tokens_ptr, bad_ptr,
                              n_cols, BLOCK: tl.constexpr):
     """One row: argmax over tokens of log_softmax(logits / T) + Gumbel noise from the row's
