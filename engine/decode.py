@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 # Steps after the last row ended write only padding, and the answers are cut where Hugging
 # Face's would stop.
 ENDED_CHECK_EVERY = 16
+# At those reads, once half the rows or more have ended, the batch shrinks to the live rows
+# (padded to a power of two, at least this many): ended rows stop costing decode work.
+COMPACT_MIN_ROWS = 8
 
 
 def generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -51,7 +54,9 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     decode steps run on all B rows as with g = 1.
 
     Without `on_token` the loop reads nothing from the device per token (see
-    ENDED_CHECK_EVERY): one CUDA graph replay after another."""
+    ENDED_CHECK_EVERY): one CUDA graph replay after another; and when rows are sampled
+    per row (greedy, or `row_seeds`) it drops ended rows as it goes (COMPACT_MIN_ROWS),
+    which changes no row's tokens."""
     b, p = input_ids.shape
     _check_groups(input_ids, attention_mask, group_size)
     n = sampling.max_new_tokens
@@ -79,10 +84,15 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     next_position = attention_mask.long().sum(-1)                   # [B]
     cache_slots = torch.arange(p, length, device=device)            # step t writes slot p + t
     ended_at = torch.tensor(n - 1, device=device)   # the step every row had ended by
+    rows: torch.Tensor | None = None   # the batch's rows in `out`, once compacted
+    compacts = on_token is None and (row_seeds is not None or not sampling.do_sample)
     for t in range(n):
         token = chooser(logits, t)
         token = token.masked_fill(~unfinished, pad_token_id)
-        out[:, p + t] = token
+        if rows is None:
+            out[:, p + t] = token
+        else:
+            out[rows, p + t] = token
         unfinished &= ~torch.isin(token, eos)
         if on_token is not None:   # a caller that sees every token: stop exactly, per token
             if on_token(token) or t == n - 1 or not bool(unfinished.any()):
@@ -90,9 +100,22 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
                 return out[:, :p + t + 1]
         else:
             ended_at = torch.where((ended_at == n - 1) & ~unfinished.any(), t, ended_at)
-            if t == n - 1 or ((t + 1) % ENDED_CHECK_EVERY == 0 and not bool(unfinished.any())):
+            live = int(unfinished.sum()) if (t + 1) % ENDED_CHECK_EVERY == 0 else -1
+            if t == n - 1 or live == 0:
                 chooser.check()
                 return out[:, :p + int(ended_at) + 1]
+            if compacts and 0 < live <= len(token) // 2 and len(token) > COMPACT_MIN_ROWS:
+                keep = _rows_to_keep(unfinished, live)
+                rows = keep if rows is None else rows[keep]
+                token, unfinished = token[keep], unfinished[keep]
+                key_valid, next_position = key_valid[keep], next_position[keep]
+                chooser.keep(keep)
+                whole_keys, whole_values = keys, values
+                keys, values = cache.view(len(keep), width)
+                keys.copy_(whole_keys[:, keep])     # the kept rows' KV to the front rows
+                values.copy_(whole_values[:, keep])
+                if static:
+                    step = _StaticDecodeStep.get(model, len(keep), width, cuda_graph)
         key_valid[:, p + t] = True
         slot = cache_slots[t:t + 1]
         if step is not None:
@@ -102,6 +125,14 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
                            key_valid[:, None, None, :p + t + 1], keys, values,
                            kv_len=p + t + 1)
     return out[:, :p]  # max_new_tokens == 0
+
+
+def _rows_to_keep(unfinished: torch.Tensor, live: int) -> torch.Tensor:
+    """The `live` unfinished rows' indices, in order, then ended rows up to a power of two
+    (at least COMPACT_MIN_ROWS) rows: batch sizes (and captured graphs) stay few."""
+    size = max(COMPACT_MIN_ROWS, 1 << (live - 1).bit_length())
+    order = torch.argsort((~unfinished).to(torch.int8), stable=True)   # live rows first
+    return order[:size]
 
 
 def _prompt_layout(attention_mask: torch.Tensor, width: int

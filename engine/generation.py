@@ -136,6 +136,11 @@ class TokenChooser:
         self.fused = (fused and sampling.do_sample and row_seeds is not None
                       and sampling.top_k == 0 and sampling.top_p == 1.0)
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """The batch now holds these of its rows (engine/decode.py drops ended rows)."""
+        if self.row_seeds is not None:
+            self.row_seeds = self.row_seeds.to(rows.device)[rows]
+
     def _note(self, bad: torch.Tensor) -> None:
         self.saw_nonfinite = bad if self.saw_nonfinite is None else self.saw_nonfinite | bad
 

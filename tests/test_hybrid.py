@@ -116,6 +116,34 @@ def test_answers_end_where_hf_generate_stops_without_a_read_per_token(static):
     assert 1 < want.shape[1] - ids.shape[1] < decode.ENDED_CHECK_EVERY
 
 
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_dropping_ended_rows_changes_no_answer(static, sampled, monkeypatch):
+    """32 rows whose answers end at many different steps: the decoder shrinks its batch
+    to the live rows at its all-ended reads (greedy: 32 -> 16 -> 8 rows; sampled: 32 ->
+    16; static: a captured step per size) and still returns generate's answers, greedy
+    and row-seeded sampled."""
+    model = model_with_answers_that_end("tiny-llama", 0, EOS)
+    with torch.no_grad():   # answers ending between 1 and 60 tokens, a dozen never
+        model.get_output_embeddings().weight[EOS] *= 5.0 if sampled else 1.6
+    reference = copy.deepcopy(model)
+    decoder = _engine(model)._gather().model
+    sampling = SamplingSettings(max_new_tokens=64, do_sample=sampled, temperature=0.9)
+    seeds = torch.arange(32) * 7919 - 5 if sampled else None
+    ids, mask = _batch(PROMPTS * 4)
+    sizes = []
+    keep = decode._rows_to_keep
+    monkeypatch.setattr(decode, "_rows_to_keep",
+                        lambda unfinished, live: sizes.append(len(unfinished)) or
+                        keep(unfinished, live))
+    want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
+                    row_seeds=seeds)
+    got = decode.generate(decoder, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
+                          row_seeds=seeds, static=static)
+    assert torch.equal(got, want)
+    assert sizes == ([32] if sampled else [32, 16]), sizes
+
+
 def test_seeded_sampling_and_stop_tokens_match_hf_generate():
     """Sampling from torch's generator draws what generate draws (same seed, same
     tokens, and again on a second run); a list of stop tokens ends rows like generate."""
