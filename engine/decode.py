@@ -8,6 +8,7 @@ prompt's prefill is computed once for its group.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,14 +60,12 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     which changes no row's tokens."""
     b, p = input_ids.shape
     _check_groups(input_ids, attention_mask, group_size)
-    n = sampling.max_new_tokens
-    length = p + n
+    length = p + sampling.max_new_tokens
     cache = model.cache_for(b, length)
     static = static or cuda_graph
     # a static step attends over the whole capacity: its shapes do not change with P
     width = cache.keys.shape[3] if static else length
     keys, values = cache.view(b, width)
-    device = input_ids.device
     key_valid, positions, slots, mask = _prompt_layout(attention_mask, width)
     # (a new static step runs warm-ups that write one cache slot: before the prefill)
     step = _StaticDecodeStep.get(model, b, width, cuda_graph) if static else None
@@ -75,55 +74,82 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     else:
         logits = _group_prefill(model, input_ids, positions, slots, mask, keys, values,
                                 group_size)
-
-    chooser = TokenChooser(sampling, row_seeds, fused=model.fused_kernels)
-    eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)   # 0-d or [E]
-    out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=device)
+    out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :p] = input_ids
-    unfinished = torch.ones(b, dtype=torch.bool, device=device)
-    next_position = attention_mask.long().sum(-1)                   # [B]
-    cache_slots = torch.arange(p, length, device=device)            # step t writes slot p + t
+    batch = _Batch(None, torch.ones(b, dtype=torch.bool, device=input_ids.device), key_valid,
+                   attention_mask.long().sum(-1), keys, values, step)
+    return _decode(model, batch, logits, out, p, sampling, width, cuda_graph,
+                   TokenChooser(sampling, row_seeds, fused=model.fused_kernels),
+                   eos_token_id, pad_token_id, on_token,
+                   compacts=on_token is None and (row_seeds is not None
+                                                  or not sampling.do_sample))
+
+
+@dataclass
+class _Batch:
+    """The rows a decode step runs on, and their state."""
+
+    rows: torch.Tensor | None     # [b] their rows of the output (None: all, in order)
+    unfinished: torch.Tensor      # [b] no EOS yet
+    key_valid: torch.Tensor       # [b, width] the cache slots each row attends
+    next_position: torch.Tensor   # [b] position of the first answer token
+    keys: torch.Tensor            # the cache's views for these rows
+    values: torch.Tensor
+    step: _StaticDecodeStep | None
+
+    def keep(self, keep: torch.Tensor, model: InferenceDecoder, width: int,
+             cuda_graph: bool) -> None:
+        """Only rows `keep` from now on: their cache rows moved to the front."""
+        self.rows = keep if self.rows is None else self.rows[keep]
+        self.unfinished, self.key_valid = self.unfinished[keep], self.key_valid[keep]
+        self.next_position = self.next_position[keep]
+        whole_keys, whole_values = self.keys, self.values
+        self.keys, self.values = model.cache.view(len(keep), width)
+        self.keys.copy_(whole_keys[:, keep])
+        self.values.copy_(whole_values[:, keep])
+        if self.step is not None:
+            self.step = _StaticDecodeStep.get(model, len(keep), width, cuda_graph)
+
+
+def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: torch.Tensor,
+            p: int, sampling: SamplingSettings, width: int, cuda_graph: bool,
+            chooser: TokenChooser, eos_token_id: int | list[int], pad_token_id: int,
+            on_token: OnToken | None, compacts: bool) -> torch.Tensor:
+    """The token loop after the prefill (see _generate): the answers in `out` [B, P + N]."""
+    n, device = sampling.max_new_tokens, out.device
+    eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)   # 0-d or [E]
+    cache_slots = torch.arange(p, p + n, device=device)             # step t writes slot p + t
     ended_at = torch.tensor(n - 1, device=device)   # the step every row had ended by
-    rows: torch.Tensor | None = None   # the batch's rows in `out`, once compacted
-    compacts = on_token is None and (row_seeds is not None or not sampling.do_sample)
     for t in range(n):
-        token = chooser(logits, t)
-        token = token.masked_fill(~unfinished, pad_token_id)
-        if rows is None:
+        token = chooser(logits, t).masked_fill(~batch.unfinished, pad_token_id)
+        if batch.rows is None:
             out[:, p + t] = token
         else:
-            out[rows, p + t] = token
-        unfinished &= ~torch.isin(token, eos)
+            out[batch.rows, p + t] = token
+        batch.unfinished &= ~torch.isin(token, eos)
         if on_token is not None:   # a caller that sees every token: stop exactly, per token
-            if on_token(token) or t == n - 1 or not bool(unfinished.any()):
+            if on_token(token) or t == n - 1 or not bool(batch.unfinished.any()):
                 chooser.check()
                 return out[:, :p + t + 1]
         else:
-            ended_at = torch.where((ended_at == n - 1) & ~unfinished.any(), t, ended_at)
-            live = int(unfinished.sum()) if (t + 1) % ENDED_CHECK_EVERY == 0 else -1
+            ended_at = torch.where((ended_at == n - 1) & ~batch.unfinished.any(), t, ended_at)
+            live = int(batch.unfinished.sum()) if (t + 1) % ENDED_CHECK_EVERY == 0 else -1
             if t == n - 1 or live == 0:
                 chooser.check()
                 return out[:, :p + int(ended_at) + 1]
             if compacts and 0 < live <= len(token) // 2 and len(token) > COMPACT_MIN_ROWS:
-                keep = _rows_to_keep(unfinished, live)
-                rows = keep if rows is None else rows[keep]
-                token, unfinished = token[keep], unfinished[keep]
-                key_valid, next_position = key_valid[keep], next_position[keep]
+                keep = _rows_to_keep(batch.unfinished, live)
+                token = token[keep]
+                batch.keep(keep, model, width, cuda_graph)
                 chooser.keep(keep)
-                whole_keys, whole_values = keys, values
-                keys, values = cache.view(len(keep), width)
-                keys.copy_(whole_keys[:, keep])     # the kept rows' KV to the front rows
-                values.copy_(whole_values[:, keep])
-                if static:
-                    step = _StaticDecodeStep.get(model, len(keep), width, cuda_graph)
-        key_valid[:, p + t] = True
-        slot = cache_slots[t:t + 1]
-        if step is not None:
-            logits = step(token, next_position + t, slot, key_valid)
+        batch.key_valid[:, p + t] = True
+        slot, positions = cache_slots[t:t + 1], batch.next_position + t
+        if batch.step is not None:
+            logits = batch.step(token, positions, slot, batch.key_valid)
         else:
-            logits = model(token[:, None], (next_position + t)[:, None], slot,
-                           key_valid[:, None, None, :p + t + 1], keys, values,
-                           kv_len=p + t + 1)
+            logits = model(token[:, None], positions[:, None], slot,
+                           batch.key_valid[:, None, None, :p + t + 1], batch.keys,
+                           batch.values, kv_len=p + t + 1)
     return out[:, :p]  # max_new_tokens == 0
 
 
