@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -77,6 +78,23 @@ def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
 
 PRESETS = {"tiny-llama": _llama, "tiny-opt": _opt, "tiny-gpt2": _gpt2, "tiny-gpt-neox": _gpt_neox}
 
+# Real model shapes with random weights, for memory and speed probes without a checkpoint:
+# Llama 2 7B and 13B, Code Llama 34B and Llama 2 70B (the last two with GQA, 8 KV heads).
+# (hidden, layers, heads, kv heads, intermediate, rope theta); vocabulary 32,000 (or the
+# tokenizer's, if larger). They are built straight into the quantized base, one module at
+# a time (engine.quantized_base); in full precision they are refused.
+SHAPES = {"llama-7b": (4096, 32, 32, 32, 11008, 1e4), "llama-13b": (5120, 40, 40, 40, 13824, 1e4),
+          "llama-34b": (8192, 48, 64, 8, 22016, 1e6), "llama-70b": (8192, 80, 64, 8, 28672, 1e4)}
+
+
+def _shape_preset(spec: str, vocab_size: int, **overrides) -> PretrainedConfig:
+    hidden, layers, heads, kv_heads, ffn, theta = SHAPES[spec]
+    return LlamaConfig(**{
+        "vocab_size": max(32000, vocab_size), "hidden_size": hidden,
+        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 4096, "rope_theta": theta,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **overrides})
+
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """The built-in tokenizer of the presets: one token per byte, so it needs no training
@@ -97,7 +115,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 def _source(spec: str, flag: str, tokenizer: bool = False) -> str:
     """Classify a model (or tokenizer) argument as 'preset', 'local' or 'hub'; fail early on
     a bad path. A tokenizer directory holds no config.json, only tokenizer files."""
-    if spec in PRESETS:
+    if spec in PRESETS or spec in SHAPES:
         return "preset"
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -110,7 +128,7 @@ def _source(spec: str, flag: str, tokenizer: bool = False) -> str:
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise UserError(f"{flag} {spec}: no such directory; pass a Hugging Face model "
                         "directory (e.g. output/step3/actor), a hub name or a preset "
-                        f"({', '.join(PRESETS)})")
+                        f"({', '.join([*PRESETS, *SHAPES])})")
     return "hub"
 
 
@@ -186,7 +204,7 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     """The tokenizer for a model argument: `tokenizer` when given, the built-in byte
     tokenizer for a preset, otherwise the model directory's own. Ensures a pad token."""
     source = tokenizer or spec
-    if source in PRESETS:
+    if source in PRESETS or source in SHAPES:
         tok = byte_tokenizer()
     else:
         flag = "tokenizer=" if tokenizer else flag
@@ -207,14 +225,19 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
 
 
 def preset_config(spec: str, tok: PreTrainedTokenizerBase, **overrides) -> PretrainedConfig:
-    return PRESETS[spec](len(tok), pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.bos_token_id or tok.eos_token_id,
-                         eos_token_id=tok.eos_token_id, **overrides)
+    build = PRESETS[spec] if spec in PRESETS else partial(_shape_preset, spec)
+    return build(len(tok), pad_token_id=tok.pad_token_id,
+                 bos_token_id=tok.bos_token_id or tok.eos_token_id,
+                 eos_token_id=tok.eos_token_id, **overrides)
 
 
 def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype: torch.dtype,
           trust_remote_code: bool, seed: int, **kwargs) -> PreTrainedModel:
     kind = _source(spec, flag)
+    if spec in SHAPES:
+        raise UserError(f"{flag} {spec}: a shape preset is built straight into a quantized "
+                        "base (--zero-quantized-nontrainable-weights, with LoRA); in full "
+                        "precision pass a checkpoint directory instead")
     if kind == "preset":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

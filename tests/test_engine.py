@@ -8,7 +8,12 @@ from typing import NamedTuple
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 import steps.ppo as ppo
 from engine.config import LoraConfig, OptimConfig
@@ -19,11 +24,13 @@ from engine.hybrid import HybridEngine
 from engine.lora import apply_lora
 from engine.models import (
     PRESETS,
+    SHAPES,
     byte_tokenizer,
     load_causal_lm,
     load_reward_model,
     load_tokenizer,
     position_ids,
+    preset_config,
     sequence_scores,
     token_values,
 )
@@ -86,6 +93,26 @@ def test_preset_builds_as_lm_and_classifier_seeded(tok, preset):
     assert rm(input_ids=ids).logits.shape == (1, 1)
     assert same_weights(weights(rm), weights(load_reward_model(preset, tok, seed=0)))
     assert not same_weights(weights(rm), weights(load_reward_model(preset, tok, seed=1)))
+
+
+# parameter counts of the released checkpoints these shapes copy (untied embeddings)
+RELEASED = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320,
+            "llama-34b": 33_743_970_304, "llama-70b": 68_976_648_192}
+
+
+@pytest.mark.parametrize("preset", sorted(SHAPES))
+def test_shape_presets_have_the_released_shapes(tok, preset):
+    """Built on the meta device: exactly the released model's parameter count; GQA where
+    the release has it; refused in full precision, with the flag named."""
+    config = preset_config(preset, tok)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == RELEASED[preset]
+    assert (config.num_key_value_heads < config.num_attention_heads) == \
+        (preset in ("llama-34b", "llama-70b"))
+    with pytest.raises(UserError, match=f"--actor-model {preset}: a shape preset is built "
+                                        "straight into a quantized base"):
+        load_causal_lm(preset, tok)
 
 
 def test_byte_tokenizer_round_trips_and_saves(tok, tmp_path):
