@@ -112,10 +112,14 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                    model_max_length=_TINY["positions"])
 
 
+def is_preset(spec: str) -> bool:
+    return spec in PRESETS or spec in SHAPES
+
+
 def _source(spec: str, flag: str, tokenizer: bool = False) -> str:
     """Classify a model (or tokenizer) argument as 'preset', 'local' or 'hub'; fail early on
     a bad path. A tokenizer directory holds no config.json, only tokenizer files."""
-    if spec in PRESETS or spec in SHAPES:
+    if is_preset(spec):
         return "preset"
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -204,7 +208,7 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
     """The tokenizer for a model argument: `tokenizer` when given, the built-in byte
     tokenizer for a preset, otherwise the model directory's own. Ensures a pad token."""
     source = tokenizer or spec
-    if source in PRESETS or source in SHAPES:
+    if is_preset(source):
         tok = byte_tokenizer()
     else:
         flag = "tokenizer=" if tokenizer else flag

@@ -53,7 +53,7 @@ from engine.data_parallel import DataParallel, Share
 from engine.errors import NonFiniteError, UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.models import disable_dropout, load_tokenizer, position_ids
+from engine.models import disable_dropout, is_preset, load_tokenizer, position_ids
 from engine.placement import Placement
 from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
@@ -227,14 +227,16 @@ CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorith
 
 
 def _paths(cfg: DictConfig) -> tuple[str, str | None]:
-    """The actor's and the reward model's directories (None: no reward model)."""
+    """The actor's and the reward model's directories (None: no reward model); the actor
+    may be a preset instead (random weights: a shape probe, e.g. llama-70b)."""
     out = Path(cfg.output_dir)
     actor_path = cfg.ppo.actor_path or str(out / "actor")
     reward_path = (cfg.ppo.reward_path or str(out / "reward")
                    if cfg.ppo.reward_model_weight != 0 else None)
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path")):
-        if path is not None and not (Path(path) / "config.json").exists():
+        if path is not None and not (Path(path) / "config.json").exists() \
+                and not (key == "ppo.actor_path" and is_preset(path)):
             alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
                      if key == "ppo.reward_path" else "")
             raise UserError(f"step 3 needs the {what} at {path}: run its step first "

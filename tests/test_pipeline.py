@@ -478,6 +478,26 @@ def test_steps_1_and_2_with_lora_over_an_int4_base(tmp_path):
     assert losses[-1] < losses[0]
 
 
+def test_step3_from_a_preset_over_a_quantized_base(tmp_path):
+    """ppo.actor_path may name a preset (random weights, no step 1: a shape probe): GRPO
+    with a rule reward over its int4 base; a shape preset in full precision is refused."""
+    out = tmp_path / "probe"
+    run = run_train("--step", "3", "--output-dir", out, "--zero-quantized-nontrainable-weights",
+                    settings=SMALL, **{
+                        "ppo.actor_path": "tiny-llama", "engine.quantized_base.bits": 4,
+                        "ppo.actor_lora.dim": 4, "ppo.algorithm": "grpo",
+                        "ppo.samples_per_prompt": 2,
+                        "ppo.reward_fn": "steps.demo:score", "ppo.reward_model_weight": 0}
+                    ).check()
+    assert "modules as int4" in run.stdout and "step 3 (GRPO) done" in run.stdout
+    assert_model_dir(out / "step3" / "actor")
+    refused = run_train("--step", "3", "--output-dir", tmp_path / "full", settings=SMALL, **{
+        "ppo.actor_path": "llama-7b", "ppo.reward_fn": "steps.demo:score",
+        "ppo.reward_model_weight": 0})
+    assert refused.rc == 2 and "llama-7b: a shape preset is built straight into a " \
+        "quantized base" in refused.stderr
+
+
 def test_ppo_lora_over_an_int8_base_with_its_own_reference(llama_run, tmp_path):
     """--zero-quantized-nontrainable-weights: actor and critic LoRA over int8 bases, the
     reference is the actor with adapters off (so the first rollout's KL is exactly 0), and

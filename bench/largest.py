@@ -1,0 +1,142 @@
+"""The largest Llama shape that runs step 3 on this GPU: GRPO with a rule reward over an
+INT4 frozen base with LoRA rank 8, from the shape presets (engine/models.py: llama-7b,
+llama-13b, llama-34b, llama-70b; random weights, built straight into the quantized base).
+
+Per preset, smallest first, one `train.py --step 3` in its own process: 4 prompts x 4
+samples of 64 new tokens a round (hh-rlhf prompts), one optimizer step
+a round in forwards of 4 answers, gradient checkpointing on, --iterations rounds (the first
+untimed; prompts of at most 128 bytes, the presets' byte tokenizer). It stops at the first preset that fails (out of memory, usually) and prints its
+last error line. Printed per preset: parameters, the INT4 base's size, peak allocator
+memory, s/iteration with its phase split, decode ms per new token (the generate phase over
+its 64 steps, prefill included), and two decode bounds from the card's measured copy
+bandwidth: streaming the bf16 inference copy the rollout builds today, and streaming the
+INT4 base (what generation straight from the quantized weights would read).
+Whether every logged loss was finite and no update was skipped is checked per preset.
+
+Not here: PPO, whose critic starts from the actor (a second model of the same size).
+
+Run:  python bench/largest.py                          (one GPU; minutes per preset)
+      python bench/largest.py --presets tiny-llama --device cpu   (the harness on a CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from peers import REPO, Run, measured_rates, write_prompts
+
+sys.path.insert(0, str(REPO))
+from engine.models import byte_tokenizer, preset_config  # noqa: E402
+
+SHAPES = ["llama-7b", "llama-13b", "llama-34b", "llama-70b"]
+NEW_TOKENS, PROMPTS, GROUP, FORWARD = 64, 4, 4, 4
+MAX_PROMPT = 128   # tokens of the presets' byte tokenizer: hh-rlhf's short questions
+
+
+def sizes(preset: str) -> tuple[int, int, int]:
+    """(parameters, bytes of a bf16 copy, bytes of the INT4 base: 4 bits a weight of the
+    Linear/Embedding modules plus a bf16 scale per 64, other weights in bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(preset, byte_tokenizer()))
+    params = sum(p.numel() for p in model.parameters())
+    matrices = sum(m.weight.numel() for m in model.modules()
+                   if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)))
+    return params, 2 * params, matrices // 2 + matrices // 64 * 2 + 2 * (params - matrices)
+
+
+def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: str
+              ) -> tuple[dict | None, str]:
+    command = [
+        sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
+        "--zero-quantized-nontrainable-weights", "engine.quantized_base.bits=4",
+        f"ppo.actor_path={preset}", "ppo.actor_lora.dim=8", "ppo.algorithm=grpo",
+        f"ppo.samples_per_prompt={GROUP}", f"ppo.rollout_batch_size={PROMPTS}",
+        f"ppo.micro_batch_size={PROMPTS * GROUP}", f"ppo.forward_batch_size={FORWARD}",
+        f"data.path=[{prompts}]", "data.split=[0,0,1]", "data.eval_fraction=0",
+        f"data.max_prompt_len={MAX_PROMPT}", f"data.max_answer_len={NEW_TOKENS}",
+        "ppo.epochs=1",
+        "ppo.reward_fn=peers:reward", "ppo.reward_model_weight=0", "ppo.eval_prompts=0",
+        "ppo.best_of_n=0", "engine.gradient_checkpointing=true", f"engine.device={device}",
+        "logging.progress=false"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
+    print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        return None, lines[-1] if lines else f"exit {result.returncode}"
+    rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text()
+            .splitlines()]
+    timed = [r for r in rows if "time/iteration" in r][1:]
+    losses = [r[k] for r in rows for k in ("train/policy_loss", "train/kl_loss") if k in r]
+    row = {k: statistics.median(r[f"time/{k}"] for r in timed)
+           for k in ("iteration", "generate", "experience", "train")}
+    row.update(peak_gib=rows[-1]["memory/peak_mib"] / 1024, rounds=len(timed),
+               finite=all(math.isfinite(x) for x in losses)
+               and max(r.get("train/skipped_steps", 0) for r in rows) == 0)
+    return row, "ok"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=SHAPES)
+    p.add_argument("--iterations", type=int, default=6, help="rounds, the first untimed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", type=Path, default=None, help="default: a temporary directory")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        prompts, tokenizer = out / "prompts.jsonl", out / "tokenizer"
+        byte_tokenizer().save_pretrained(tokenizer)   # the presets' own
+        write_prompts(prompts, tokenizer, Run(PROMPTS, GROUP, NEW_TOKENS, MAX_PROMPT,
+                                              args.iterations, 1, FORWARD))
+        bandwidth, _ = measured_rates(args.device)
+        table = []
+        for preset in args.presets:
+            row, status = run_step3(preset, prompts, out / preset, args.iterations, args.device)
+            table.append((preset, *sizes(preset), row, status))
+            if row is None:
+                break
+
+    name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"run: GRPO, {PROMPTS} prompts x {GROUP} samples of {NEW_TOKENS} new tokens, INT4 "
+          f"base (block 64) + LoRA rank 8, gradient checkpointing, forwards of {FORWARD}, "
+          f"static KV cache for {PROMPTS * GROUP} rows; median of {args.iterations - 1} "
+          "rounds after 1")
+    header = (f"{'preset':<10} {'params':>7} {'INT4 GiB':>9} {'peak GiB':>9} {'s/iter':>7} "
+              f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'bf16 bound':>10} "
+              f"{'int4 bound':>10}  status")
+    print(header)
+    print("-" * len(header))
+    for preset, params, bf16_bytes, int4_bytes, row, status in table:
+        bounds = (f"{bf16_bytes / bandwidth * 1e3:>10.2f} {int4_bytes / bandwidth * 1e3:>10.2f}"
+                  if args.device != "cpu" else f"{'-':>10} {'-':>10}")
+        if row is None:
+            print(f"{preset:<10} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
+                  f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds}  {status}")
+            continue
+        print(f"{preset:<10} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
+              f"{row['peak_gib']:>9.1f} {row['iteration']:>7.2f} {row['generate']:>9.2f} "
+              f"{row['experience']:>7.2f} {row['train']:>7.2f} "
+              f"{row['generate'] / NEW_TOKENS * 1e3:>9.2f} {bounds}  "
+              f"{'finite, none skipped' if row['finite'] else 'NON-FINITE or skipped'}")
+
+
+if __name__ == "__main__":
+    main()
