@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import statistics
 import subprocess
@@ -33,12 +32,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from peers import REPO, Run, measured_rates, write_prompts
+from peers import REPO, Run, measured_rates, train_env, write_prompts  # puts REPO on the path
 
-sys.path.insert(0, str(REPO))
-from engine.models import byte_tokenizer, preset_config  # noqa: E402
+from engine.models import SHAPES, byte_tokenizer, preset_config
 
-SHAPES = ["llama-7b", "llama-13b", "llama-34b", "llama-70b"]
 NEW_TOKENS, PROMPTS, GROUP, FORWARD = 64, 4, 4, 4
 MAX_PROMPT = 128   # tokens of the presets' byte tokenizer: hh-rlhf's short questions
 
@@ -70,10 +67,8 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
         "ppo.reward_fn=peers:reward", "ppo.reward_model_weight=0", "ppo.eval_prompts=0",
         "ppo.best_of_n=0", "engine.gradient_checkpointing=true", f"engine.device={device}",
         "logging.progress=false"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True)
     if result.returncode:
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         return None, lines[-1] if lines else f"exit {result.returncode}"
@@ -91,7 +86,7 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", nargs="+", default=SHAPES)
+    p.add_argument("--presets", nargs="+", default=list(SHAPES))
     p.add_argument("--iterations", type=int, default=6, help="rounds, the first untimed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=None, help="default: a temporary directory")

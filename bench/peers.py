@@ -133,6 +133,12 @@ def write_prompts(path: Path, tokenizer_dir: Path, run: Run) -> int:
 # --- ours: train.py ----------------------------------------------------------------------
 
 
+def train_env() -> dict[str, str]:
+    """A train.py child's environment: bench/ on its path, for ppo.reward_fn=peers:reward."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
 def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str,
              profile: bool = False) -> dict:
     """Step 3 alone through train.py (GRPO, the rule reward, no reward model), then its
@@ -150,10 +156,8 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
         f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
         *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 2}]"] * profile)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"train.py failed ({result.returncode}):\n{result.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text().splitlines()]

@@ -61,9 +61,22 @@ class DataParallel:
             return torch.tensor([0]), 0.0
         return held, 1.0
 
-    def most(self, number: int) -> int:
-        """The largest of the processes' `number`s."""
-        return self.runtime.most(number)
+    def row_chunks(self, rows: int, size: int | None) -> list[tuple[slice, bool]]:
+        """This process's `rows` as slices of at most `size` (None: one slice), each with
+        whether it is real: every process runs as many passes as the one with the most
+        slices, so the others add stand-ins (row 0, False) to keep the passes paired."""
+        if size is None:
+            return [(slice(0, rows), True)]
+        count = self.runtime.most(-(-rows // size))
+        return [(slice(start, min(start + size, rows)), True) if start < rows
+                else (slice(0, 1), False) for start in range(0, count * size, size)]
+
+    def by_row_chunks(self, fn: Callable[[slice], torch.Tensor], rows: int,
+                      size: int | None) -> torch.Tensor:
+        """fn(row slice) -> [rows of the slice, ...] over `row_chunks`, concatenated (the
+        stand-ins' results dropped)."""
+        results = [(fn(chunk), real) for chunk, real in self.row_chunks(rows, size)]
+        return torch.cat([result for result, real in results if real])
 
     def sum(self, *numbers: float) -> list[float]:
         """Each number summed over all processes (one collective for all of them)."""

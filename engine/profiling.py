@@ -19,9 +19,10 @@ OPS_SHOWN = 40
 
 
 class IterationProfiler:
-    def __init__(self, first: int, last: int, out: Path, *, writes: bool, cuda: bool):
+    def __init__(self, first: int, last: int, out: Path, *, writes: bool,
+                 device: torch.device):
         self.first, self.last, self.out = first, last, out
-        self.writes, self.cuda = writes, cuda
+        self.writes, self.cuda = writes, device.type == "cuda"
         self._profile: profile | None = None
         self.table: str | None = None   # the op table, once written
 

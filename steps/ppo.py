@@ -365,7 +365,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     if state.before is None:
         state = baseline(models, prompts, s, dp, tracker, state)
     profiler = IterationProfiler(*s.ppo.profile, out / "profile", writes=dp.reports,
-                                 cuda=dp.device.type == "cuda") if s.ppo.profile else None
+                                 device=dp.device) if s.ppo.profile else None
     state, mean_times = train(cfg, s, models, prompts, kept, ckpt, tracker, dp, state, rounds,
                               profiler)
     models.actor.eval()
@@ -542,15 +542,16 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     computing the rest."""
     actor, critic, eos = models.actor, models.critic, models.tokenizer.eos_token_id
     actor.take_times()
-    sequences, attention_mask, answered = rollout(models, prompts, s.sampling, seeds, s.group)
+    answers = rollout(models, prompts, s.sampling, seeds, s.group)
+    sequences, attention_mask, answered = answers
     t1 = time.perf_counter()
     generation = actor.take_times()
     prompt_len = prompts["input_ids"].shape[1]
     actions = answered * weight
 
     def by_rows(fn) -> torch.Tensor:   # fn(sequences, attention_mask) over row chunks
-        return in_row_chunks(lambda rows: fn(sequences[rows], attention_mask[rows]),
-                             len(sequences), s.ppo.forward_batch_size, dp)
+        return dp.by_row_chunks(lambda rows: fn(sequences[rows], attention_mask[rows]),
+                                len(sequences), s.ppo.forward_batch_size)
 
     temperature = s.sampling.temperature
     actor.eval()
@@ -565,7 +566,7 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
         values = by_rows(lambda seq, mask: answer_values(critic, seq, mask, prompt_len))
         values = values * actions
         critic.train()
-    scores = by_rows(lambda seq, mask: models.rewards(seq, mask, prompt_len))
+    scores = _scores(models, answers, s, dp)
     if s.ppo.missing_eos_penalty is not None:
         cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
         scores = scores - s.ppo.missing_eos_penalty * cut_off.to(scores.dtype)
@@ -634,7 +635,7 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     where the update was skipped); None, with nothing updated, when the policy is already
     `ppo.target_kl` from the sampling one."""
     exp, prompt_len, actor = experience, experience.prompt_len, models.actor
-    chunks = row_chunks(len(exp.sequences), s.ppo.forward_batch_size, dp)
+    chunks = dp.row_chunks(len(exp.sequences), s.ppo.forward_batch_size)
     stats: dict[str, float] = {}
 
     def add(name: str, value) -> None:
@@ -679,24 +680,6 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
             add("train/value_clip_fraction", critic_out.clip_fraction)
         norms["train/critic_grad_norm"] = models.critic.step()
     return stats, norms
-
-
-def row_chunks(rows: int, size: int | None, dp: DataParallel) -> list[tuple[slice, bool]]:
-    """This process's `rows` as slices of at most `size` (None: one slice), each with
-    whether it is real: under FSDP every forward is a collective, so a process with fewer
-    slices than another adds stand-ins (row 0, False) until all run the same number."""
-    if size is None:
-        return [(slice(0, rows), True)]
-    count = dp.most(-(-rows // size))
-    return [(slice(start, min(start + size, rows)), True) if start < rows
-            else (slice(0, 1), False) for start in range(0, count * size, size)]
-
-
-def in_row_chunks(fn, rows: int, size: int | None, dp: DataParallel) -> torch.Tensor:
-    """fn(row slice) -> [rows of the slice, ...] over row_chunks, concatenated (the
-    stand-ins' results dropped)."""
-    results = [(fn(chunk), real) for chunk, real in row_chunks(rows, size, dp)]
-    return torch.cat([result for result, real in results if real])
 
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -794,17 +777,17 @@ def _policy_and_reference(models: Models, answers: Rollout, s: Settings, dp: Dat
         return answer_logprobs(models.actor, *args) - answer_logprobs(models.reference, *args)
 
     models.actor.eval()
-    kl = in_row_chunks(both, len(answers.sequences), s.ppo.forward_batch_size, dp)
+    kl = dp.by_row_chunks(both, len(answers.sequences), s.ppo.forward_batch_size)
     models.actor.train()
     return kl
 
 
 def _scores(models: Models, answers: Rollout, s: Settings, dp: DataParallel) -> torch.Tensor:
     """[B] the step-3 score of each answer, `ppo.forward_batch_size` rows at a time."""
-    return in_row_chunks(lambda rows: models.rewards(answers.sequences[rows],
-                                                     answers.attention_mask[rows],
-                                                     answers.prompt_len),
-                         len(answers.sequences), s.ppo.forward_batch_size, dp)
+    return dp.by_row_chunks(lambda rows: models.rewards(answers.sequences[rows],
+                                                        answers.attention_mask[rows],
+                                                        answers.prompt_len),
+                            len(answers.sequences), s.ppo.forward_batch_size)
 
 
 @torch.no_grad()
