@@ -92,7 +92,11 @@ class HybridConfig:
     gather_group_size: int = val(1, "decoder layers all-gathered at once (bounds the "
                                  "gather's extra memory)", COUNT)
     cuda_graphs: bool = val(True, "capture the decode step as a CUDA graph (CUDA only)")
-    fused_kernels: bool = val(True, "Triton kernels for add+norm and SiLU*up (CUDA only)")
+    fused_kernels: bool = val(True, "Triton kernels for add+norm, SiLU*up and quantized "
+                              "matmuls (CUDA only)")
+    quantized_inference: bool = val(True, "with a quantized base (engine.quantized_base), "
+                                    "generate from its INT8/INT4 weights with LoRA beside "
+                                    "them; false: a dequantized full-precision copy")
 
 
 @dataclass

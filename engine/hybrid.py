@@ -43,6 +43,7 @@ from engine.inference_plans import Unsupported, plan
 from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
+from engine.quantized_inference import QuantizedSlot, fill_quantized, slot_for
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 
@@ -107,6 +108,7 @@ class _Target:
     model: nn.Module
     sources: dict[str, list[str]]
     groups: dict[int, list[str]]
+    quantized: dict[str, QuantizedSlot]   # module paths held quantized (quantized_inference)
 
 
 class HybridEngine(TrainEngine):
@@ -200,16 +202,25 @@ class HybridEngine(TrainEngine):
                 units = root_units if group < 0 else self._blocks[group * size:(group + 1) * size]
                 with gathered(units):
                     for name in names:
-                        copy_sources(params[name], target.sources[name],
-                                     lambda source: merged_weight(inner, source), transforms)
+                        path, attr = name.rsplit(".", 1)
+                        sources = target.sources[name]
+                        if attr == "weight" and path in target.quantized:
+                            fill_quantized(target.model.get_submodule(path),
+                                           [_base_module(inner, s)[:2] for s in sources],
+                                           [transforms.get(s) for s in sources])
+                        else:
+                            copy_sources(params[name], sources,
+                                         lambda source: merged_weight(inner, source), transforms)
         return target
 
     def _build(self, inner: PreTrainedModel) -> _Target:
         """Allocate the generation form (weights unset) on this rank's device."""
         dtype, device = self.runtime.dtype, self.runtime.device
+        quantized = {}
         if self._plan is not None:
+            quantized = self._quantized_slots(inner)
             model = allocate_decoder(self._plan, lambda source: _shape(inner, source),
-                                     dtype, device, self.hybrid.fused_kernels)
+                                     dtype, device, self.hybrid.fused_kernels, quantized)
             sources = self._plan.sources
         else:
             model = self._plain_copy(inner, dtype, device)
@@ -217,7 +228,25 @@ class HybridEngine(TrainEngine):
         groups: dict[int, list[str]] = {}
         for name, parts in sources.items():
             groups.setdefault(self._group(parts[0]), []).append(name)
-        return _Target(model.eval(), sources, groups)
+        return _Target(model.eval(), sources, groups, quantized)
+
+    def _quantized_slots(self, inner: PreTrainedModel) -> dict[str, QuantizedSlot]:
+        """The inference modules that generate straight from the quantized base (all whose
+        sources are quantized, when engine.hybrid.quantized_inference), said once."""
+        if not self.hybrid.quantized_inference:
+            return {}
+        slots = {}
+        for name, parts in self._plan.sources.items():
+            path, attr = name.rsplit(".", 1)
+            slot = slot_for([_base_module(inner, s)[:2] for s in parts]) if attr == "weight" else None
+            if slot is not None:
+                slots[path] = slot
+        if slots and self.runtime.is_main:
+            bits = sorted({slot.bits for slot in slots.values()})
+            tqdm.write(f"hybrid engine: generating from the quantized base: {len(slots)} "
+                       f"matrices held as int{'/int'.join(map(str, bits))}, LoRA beside "
+                       "them, no full-precision copy")
+        return slots
 
     def _plain_copy(self, inner: PreTrainedModel, dtype: torch.dtype,
                     device: torch.device) -> PreTrainedModel:

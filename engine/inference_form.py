@@ -24,6 +24,7 @@ from engine.generation import OnToken, SamplingSettings
 from engine.inference_modules import InferenceDecoder
 from engine.inference_plans import Plan, Unsupported, plan
 from engine.parallel import transformer_blocks
+from engine.quantized_inference import QuantizedSlot
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +90,19 @@ def layer_prefixes(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
 
 
 def allocate_decoder(plan: Plan, source_shape: Callable[[str], torch.Size],
-                     dtype: torch.dtype, device: torch.device, fused_kernels: bool
-                     ) -> InferenceDecoder:
+                     dtype: torch.dtype, device: torch.device, fused_kernels: bool,
+                     quantized: dict[str, QuantizedSlot] | None = None) -> InferenceDecoder:
     """The inference decoder of `plan` on `device`, its weights allocated but unset, each
     shaped as its sources (`source_shape` of an HF parameter name, through the plan's
-    transforms); Triton kernels when `fused_kernels` and on CUDA."""
+    transforms), the modules in `quantized` held quantized (InferenceDecoder.allocate);
+    Triton kernels when `fused_kernels` and on CUDA."""
     def meta(source: str) -> torch.Tensor:   # the source's shape, without its storage
         full = torch.empty(source_shape(source), device="meta")
         return plan.transforms.get(source, lambda w: w)(full)
 
     decoder = InferenceDecoder(plan)
     decoder.allocate({name: torch.cat([meta(s) for s in parts]).shape   # as copy_sources
-                      for name, parts in plan.sources.items()}, dtype, device)
+                      for name, parts in plan.sources.items()}, dtype, device, quantized)
     decoder.use_fused_kernels(fused_kernels and device.type == "cuda"
                               and kernels.triton_available())
     return decoder.eval()

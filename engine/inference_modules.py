@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 
 from engine import kernels
 from engine.inference_plans import DecoderSpec, Plan
+from engine.quantized_inference import QuantizedProjection, QuantizedSlot, quantized_module
 
 CACHE_LENGTH_STEP = 64   # cache lengths are rounded up to a multiple of this
 
@@ -182,11 +183,22 @@ class InferenceDecoder(nn.Module):
         self.fused_kernels = False   # Triton kernels (use_fused_kernels), sampling's too
 
     def allocate(self, shapes: dict[str, torch.Size], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, quantized: dict[str, QuantizedSlot] | None = None
+                 ) -> None:
         """Give every weight storage of its source's shape (learned positions size from
-        the checkpoint); contents are filled by the caller."""
+        the checkpoint); contents are filled by the caller. The modules named in `quantized`
+        (paths such as `layers.0.qkv`) become quantized ones (engine/quantized_inference.py)
+        holding integers, scales and LoRA factors instead of a full-precision weight."""
+        quantized = quantized or {}
+        for path, slot in quantized.items():
+            module = quantized_module(shapes[f"{path}.weight"], slot, f"{path}.bias" in shapes,
+                                      path in ("embed", "positions"), dtype, device)
+            parent, _, attr = path.rpartition(".")
+            setattr(self.get_submodule(parent), attr, module)
         for name, shape in shapes.items():
             path, attr = name.rsplit(".", 1)
+            if path in quantized:
+                continue
             weight = torch.empty(shape, dtype=dtype, device=device)
             setattr(self.get_submodule(path), attr, nn.Parameter(weight, requires_grad=False))
         if self.rotary is not None:
@@ -237,16 +249,20 @@ class InferenceDecoder(nn.Module):
             residual, delta = layer(residual, delta, rope, keys[i], values[i], write_at, mask,
                                     kv_len)
         _, x = self.norm(delta[:, -1], residual[:, -1])
-        head = self.embed.weight if self.head is None else self.head.weight
-        return F.linear(x, head).float()
+        logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+        return logits.float()
 
     def use_fused_kernels(self, enabled: bool) -> None:
-        """Triton kernels for add+norm and SiLU*up (CUDA; on CPU only under Triton's
-        interpreter, for tests); engine/decode.py then samples with one too."""
+        """Triton kernels for add+norm, SiLU*up and quantized projections (CUDA; on CPU
+        only under Triton's interpreter, for tests); engine/decode.py then samples with one
+        too."""
         self.fused_kernels = enabled
         self.norm.fused = enabled
         for layer in self.layers:
             layer.use_fused_kernels(enabled)
+        for module in self.modules():
+            if isinstance(module, QuantizedProjection):
+                module.fused = enabled
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -7,6 +7,9 @@ and writes the hidden state once instead of three or four times:
   row_seeded_sample  the next token of each row (temperature, then row-seeded Gumbel-max:
              engine.generation's sampling) in two reads of the logits, instead of a score
              tensor and a 64-bit hash tensor of [B, V] through some twenty ops
+  quantized_linear  x @ W^T + b with W an INT8/INT4 payload and its block scales
+             (engine/quantized_base.py's layout), dequantized in registers: decoding
+             streams the integers, not a full-precision copy
 
 Both round where the Hugging Face modules round (the residual sum and the activation to
 the model's dtype) and compute the rest in fp32. The kernels are compiled on first use;
@@ -17,6 +20,7 @@ with TRITON_INTERPRET=1 set before that, Triton's interpreter runs them on CPU t
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +47,15 @@ def add_norm_reference(delta: torch.Tensor | None, residual: torch.Tensor,
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quantized_linear_reference(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(payload, scales)^T + bias -> [..., N], the weight
+    dequantized to x's dtype for the call (payload int8 [N, K] or uint8 [N, K / 2], scales
+    [N, K / block])."""
+    from engine.quantized_base import dequantize_weight
+    return F.linear(x, dequantize_weight(payload, scales, x.dtype), bias)
 
 
 # -- Triton (engine/triton_kernels.py, imported only when a kernel is first used) -------------
@@ -89,3 +102,23 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
         logits, row_seeds.to(device=logits.device, dtype=torch.long).contiguous(), step,
         temperature, tokens, bad, n_cols, BLOCK=min(tk.triton.next_power_of_2(n_cols), 2048))
     return tokens, bad.any()
+
+
+def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused `quantized_linear_reference`: one kernel, the weight read once as integers.
+    Tiles: narrow ones for decoding (a few rows: many programs stream the weight), wider
+    for a prefill's many rows."""
+    from engine import triton_kernels as tk
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    (rows, k), n = flat.shape, payload.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = (16, 32, 128) if rows <= 16 else (64, 64, 64)
+    grid = (tk.triton.cdiv(rows, block_m), tk.triton.cdiv(n, block_n))
+    tk.quantized_matmul_kernel[grid](
+        flat, payload, scales, payload if bias is None else bias, out, rows, n, k,
+        k // scales.shape[-1], HAS_BIAS=bias is not None,
+        BITS=8 if payload.dtype == torch.int8 else 4,
+        FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.view(*x.shape[:-1], n)

@@ -98,3 +98,55 @@ def row_seeded_sample_kernel(logits_ptr, seeds_ptr, step, temperature, tokens_pt
         best = tl.where(take, block_best, best)
     tl.store(tokens_ptr + row, best_index)
     tl.store(bad_ptr + row, tl.max(bad, axis=0))
+
+
+@triton.jit
+def _dot_dequantized(acc, x, w, FP32_DOT: tl.constexpr):
+    """acc + x @ w^T, w [N, K] fp32 rounded to x's dtype first (as a dequantized copy of
+    x's dtype would hold it)."""
+    w = w.to(x.dtype)
+    if FP32_DOT:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def quantized_matmul_kernel(x_ptr, payload_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K,
+                            block, HAS_BIAS: tl.constexpr, BITS: tl.constexpr,
+                            FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [M, N] = x [M, K] @ (q * scale) [N, K]^T (+ bias), the weight dequantized in
+    registers one [BLOCK_N, BLOCK_K] tile at a time. INT4 bytes hold values 2i (low nibble)
+    and 2i+1 (high), each + 8: the tile is two half-width tiles, against x's even and odd
+    columns, so nothing is interleaved. FP32_DOT: the tiles meet in fp32 (IEEE, not TF32):
+    for fp32 inputs, and under the interpreter, whose bf16 dot is wrong; the weight is
+    rounded to x's dtype first either way, as the reference's dequantized copy is."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    PER_BYTE: tl.constexpr = 2 if BITS == 4 else 1
+    BYTES: tl.constexpr = BLOCK_K // PER_BYTE
+    row_bytes, groups = K // PER_BYTE, K // block
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BYTES) * PER_BYTE   # the (first) value of each byte
+        w_mask = (outs[:, None] < N) & (cols[None, :] < K)
+        x_mask = (rows[:, None] < M) & (cols[None, :] < K)
+        q = tl.load(payload_ptr + outs[:, None] * row_bytes + cols[None, :] // PER_BYTE,
+                    mask=w_mask, other=0)
+        scale = tl.load(scales_ptr + outs[:, None] * groups + cols[None, :] // block,
+                        mask=w_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=x_mask, other=0.0)
+        if BITS == 8:
+            acc = _dot_dequantized(acc, x, q.to(tl.float32) * scale, FP32_DOT)
+        else:
+            x_odd = tl.load(x_ptr + rows[:, None] * K + cols[None, :] + 1, mask=x_mask,
+                            other=0.0)
+            low = ((q & 15).to(tl.int32) - 8).to(tl.float32) * scale
+            high = ((q >> 4).to(tl.int32) - 8).to(tl.float32) * scale
+            acc = _dot_dequantized(acc, x, low, FP32_DOT)
+            acc = _dot_dequantized(acc, x_odd, high, FP32_DOT)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)[None, :]
+    out_mask = (rows[:, None] < M) & (outs[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * N + outs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=out_mask)

@@ -10,13 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engine.quantized_base as qb
-from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
+from engine.config import EngineConfig, HybridConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
+from engine.inference_modules import weight_bytes
 from engine.lora import BaseWithoutAdapters
 from engine.models import byte_tokenizer, load_causal_lm, load_quantized
 from engine.placement import Placement
+from engine.quantized_inference import QuantizedProjection
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 from steps.tokenize import collate_prompts
@@ -179,24 +181,63 @@ def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tok, tmp_path):
                        device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-opt"])
-def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, tmp_path):
-    """The hybrid engine folds LoRA into the dequantized base; HF generate runs on the
-    export (LoRA merged into the dequantized weights): greedy answers token for token."""
-    model = quantized_lora_model(tok, 8, spec)
-    perturb_adapters(model)
-    actor = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
-    assert actor.injected
-    merged = AutoModelForCausalLM.from_pretrained(actor.export(tok, tmp_path / "a")).eval()
+def _greedy_answers(actor, tok) -> torch.Tensor:
     prompts = [tok(text)["input_ids"] for text in ("Hello there", "What is 2+2?", "Hi")]
     batch = collate_prompts(prompts, tok.pad_token_id)
     greedy = SamplingSettings(max_new_tokens=24, do_sample=False)
-    ours = actor.generate(batch["input_ids"], batch["attention_mask"], greedy,
+    return actor.generate(batch["input_ids"], batch["attention_mask"], greedy,
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-opt"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, tmp_path):
+    """The hybrid engine generates from the integers with LoRA beside them (the default)
+    or from a dequantized copy with LoRA folded in; HF generate runs on the export (LoRA
+    merged into the dequantized weights): the same greedy answers, token for token."""
+    model = quantized_lora_model(tok, bits, spec)
+    perturb_adapters(model)
+    merged = AutoModelForCausalLM.from_pretrained(
+        TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3).export(tok, tmp_path / "a")).eval()
+    batch = collate_prompts([tok(t)["input_ids"] for t in ("Hello there", "What is 2+2?", "Hi")],
+                            tok.pad_token_id)
     theirs = merged.generate(**batch, max_new_tokens=24, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    width = min(ours.shape[1], theirs.shape[1])
-    assert torch.equal(ours[:, :width], theirs[:, :width])
+    answers, actors = {}, {}
+    for quantized in (True, False):
+        actors[quantized] = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3,
+                                         hybrid=HybridConfig(quantized_inference=quantized))
+        answers[quantized] = _greedy_answers(actors[quantized], tok)
+        width = min(answers[quantized].shape[1], theirs.shape[1])
+        assert torch.equal(answers[quantized][:, :width], theirs[:, :width]), quantized
+    assert torch.equal(answers[True], answers[False])
+    with model.disable_adapter():   # the adapters change the answers: LoRA's path is used
+        assert not torch.equal(_greedy_answers(actors[True], tok), answers[True])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_generating_from_the_quantized_base_holds_no_full_precision_copy(tok, bits):
+    """Every quantized base matrix is held in the inference form as its own payload and
+    scales (not a dequantized copy), and the form's weights are the quantized size."""
+    model = quantized_lora_model(tok, bits)
+    perturb_adapters(model)
+    actor = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
+    decoder = actor._gather().model
+    projections = [m for m in decoder.modules() if isinstance(m, QuantizedProjection)]
+    assert len(projections) == 2 * 4 + 1   # qkv, out, up, down per layer, and the head
+    qkv = decoder.layers[1].qkv
+    source = model.base_model.model.model.layers[1].self_attn
+    payloads = [getattr(source, f"{p}_proj").base_layer.weight for p in "qkv"]
+    assert torch.equal(qkv.weight, torch.cat(payloads))
+    assert qkv.weight.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    # LoRA: A stacked, B block-diagonal: q's rows see only q's adapter
+    rank = LORA.dim
+    assert qkv.lora_A.shape[0] == 3 * rank
+    q_rows = payloads[0].shape[0]
+    assert not qkv.lora_B[:q_rows, rank:].any() and qkv.lora_B[:q_rows, :rank].any()
+    dense = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3,
+                         hybrid=HybridConfig(quantized_inference=False))._gather().model
+    assert weight_bytes(decoder) < (0.45 if bits == 8 else 0.3) * weight_bytes(dense)
 
 
 def test_export_merges_lora_into_the_dequantized_base(tok, tmp_path):

@@ -133,3 +133,85 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampled,
                           row_seeds=seeds, **kwargs)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 70])   # decode tiles (<= 16 rows) and prefill ones
+def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_bound(
+        bits, dtype, rows):
+    """The kernel equals x @ dequantize(W)^T + b (to the dtype's rounding), and so differs
+    from the unquantized x @ W^T + b by at most sum_k |x_k| * scale_k / 2 per output
+    (each weight is within half a step of its original). Shapes: several K tiles, outputs
+    not a multiple of the tile."""
+    import torch.nn.functional as F
+
+    from engine.quantized_base import dequantize_weight, quantize_weight
+    gen = torch.Generator().manual_seed(bits + rows)
+    n, k, block = 150, 320, 64
+    w = torch.randn(n, k, generator=gen)
+    payload, scales = quantize_weight(w, bits, block, dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    got = kernels.quantized_linear(x.to(DEVICE), payload.to(DEVICE), scales.to(DEVICE),
+                                   bias.to(DEVICE)).cpu()
+    assert got.shape == (rows, n) and got.dtype == dtype
+    # the weight dequantized to x's dtype (as the kernel rounds it), the product in fp32
+    want = F.linear(x.float(), dequantize_weight(payload, scales, dtype).float(), bias.float())
+    # fp32: summation order only; bf16: as _assert_close
+    tolerance = (2 ** -6 if dtype == torch.bfloat16 else 1e-6) * want.abs().max()
+    assert (got.float() - want).abs().max() <= tolerance
+    bound = x.float().abs() @ (scales.float().repeat_interleave(block, dim=1) / 2).T
+    exact = x.float() @ w.T + bias.float()
+    rounding = 2 ** -6 * exact.abs().max() if dtype == torch.bfloat16 else 1e-4
+    assert ((got.float() - exact).abs() <= bound + rounding).all()
+    # and without bias, through a leading batch dimension
+    flat = kernels.quantized_linear(x.to(DEVICE)[None], payload.to(DEVICE), scales.to(DEVICE))
+    assert flat.shape == (1, rows, n)
+    assert (flat[0].cpu().float() - (want - bias.float())).abs().max() <= tolerance
+
+
+@pytest.mark.parametrize("preset,bits", [("tiny-llama", 4), ("tiny-opt", 8)])
+def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantized_path(
+        preset, bits):
+    """LoRA over an INT4/INT8 base: the inference form generating from the integers through
+    the Triton kernel gives the greedy answers of the dequantized-copy form."""
+    from engine import decode
+    from engine.config import (
+        EngineConfig,
+        HybridConfig,
+        LoraConfig,
+        OptimConfig,
+        QuantizedBaseConfig,
+    )
+    from engine.generation import SamplingSettings
+    from engine.hybrid import HybridEngine
+    from engine.models import byte_tokenizer
+    from engine.placement import Placement
+    from engine.runtime import Runtime
+    from steps.tokenize import collate_prompts
+    from tests.harness.hybrid_check import PROMPTS
+
+    tok = byte_tokenizer()
+    runtime = Runtime(DEVICE, torch.float32, 0, 1, 0)
+    placement = Placement(runtime, EngineConfig(quantized_base=QuantizedBaseConfig(True, bits, 64)),
+                          {"policy": 3, "scorer": 3})
+    model = placement.causal_lm(preset, tok, trained=True, lora=LoraConfig(dim=4, alpha=8),
+                                seed=3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0))
+                            .to(param.device) * 0.05)
+    batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    sampling = SamplingSettings(max_new_tokens=8, do_sample=False)
+    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    answers = []
+    for quantized in (True, False):
+        decoder = HybridEngine(model, OptimConfig(), 1, runtime, lr=1e-3, hybrid=HybridConfig(
+            quantized_inference=quantized))._gather().model
+        decoder.use_fused_kernels(True)
+        answers.append(decode.generate(decoder, batch["input_ids"], batch["attention_mask"],
+                                       sampling, **kwargs))
+    assert torch.equal(answers[0], answers[1])
