@@ -3,19 +3,22 @@ INT4 frozen base with LoRA rank 8, from the shape presets (engine/models.py: lla
 llama-13b, llama-34b, llama-70b; random weights, built straight into the quantized base).
 
 Per preset, smallest first, one `train.py --step 3` in its own process: 4 prompts x 4
-samples of 64 new tokens a round (hh-rlhf prompts), one optimizer step
-a round in forwards of 4 answers, gradient checkpointing on, --iterations rounds (the first
-untimed; prompts of at most 128 bytes, the presets' byte tokenizer). It stops at the first preset that fails (out of memory, usually) and prints its
-last error line. Printed per preset: parameters, the INT4 base's size, peak allocator
-memory, s/iteration with its phase split, decode ms per new token (the generate phase over
-its 64 steps, prefill included), and two decode bounds from the card's measured copy
-bandwidth: streaming the bf16 inference copy the rollout builds today, and streaming the
-INT4 base (what generation straight from the quantized weights would read).
-Whether every logged loss was finite and no update was skipped is checked per preset.
+samples of 64 new tokens a round (hh-rlhf prompts), one optimizer step a round in forwards
+of 4 answers, gradient checkpointing on, --iterations rounds (the first untimed; prompts of
+at most 128 bytes, the presets' byte tokenizer). It stops at the first preset that fails
+(out of memory, usually) and prints its last error line. Printed per preset: parameters,
+the INT4 base's size, peak allocator memory, s/iteration with its phase split, decode ms
+per new token (the generate phase over its 64 steps, prefill included) and two decode
+bounds from the card's measured copy bandwidth: streaming the INT4 base (what generation
+straight from the quantized weights reads, engine.hybrid.quantized_inference, the default)
+and streaming a bf16 copy (the `--dequantized` path, which builds one per rollout), with
+the share of the bound reached. Whether every logged loss was finite and no update was
+skipped is checked per preset.
 
 Not here: PPO, whose critic starts from the actor (a second model of the same size).
 
 Run:  python bench/largest.py                          (one GPU; minutes per preset)
+      python bench/largest.py --dequantized            (the bf16-copy rollout, to compare)
       python bench/largest.py --presets tiny-llama --device cpu   (the harness on a CPU)
 """
 
@@ -53,8 +56,8 @@ def sizes(preset: str) -> tuple[int, int, int]:
     return params, 2 * params, matrices // 2 + matrices // 64 * 2 + 2 * (params - matrices)
 
 
-def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: str
-              ) -> tuple[dict | None, str]:
+def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: str,
+              dequantized: bool) -> tuple[dict | None, str]:
     command = [
         sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         "--zero-quantized-nontrainable-weights", "engine.quantized_base.bits=4",
@@ -66,6 +69,7 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
         "ppo.epochs=1",
         "ppo.reward_fn=peers:reward", "ppo.reward_model_weight=0", "ppo.eval_prompts=0",
         "ppo.best_of_n=0", "engine.gradient_checkpointing=true", f"engine.device={device}",
+        f"engine.hybrid.quantized_inference={str(not dequantized).lower()}",
         "logging.progress=false"]
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
     result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True)
@@ -90,6 +94,8 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=6, help="rounds, the first untimed")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=None, help="default: a temporary directory")
+    p.add_argument("--dequantized", action="store_true",
+                   help="generate from a bf16 copy (engine.hybrid.quantized_inference=false)")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,7 +108,8 @@ def main() -> None:
         bandwidth, _ = measured_rates(args.device)
         table = []
         for preset in args.presets:
-            row, status = run_step3(preset, prompts, out / preset, args.iterations, args.device)
+            row, status = run_step3(preset, prompts, out / preset, args.iterations, args.device,
+                                    args.dequantized)
             table.append((preset, *sizes(preset), row, status))
             if row is None:
                 break
@@ -110,26 +117,34 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s")
+    rollout = ("a bf16 copy (--dequantized)" if args.dequantized
+               else "the INT4 base (engine.hybrid.quantized_inference)")
     print(f"run: GRPO, {PROMPTS} prompts x {GROUP} samples of {NEW_TOKENS} new tokens, INT4 "
           f"base (block 64) + LoRA rank 8, gradient checkpointing, forwards of {FORWARD}, "
-          f"static KV cache for {PROMPTS * GROUP} rows; median of {args.iterations - 1} "
-          "rounds after 1")
+          f"static KV cache for {PROMPTS * GROUP} rows, generating from {rollout}; median "
+          f"of {args.iterations - 1} rounds after 1; bounds: ms per decode step to stream "
+          "those bytes once")
     header = (f"{'preset':<10} {'params':>7} {'INT4 GiB':>9} {'peak GiB':>9} {'s/iter':>7} "
-              f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'bf16 bound':>10} "
-              f"{'int4 bound':>10}  status")
+              f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'int4 bound':>10} "
+              f"{'bf16 bound':>10} {'of bound':>8}  status")
     print(header)
     print("-" * len(header))
     for preset, params, bf16_bytes, int4_bytes, row, status in table:
-        bounds = (f"{bf16_bytes / bandwidth * 1e3:>10.2f} {int4_bytes / bandwidth * 1e3:>10.2f}"
+        streamed = bf16_bytes if args.dequantized else int4_bytes
+        bounds = (f"{int4_bytes / bandwidth * 1e3:>10.2f} {bf16_bytes / bandwidth * 1e3:>10.2f}"
                   if args.device != "cpu" else f"{'-':>10} {'-':>10}")
         if row is None:
             print(f"{preset:<10} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
-                  f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds}  {status}")
+                  f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds} "
+                  f"{'-':>8}  {status}")
             continue
+        per_token = row["generate"] / NEW_TOKENS
+        share = (f"{streamed / bandwidth / per_token:>8.0%}" if args.device != "cpu"
+                 else f"{'-':>8}")
         print(f"{preset:<10} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
               f"{row['peak_gib']:>9.1f} {row['iteration']:>7.2f} {row['generate']:>9.2f} "
-              f"{row['experience']:>7.2f} {row['train']:>7.2f} "
-              f"{row['generate'] / NEW_TOKENS * 1e3:>9.2f} {bounds}  "
+              f"{row['experience']:>7.2f} {row['train']:>7.2f} {per_token * 1e3:>9.2f} "
+              f"{bounds} {share}  "
               f"{'finite, none skipped' if row['finite'] else 'NON-FINITE or skipped'}")
 
 
