@@ -15,10 +15,12 @@ and streaming a bf16 copy (the `--dequantized` path, which builds one per rollou
 the share of the bound reached. Whether every logged loss was finite and no update was
 skipped is checked per preset.
 
-Not here: PPO, whose critic starts from the actor (a second model of the same size).
+With --ppo each preset also runs PPO with a small critic (ppo.critic_path=tiny-llama, the
+actor's tokenizer): the actor's side of PPO, with a critic's values and GAE, at that size.
 
 Run:  python bench/largest.py                          (one GPU; minutes per preset)
       python bench/largest.py --dequantized            (the bf16-copy rollout, to compare)
+      python bench/largest.py --ppo                    (PPO with a small critic as well)
       python bench/largest.py --presets tiny-llama --device cpu   (the harness on a CPU)
 """
 
@@ -57,12 +59,15 @@ def sizes(preset: str) -> tuple[int, int, int]:
 
 
 def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: str,
-              dequantized: bool) -> tuple[dict | None, str]:
+              dequantized: bool, algorithm: str) -> tuple[dict | None, str]:
+    algorithm_settings = (["ppo.algorithm=grpo", f"ppo.samples_per_prompt={GROUP}"]
+                          if algorithm == "grpo" else
+                          ["ppo.critic_path=tiny-llama", f"ppo.samples_per_prompt={GROUP}"])
     command = [
         sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         "--zero-quantized-nontrainable-weights", "engine.quantized_base.bits=4",
-        f"ppo.actor_path={preset}", "ppo.actor_lora.dim=8", "ppo.algorithm=grpo",
-        f"ppo.samples_per_prompt={GROUP}", f"ppo.rollout_batch_size={PROMPTS}",
+        f"ppo.actor_path={preset}", "ppo.actor_lora.dim=8", *algorithm_settings,
+        f"ppo.rollout_batch_size={PROMPTS}",
         f"ppo.micro_batch_size={PROMPTS * GROUP}", f"ppo.forward_batch_size={FORWARD}",
         f"data.path=[{prompts}]", "data.split=[0,0,1]", "data.eval_fraction=0",
         f"data.max_prompt_len={MAX_PROMPT}", f"data.max_answer_len={NEW_TOKENS}",
@@ -96,6 +101,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="default: a temporary directory")
     p.add_argument("--dequantized", action="store_true",
                    help="generate from a bf16 copy (engine.hybrid.quantized_inference=false)")
+    p.add_argument("--ppo", action="store_true", help="also PPO with a small critic")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,9 +114,11 @@ def main() -> None:
         bandwidth, _ = measured_rates(args.device)
         table = []
         for preset in args.presets:
-            row, status = run_step3(preset, prompts, out / preset, args.iterations, args.device,
-                                    args.dequantized)
-            table.append((preset, *sizes(preset), row, status))
+            for algorithm in ("grpo", "ppo") if args.ppo else ("grpo",):
+                row, status = run_step3(preset, prompts, out / f"{preset}-{algorithm}",
+                                        args.iterations, args.device, args.dequantized,
+                                        algorithm)
+                table.append((f"{preset} {algorithm}", *sizes(preset), row, status))
             if row is None:
                 break
 
@@ -119,12 +127,12 @@ def main() -> None:
     print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s")
     rollout = ("a bf16 copy (--dequantized)" if args.dequantized
                else "the INT4 base (engine.hybrid.quantized_inference)")
-    print(f"run: GRPO, {PROMPTS} prompts x {GROUP} samples of {NEW_TOKENS} new tokens, INT4 "
+    print(f"run: GRPO (and PPO with --ppo), {PROMPTS} prompts x {GROUP} samples of {NEW_TOKENS} new tokens, INT4 "
           f"base (block 64) + LoRA rank 8, gradient checkpointing, forwards of {FORWARD}, "
           f"static KV cache for {PROMPTS * GROUP} rows, generating from {rollout}; median "
           f"of {args.iterations - 1} rounds after 1; bounds: ms per decode step to stream "
           "those bytes once")
-    header = (f"{'preset':<10} {'params':>7} {'INT4 GiB':>9} {'peak GiB':>9} {'s/iter':>7} "
+    header = (f"{'preset':<15} {'params':>7} {'INT4 GiB':>9} {'peak GiB':>9} {'s/iter':>7} "
               f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'int4 bound':>10} "
               f"{'bf16 bound':>10} {'of bound':>8}  status")
     print(header)
@@ -134,14 +142,14 @@ def main() -> None:
         bounds = (f"{int4_bytes / bandwidth * 1e3:>10.2f} {bf16_bytes / bandwidth * 1e3:>10.2f}"
                   if args.device != "cpu" else f"{'-':>10} {'-':>10}")
         if row is None:
-            print(f"{preset:<10} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
+            print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
                   f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds} "
                   f"{'-':>8}  {status}")
             continue
         per_token = row["generate"] / NEW_TOKENS
         share = (f"{streamed / bandwidth / per_token:>8.0%}" if args.device != "cpu"
                  else f"{'-':>8}")
-        print(f"{preset:<10} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
+        print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
               f"{row['peak_gib']:>9.1f} {row['iteration']:>7.2f} {row['generate']:>9.2f} "
               f"{row['experience']:>7.2f} {row['train']:>7.2f} {per_token * 1e3:>9.2f} "
               f"{bounds} {share}  "

@@ -87,6 +87,10 @@ class PPOConfig(OptimConfig):
     actor_path: Optional[str] = val(None, "default: <output_dir>/actor (step 1)")  # noqa: UP045
     reward_path: Optional[str] = val(None, "default: <output_dir>/reward (step 2); the "  # noqa: UP045
                                      "critic starts from it")
+    critic_path: Optional[str] = val(None, "PPO's critic starts from this model directory "  # noqa: UP045
+                                     "or preset instead (a small critic for a big actor; "
+                                     "the actor's tokenizer); default: the reward model if "
+                                     "it shares the actor's tokenizer, else the actor")
     epochs: int = val(1, "passes over the step-3 prompts", COUNT)
     rollout_batch_size: int = val(8, "prompts per generation round", COUNT)
     ppo_epochs: int = val(1, "optimisation passes over each round's experience", COUNT)

@@ -233,10 +233,12 @@ def _paths(cfg: DictConfig) -> tuple[str, str | None]:
     actor_path = cfg.ppo.actor_path or str(out / "actor")
     reward_path = (cfg.ppo.reward_path or str(out / "reward")
                    if cfg.ppo.reward_model_weight != 0 else None)
+    critic_path = cfg.ppo.critic_path if ALGORITHMS[cfg.ppo.algorithm].critic else None
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
-                            (reward_path, "step-2 reward model", "ppo.reward_path")):
+                            (reward_path, "step-2 reward model", "ppo.reward_path"),
+                            (critic_path, "critic's starting model", "ppo.critic_path")):
         if path is not None and not (Path(path) / "config.json").exists() \
-                and not (key == "ppo.actor_path" and is_preset(path)):
+                and not (key != "ppo.reward_path" and is_preset(path)):
             alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
                      if key == "ppo.reward_path" else "")
             raise UserError(f"step 3 needs the {what} at {path}: run its step first "
@@ -300,6 +302,8 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         elif ALGORITHMS[ppo.algorithm].critic:
             log("step 3: reward model and actor tokenizers differ; the critic starts from "
                 "the actor with a new value head, and rewards are scored on re-tokenized text")
+    if ppo.critic_path is not None:
+        critic_start, critic_tokenizer = _critic_start(ppo.critic_path, tokenizer, trc)
     rewards = Rewards(tokenizer, scorer, ppo.reward_model_weight,
                       RewardFunction.named(ppo.reward_fn) if ppo.reward_fn else None,
                       ppo.reward_fn_weight)
@@ -322,6 +326,21 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     reference = place.frozen_start(actor, actor_path, tokenizer, trust_remote_code=trc)
     return Models(actor, critic, reference, rewards, tokenizer,
                   critic_tokenizer if critic is not None else None)
+
+
+def _critic_start(path: str, tokenizer, trust_remote_code: bool) -> tuple[dict, object]:
+    """The critic's starting model and tokenizer when ppo.critic_path names one: a preset
+    built for the actor's tokenizer, or a directory whose tokenizer must be the actor's
+    (the critic reads the actor's tokens, one value per token)."""
+    start = dict(spec=path, flag="ppo.critic_path")
+    if is_preset(path):
+        return start, tokenizer
+    own = load_tokenizer(path, flag="ppo.critic_path", trust_remote_code=trust_remote_code)
+    if own.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"ppo.critic_path={path}: its tokenizer differs from the actor's; "
+                        "the critic values the actor's tokens, so give a model with the "
+                        "actor's tokenizer (or leave ppo.critic_path unset)")
+    return start, own
 
 
 class Progress(NamedTuple):

@@ -490,7 +490,28 @@ def test_step3_from_a_preset_over_a_quantized_base(tmp_path):
                         "ppo.reward_fn": "steps.demo:score", "ppo.reward_model_weight": 0}
                     ).check()
     assert "modules as int4" in run.stdout and "step 3 (GRPO) done" in run.stdout
+    assert "generating from the quantized base" in run.stdout
     assert_model_dir(out / "step3" / "actor")
+    # PPO with a small critic of another architecture (ppo.critic_path), beside the probe
+    ppo = run_train("--step", "3", "--output-dir", tmp_path / "ppo",
+                    "--zero-quantized-nontrainable-weights", settings=SMALL, **{
+                        "ppo.actor_path": "tiny-llama", "ppo.critic_path": "tiny-opt",
+                        "ppo.actor_lora.dim": 4, "ppo.reward_fn": "steps.demo:score",
+                        "ppo.reward_model_weight": 0}).check()
+    assert "step 3 (PPO) done" in ppo.stdout
+    critic = json.loads((tmp_path / "ppo" / "step3" / "critic" / "config.json").read_text())
+    assert critic["model_type"] == "opt"
+    other = tmp_path / "other-tokenizer"
+    opt_tokenizer = load_tokenizer("tiny-opt", tokenizer=str(OPT_TOKENIZER))
+    load_causal_lm("tiny-opt", opt_tokenizer).save_pretrained(other)
+    opt_tokenizer.save_pretrained(other)
+    for critic_path, message in ((tmp_path / "nowhere", "ppo.critic_path"),
+                                 (other, "its tokenizer differs from the actor's")):
+        refused = run_train("--step", "3", "--output-dir", tmp_path / "refused", settings=SMALL,
+                            **{"ppo.actor_path": "tiny-llama", "ppo.critic_path": critic_path,
+                               "ppo.reward_fn": "steps.demo:score",
+                               "ppo.reward_model_weight": 0})
+        assert refused.rc == 2 and message in refused.stderr, refused.stderr
     refused = run_train("--step", "3", "--output-dir", tmp_path / "full", settings=SMALL, **{
         "ppo.actor_path": "llama-7b", "ppo.reward_fn": "steps.demo:score",
         "ppo.reward_model_weight": 0})
