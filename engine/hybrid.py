@@ -43,7 +43,7 @@ from engine.inference_plans import Unsupported, plan
 from engine.lora import is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
-from engine.quantized_inference import QuantizedSlot, fill_quantized, slot_for
+from engine.quantized_inference import QuantizedSlot, fill_quantized, shareable, slot_for
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 
@@ -238,14 +238,19 @@ class HybridEngine(TrainEngine):
         slots = {}
         for name, parts in self._plan.sources.items():
             path, attr = name.rsplit(".", 1)
-            slot = slot_for([_base_module(inner, s)[:2] for s in parts]) if attr == "weight" else None
+            layers = [_base_module(inner, s)[:2] for s in parts]
+            slot = slot_for(layers) if attr == "weight" else None
             if slot is not None:
-                slots[path] = slot
+                transforms = [self._plan.transforms.get(s) for s in parts]
+                slots[path] = slot._replace(
+                    shared=shareable(layers, transforms, self.runtime.device))
         if slots and self.runtime.is_main:
             bits = sorted({slot.bits for slot in slots.values()})
+            shared = sum(slot.shared for slot in slots.values())
             tqdm.write(f"hybrid engine: generating from the quantized base: {len(slots)} "
-                       f"matrices held as int{'/int'.join(map(str, bits))}, LoRA beside "
-                       "them, no full-precision copy")
+                       f"matrices as int{'/int'.join(map(str, bits))}, LoRA beside them, no "
+                       f"full-precision copy ({shared} used in place, {len(slots) - shared} "
+                       "gathered into a copy)")
         return slots
 
     def _plain_copy(self, inner: PreTrainedModel, dtype: torch.dtype,

@@ -1,17 +1,20 @@
 """Generation straight from a quantized base: the inference decoder's projections keep the
 frozen weights as the INT8/INT4 payloads and scales of engine/quantized_base.py, and LoRA
 as its own low-rank path beside them. No full-precision copy of the model exists at any
-point, so the rollout costs the quantized base's bytes a second time, not the model's
-full size (140 GB at 70B in bf16, 37 GB in INT4).
+point (140 GB at 70B in bf16; the INT4 base is 37 GB).
 
   y = x @ dequantize(q, s)^T + b + (x @ A^T) @ B^T
 
-A fused projection (Q, K and V; gate and up) concatenates its sources' rows: payloads and
-scales row by row, LoRA side by side. Its A stacks the sources' A matrices and its B is
-block-diagonal, each source's B (times its scaling) in its own rows and rank columns, so
-that every output row sees only its own source's adapter. On CUDA the first term is one
-Triton kernel that dequantizes in registers (engine/kernels.quantized_linear); elsewhere
-the weight is dequantized for the call.
+Where the base is whole on this device (one process without sharding: the usual one-GPU
+run), the inference form uses the training form's own integers in place and adds only
+LoRA's factors; under sharding it holds a gathered copy of them, the quantized base's size
+once more. A copied fused projection (Q, K and V; gate and up) stacks its sources' payload
+and scale rows; a shared one runs one matmul per source and concatenates. LoRA is fused
+either way: A stacks the sources' A matrices and B is block-diagonal, each source's B
+(times its scaling) in its own rows and rank columns, so that every output row sees only
+its own source's adapter. On CUDA each matmul is one Triton kernel that dequantizes in
+registers (engine/kernels.quantized_linear); elsewhere the weight is dequantized for the
+call.
 """
 
 from __future__ import annotations
@@ -23,34 +26,54 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine import kernels
 from engine.quantized_base import QuantizedEmbedding, QuantizedLinear, dequantize_weight
 
 
 class QuantizedSlot(NamedTuple):
-    """How an inference weight is held quantized: its sources' bits and block, and the
-    total rank of their active LoRA adapters (0: none)."""
+    """How an inference weight is held quantized: its sources' bits and block, the total
+    rank of their active LoRA adapters (0: none), and whether it uses the sources' own
+    integers in place (`shared`: they are whole on this device) or a copy of them."""
 
     bits: int
     block: int
     rank: int
+    shared: bool = False
 
 
 def _frozen(shape, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class QuantizedProjection(nn.Module):
-    """A frozen linear [out, in] held as integers and scales, plus a low-rank LoRA path."""
+class _Integers(nn.Module):
+    """A frozen matrix [rows, width] as integers and scales: its own copy (`weight`,
+    `weight_scale`), or, for a shared slot, the sources' own tensors (`parts`, one
+    (payload, scales) per source, set by fill_quantized; no storage of its own)."""
+
+    def __init__(self, rows: int, width: int, slot: QuantizedSlot, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        per_byte = 2 if slot.bits == 4 else 1
+        self.weight = self.weight_scale = None
+        if not slot.shared:
+            self.weight = _frozen((rows, width // per_byte),
+                                  torch.int8 if slot.bits == 8 else torch.uint8, device)
+            self.weight_scale = _frozen((rows, width // slot.block), dtype, device)
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def integer_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.parts if self.weight is None else [(self.weight, self.weight_scale)]
+
+
+class QuantizedProjection(_Integers):
+    """A frozen linear [out, in] held as integers and scales, plus a low-rank LoRA path.
+    A shared fused projection runs one matmul per source and concatenates them."""
 
     def __init__(self, out_features: int, in_features: int, slot: QuantizedSlot, bias: bool,
                  dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        per_byte = 2 if slot.bits == 4 else 1
-        self.weight = _frozen((out_features, in_features // per_byte),
-                              torch.int8 if slot.bits == 8 else torch.uint8, device)
-        self.weight_scale = _frozen((out_features, in_features // slot.block), dtype, device)
+        super().__init__(out_features, in_features, slot, dtype, device)
         self.bias = _frozen(out_features, dtype, device) if bias else None
         self.lora_A = _frozen((slot.rank, in_features), dtype, device) if slot.rank else None
         self.lora_B = _frozen((out_features, slot.rank), dtype, device) if slot.rank else None
@@ -58,31 +81,29 @@ class QuantizedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = kernels.quantized_linear if self.fused else kernels.quantized_linear_reference
-        y = linear(x, self.weight, self.weight_scale, self.bias)
+        parts = self.integer_parts()
+        if len(parts) == 1:
+            y = linear(x, *parts[0], self.bias)
+        else:
+            y = torch.cat([linear(x, payload, scales) for payload, scales in parts], dim=-1)
+            y = y if self.bias is None else y + self.bias
         if self.lora_A is None:
             return y
         return y + F.linear(F.linear(x, self.lora_A), self.lora_B)
 
 
-class QuantizedTable(nn.Module):
+class QuantizedTable(_Integers):
     """A frozen embedding table held quantized; a lookup dequantizes only its rows."""
 
-    def __init__(self, rows: int, width: int, slot: QuantizedSlot, dtype: torch.dtype,
-                 device: torch.device):
-        super().__init__()
-        per_byte = 2 if slot.bits == 4 else 1
-        self.weight = _frozen((rows, width // per_byte),
-                              torch.int8 if slot.bits == 8 else torch.uint8, device)
-        self.weight_scale = _frozen((rows, width // slot.block), dtype, device)
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_weight(F.embedding(ids, self.weight), F.embedding(ids, self.weight_scale))
+        (payload, scales), = self.integer_parts()
+        return dequantize_weight(F.embedding(ids, payload), F.embedding(ids, scales))
 
 
 def quantized_module(shape: torch.Size, slot: QuantizedSlot, bias: bool, table: bool,
                      dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The quantized inference module for a weight of full `shape` ([out, in] or [rows,
-    width]), its storage allocated and unset."""
+    width]), its storage allocated (none for the integers of a shared slot) and unset."""
     if table:
         return QuantizedTable(shape[0], shape[1], slot, dtype, device)
     return QuantizedProjection(shape[0], shape[1], slot, bias, dtype, device)
@@ -117,24 +138,40 @@ def slot_for(layers: list[tuple[nn.Module, nn.Module]]) -> QuantizedSlot | None:
     return QuantizedSlot(bases[0].bits, bases[0].block, rank)
 
 
-def fill_quantized(module: nn.Module, layers: list[tuple[nn.Module, nn.Module]],
+def shareable(layers: list[tuple[nn.Module, nn.Module]],
+              transforms: list[Callable[[torch.Tensor], torch.Tensor] | None],
+              device: torch.device) -> bool:
+    """True when the inference form can use the sources' integers in place: each is a
+    whole tensor on `device` (not a DTensor shard, e.g. one process without sharding) and
+    needs no row transform."""
+    return all(transform is None for transform in transforms) and all(
+        not isinstance(t, DTensor) and t.device == device
+        for _, base in layers for t in (base.weight, base.weight_scale))
+
+
+def fill_quantized(module: _Integers, layers: list[tuple[nn.Module, nn.Module]],
                    transforms: list[Callable[[torch.Tensor], torch.Tensor] | None]) -> None:
-    """Copy the sources' payloads and scales into `module` row block by row block (each
-    through its row transform, if any), their adapters' A side by side and B (times the
-    adapter's scaling) block-diagonally. Sources must be whole (gathered)."""
+    """Point a shared `module` at the sources' payloads and scales, or copy them into it
+    row block by row block (each through its row transform, if any); their adapters' A
+    side by side and B (times the adapter's scaling) block-diagonally. Sources must be
+    whole (gathered)."""
+    shared = module.weight is None
+    if shared:
+        module.parts = [(base.weight, base.weight_scale) for _, base in layers]
     rows = cols = 0
     if getattr(module, "lora_A", None) is not None:   # adapters since disabled add nothing
         module.lora_A.zero_()
         module.lora_B.zero_()
     for (owner, base), transform in zip(layers, transforms, strict=True):
         same = transform or (lambda t: t)
-        payload = same(base.weight)
-        module.weight[rows:rows + payload.shape[0]].copy_(payload)
-        module.weight_scale[rows:rows + payload.shape[0]].copy_(same(base.weight_scale))
+        n = base.weight_scale.shape[0]
+        if not shared:
+            module.weight[rows:rows + n].copy_(same(base.weight))
+            module.weight_scale[rows:rows + n].copy_(same(base.weight_scale))
         for adapter in _adapters(owner):
             a = owner.lora_A[adapter].weight
             b = same(owner.lora_B[adapter].weight) * owner.scaling[adapter]
             module.lora_A[cols:cols + a.shape[0]].copy_(a)
-            module.lora_B[rows:rows + b.shape[0], cols:cols + a.shape[0]].copy_(b)
+            module.lora_B[rows:rows + n, cols:cols + a.shape[0]].copy_(b)
             cols += a.shape[0]
-        rows += payload.shape[0]
+        rows += n

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import engine.quantized_base as qb
+from engine import hybrid
 from engine.config import EngineConfig, HybridConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import UserError
 from engine.generation import SamplingSettings
@@ -189,12 +190,23 @@ def _greedy_answers(actor, tok) -> torch.Tensor:
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
+def copy_the_integers(monkeypatch) -> None:
+    """Make the inference form gather a copy of the base's integers, as under sharding,
+    instead of using them in place (what one unsharded process does)."""
+    monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
+
+
 @pytest.mark.parametrize("spec", ["tiny-llama", "tiny-opt"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, tmp_path):
-    """The hybrid engine generates from the integers with LoRA beside them (the default)
-    or from a dequantized copy with LoRA folded in; HF generate runs on the export (LoRA
-    merged into the dequantized weights): the same greedy answers, token for token."""
+@pytest.mark.parametrize("in_place", [True, False])
+def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, in_place,
+                                                                     tmp_path, monkeypatch):
+    """The hybrid engine generates from the integers with LoRA beside them (the default:
+    the base's own integers in place, or a copy as under sharding) or from a dequantized
+    copy with LoRA folded in; HF generate runs on the export (LoRA merged into the
+    dequantized weights): the same greedy answers, token for token."""
+    if not in_place:
+        copy_the_integers(monkeypatch)
     model = quantized_lora_model(tok, bits, spec)
     perturb_adapters(model)
     merged = AutoModelForCausalLM.from_pretrained(
@@ -216,28 +228,36 @@ def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, 
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_generating_from_the_quantized_base_holds_no_full_precision_copy(tok, bits):
-    """Every quantized base matrix is held in the inference form as its own payload and
-    scales (not a dequantized copy), and the form's weights are the quantized size."""
+def test_generating_from_the_quantized_base_holds_no_full_precision_copy(tok, bits,
+                                                                         monkeypatch):
+    """One unsharded process: the inference form uses the base's own integers in place
+    and holds only LoRA's factors, norms and biases. Gathering a copy (as under sharding):
+    every quantized matrix is held as its payload and scales, the form's weights at the
+    quantized size. LoRA: A stacked, B block-diagonal (q's rows see only q's adapter)."""
     model = quantized_lora_model(tok, bits)
     perturb_adapters(model)
-    actor = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
-    decoder = actor._gather().model
-    projections = [m for m in decoder.modules() if isinstance(m, QuantizedProjection)]
-    assert len(projections) == 2 * 4 + 1   # qkv, out, up, down per layer, and the head
-    qkv = decoder.layers[1].qkv
     source = model.base_model.model.model.layers[1].self_attn
     payloads = [getattr(source, f"{p}_proj").base_layer.weight for p in "qkv"]
-    assert torch.equal(qkv.weight, torch.cat(payloads))
-    assert qkv.weight.dtype == (torch.int8 if bits == 8 else torch.uint8)
-    # LoRA: A stacked, B block-diagonal: q's rows see only q's adapter
-    rank = LORA.dim
-    assert qkv.lora_A.shape[0] == 3 * rank
-    q_rows = payloads[0].shape[0]
-    assert not qkv.lora_B[:q_rows, rank:].any() and qkv.lora_B[:q_rows, :rank].any()
     dense = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3,
                          hybrid=HybridConfig(quantized_inference=False))._gather().model
-    assert weight_bytes(decoder) < (0.45 if bits == 8 else 0.3) * weight_bytes(dense)
+    in_place = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3)._gather().model
+    qkv = in_place.layers[1].qkv
+    assert qkv.weight is None
+    assert [p.data_ptr() for p, _ in qkv.parts] == [p.data_ptr() for p in payloads]
+    assert weight_bytes(in_place) < 0.1 * weight_bytes(dense)
+    copy_the_integers(monkeypatch)
+    copied = HybridEngine(model, OptimConfig(), 1, CPU, lr=1e-3)._gather().model
+    projections = [m for m in copied.modules() if isinstance(m, QuantizedProjection)]
+    assert len(projections) == 2 * 4 + 1   # qkv, out, up, down per layer, and the head
+    qkv = copied.layers[1].qkv
+    assert torch.equal(qkv.weight, torch.cat(payloads))
+    assert qkv.weight.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert weight_bytes(copied) < (0.45 if bits == 8 else 0.3) * weight_bytes(dense)
+    for form in (in_place, copied):
+        lora = form.layers[1].qkv
+        assert lora.lora_A.shape[0] == 3 * LORA.dim
+        rows, rank = payloads[0].shape[0], LORA.dim
+        assert not lora.lora_B[:rows, rank:].any() and lora.lora_B[:rows, :rank].any()
 
 
 def test_export_merges_lora_into_the_dequantized_base(tok, tmp_path):

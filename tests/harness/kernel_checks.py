@@ -172,11 +172,15 @@ def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_boun
 
 
 @pytest.mark.parametrize("preset,bits", [("tiny-llama", 4), ("tiny-opt", 8)])
+@pytest.mark.parametrize("in_place", [True, False])
 def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantized_path(
-        preset, bits):
+        preset, bits, in_place, monkeypatch):
     """LoRA over an INT4/INT8 base: the inference form generating from the integers through
-    the Triton kernel gives the greedy answers of the dequantized-copy form."""
-    from engine import decode
+    the Triton kernel (the base's own, one matmul per source; or a gathered copy, fused)
+    gives the greedy answers of the dequantized-copy form."""
+    from engine import decode, hybrid
+    if not in_place:
+        monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
     from engine.config import (
         EngineConfig,
         HybridConfig,
