@@ -1,0 +1,122 @@
+"""The weight-only quantized matmul (engine.kernels.quantized_linear) against the
+bandwidth bound, beside bf16 cuBLAS on the same shapes, in one run.
+
+For each matrix of a Llama decoder layer (QKV, output, gate+up, down; Llama 2 7B and 70B
+shapes) and each row count (1, 8 and 128 rows: decode steps at batch 1, 8 and step 3's
+128; 512: a prefill), it times, on one GPU:
+  - bf16: F.linear on the bf16 weight (cuBLAS), the path of a full-precision copy;
+  - int8 / int4: the Triton kernel on the INT8 / INT4 payload and its bf16 scales (block
+    64);
+and prints microseconds per call and the share of the bound: the bytes the call must read
+(weight, scales and x) and write over the card's measured copy bandwidth. Every kernel
+result is checked against x @ dequantize(W)^T first (bf16 rounding).
+
+Run:  python bench/quantized_matmul.py                 (one GPU, about a minute)
+      TRITON_INTERPRET=1 python bench/quantized_matmul.py --small --device cpu   (harness)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import kernels  # noqa: E402
+from engine.quantized_base import dequantize_weight, quantize_weight  # noqa: E402
+
+# (name, in, out) per decoder layer: fused QKV (GQA 8 KV heads at 70B), output, gate+up, down
+SHAPES = {
+    "llama-7b": [("qkv", 4096, 3 * 4096), ("out", 4096, 4096), ("gate_up", 4096, 2 * 11008),
+                 ("down", 11008, 4096)],
+    "llama-70b": [("qkv", 8192, 8192 + 2 * 1024), ("out", 8192, 8192),
+                  ("gate_up", 8192, 2 * 28672), ("down", 28672, 8192)],
+    "small": [("qkv", 256, 384), ("down", 512, 256)],
+}
+BLOCK = 64
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds per call (CUDA events; one warm-up call compiles)."""
+    fn()
+    if device.type != "cuda":
+        return float("nan")
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), device, 10)
+
+
+def one_shape(n_in: int, n_out: int, rows: int, device: torch.device, repeats: int,
+              bandwidth: float) -> list[str]:
+    gen = torch.Generator().manual_seed(n_in + n_out)
+    weight = (torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5).to(torch.bfloat16)
+    x = torch.randn(rows, n_in, generator=gen).to(device, torch.bfloat16)
+    cells = []
+    dense = weight.to(device)
+    seconds = timed(lambda: F.linear(x, dense), device, repeats)
+    cells.append((seconds, dense.numel() * 2))
+    for bits in (8, 4):
+        payload, scales = (t.to(device) for t in quantize_weight(weight, bits, BLOCK,
+                                                                 torch.bfloat16))
+        got = kernels.quantized_linear(x, payload, scales).float()
+        want = F.linear(x.float(), dequantize_weight(payload, scales).float())
+        error = (got - want).abs().max() / want.abs().max()
+        if error > 2 ** -6:
+            raise SystemExit(f"int{bits} {n_in}x{n_out}, {rows} rows: off by {error:.2e}")
+        seconds = timed(lambda p=payload, s=scales: kernels.quantized_linear(x, p, s), device,
+                        repeats)
+        cells.append((seconds, payload.numel() + scales.numel() * 2))
+    streamed = [w + 2 * rows * (n_in + n_out) for _, w in cells]   # weights, x, y
+    return [f"{s * 1e6:>8.1f} {b / bandwidth / s:>5.0%}" for (s, _), b in zip(cells, streamed,
+                                                                            strict=True)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", nargs="+", default=["llama-7b", "llama-70b"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128, 512])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU harness check)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    models = ["small"] if args.small else args.models
+    bandwidth = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s; "
+          f"bf16 x, scales per {BLOCK}; us per call and share of the bandwidth bound")
+    header = (f"{'model':<10} {'matrix':<8} {'in x out':>12} {'rows':>5} "
+              f"{'bf16 cuBLAS':>14} {'int8 kernel':>14} {'int4 kernel':>14}")
+    print(header)
+    print("-" * len(header))
+    for model in models:
+        for matrix, n_in, n_out in SHAPES[model]:
+            for rows in args.rows:
+                cells = one_shape(n_in, n_out, rows, device, args.repeats, bandwidth)
+                print(f"{model:<10} {matrix:<8} {f'{n_in}x{n_out}':>12} {rows:>5} "
+                      + " ".join(f"{c:>14}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
