@@ -112,13 +112,17 @@ def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tenso
     from engine import triton_kernels as tk
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     (rows, k), n = flat.shape, payload.shape[0]
+    bits, block = 8 if payload.dtype == torch.int8 else 4, k // scales.shape[-1]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = (16, 32, 128) if rows <= 16 else (64, 64, 64)
+    block_m, block_n = (16, 32) if rows <= 16 else (64, 64)
+    # a tile of one scale group where that is a power of two that makes a dot of 16 to 128
+    # bytes a row; else tiles of 64 values gather their scales value by value
+    one_group = block & (block - 1) == 0 and (16 if bits == 8 else 32) <= block <= 128
+    block_k = block if one_group else 64
     grid = (tk.triton.cdiv(rows, block_m), tk.triton.cdiv(n, block_n))
     tk.quantized_matmul_kernel[grid](
-        flat, payload, scales, payload if bias is None else bias, out, rows, n, k,
-        k // scales.shape[-1], HAS_BIAS=bias is not None,
-        BITS=8 if payload.dtype == torch.int8 else 4,
+        flat, payload, scales, payload if bias is None else bias, out, rows, n, k, block,
+        HAS_BIAS=bias is not None, BITS=bits,
         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        ONE_GROUP=one_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], n)

@@ -113,14 +113,17 @@ def _dot_dequantized(acc, x, w, FP32_DOT: tl.constexpr):
 @triton.jit
 def quantized_matmul_kernel(x_ptr, payload_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K,
                             block, HAS_BIAS: tl.constexpr, BITS: tl.constexpr,
-                            FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            FP32_DOT: tl.constexpr, ONE_GROUP: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
     """out [M, N] = x [M, K] @ (q * scale) [N, K]^T (+ bias), the weight dequantized in
     registers one [BLOCK_N, BLOCK_K] tile at a time. INT4 bytes hold values 2i (low nibble)
     and 2i+1 (high), each + 8: the tile is two half-width tiles, against x's even and odd
     columns, so nothing is interleaved. FP32_DOT: the tiles meet in fp32 (IEEE, not TF32):
     for fp32 inputs, and under the interpreter, whose bf16 dot is wrong; the weight is
-    rounded to x's dtype first either way, as the reference's dequantized copy is."""
+    rounded to x's dtype first either way, as the reference's dequantized copy is.
+    ONE_GROUP: BLOCK_K is the scale block, so a tile's scales are one per output row (no
+    per-value gather of them)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     PER_BYTE: tl.constexpr = 2 if BITS == 4 else 1
@@ -133,8 +136,12 @@ def quantized_matmul_kernel(x_ptr, payload_ptr, scales_ptr, bias_ptr, out_ptr, M
         x_mask = (rows[:, None] < M) & (cols[None, :] < K)
         q = tl.load(payload_ptr + outs[:, None] * row_bytes + cols[None, :] // PER_BYTE,
                     mask=w_mask, other=0)
-        scale = tl.load(scales_ptr + outs[:, None] * groups + cols[None, :] // block,
-                        mask=w_mask, other=0.0).to(tl.float32)
+        if ONE_GROUP:   # the tile is one scale group: one scale per output row
+            scale = tl.load(scales_ptr + outs * groups + k0 // block, mask=outs < N,
+                            other=0.0).to(tl.float32)[:, None]
+        else:
+            scale = tl.load(scales_ptr + outs[:, None] * groups + cols[None, :] // block,
+                            mask=w_mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=x_mask, other=0.0)
         if BITS == 8:
             acc = _dot_dequantized(acc, x, q.to(tl.float32) * scale, FP32_DOT)

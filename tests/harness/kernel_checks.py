@@ -138,8 +138,9 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 70])   # decode tiles (<= 16 rows) and prefill ones
+@pytest.mark.parametrize("block", [16, 64, 256])   # tiles of one scale group, or gathered
 def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_bound(
-        bits, dtype, rows):
+        bits, dtype, rows, block):
     """The kernel equals x @ dequantize(W)^T + b (to the dtype's rounding), and so differs
     from the unquantized x @ W^T + b by at most sum_k |x_k| * scale_k / 2 per output
     (each weight is within half a step of its original). Shapes: several K tiles, outputs
@@ -147,8 +148,9 @@ def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_boun
     import torch.nn.functional as F
 
     from engine.quantized_base import dequantize_weight, quantize_weight
+
     gen = torch.Generator().manual_seed(bits + rows)
-    n, k, block = 150, 320, 64
+    n, k = 150, 512
     w = torch.randn(n, k, generator=gen)
     payload, scales = quantize_weight(w, bits, block, dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
