@@ -1,35 +1,44 @@
 """Does step 3 beat best-of-n? Step 3's ground truth against the baselines it should beat,
 on a built-in demo task (data.demo_task), on CPU, through train.py (subprocesses).
 
-Per seed: steps 1-2 once (`python train.py --step 1 2 seed=S data.demo_task=T`), then on
-step 3's own held-out evaluation prompts (the same 64 it scores before and after):
+Step 3 picks the policy it exports by its own evaluations (ppo.export=best, on its 64
+held-out prompts). Everything here is measured on other prompts: --test-prompts fresh ones
+of the same task (drawn with another seed), which neither step 3 nor its selection saw.
+Per seed: steps 1-2 once (`python train.py --step 1 2 seed=S data.demo_task=T`), then:
   - the reward model's held-out pair accuracy (step 2's eval/accuracy);
   - the SFT model's greedy answer's ground truth (steps.demo.score);
-  - n answers sampled at temperature 1 (row-seeded; sample 0 is step 3's own "before"
-    evaluation): their mean ground truth, the ground truth of the reward model's favourite
-    (best-of-n) and least favourite (worst-of-n), the favourite's mean reward-model score,
-    and the best ground truth among them (oracle best-of-n, a ceiling);
+  - n answers sampled at temperature 1 (row-seeded): their mean ground truth, the ground
+    truth of the reward model's favourite (best-of-n) and least favourite (worst-of-n),
+    the favourite's mean reward-model score, and the best ground truth among them (oracle
+    best-of-n, a ceiling);
+  - the reward model's KL-optimal policy at best-of-n's KL: pi(y) ~ pi_SFT(y) exp(r(y)/b),
+    b set so that its KL to the SFT model is log n - (n-1)/n, estimated by self-normalised
+    importance weights over --frontier-n samples per prompt. It is the most any policy
+    can get by optimising this reward model within that KL (what step 3's objective
+    converges to), so it says how far the reward model's errors, not the optimiser, bound
+    the result;
   - step 3 under each named setting (hydra overrides on top of the demo recipe), from the
-    same step-1/2 models: the last policy's ground truth (eval/ground_truth_after, sampled)
-    and the exported one's (ppo.export: the best evaluated policy, or the last), with the
-    exported policy's iteration, KL to the reference, greedy ground truth and mean ground
-    truth over n fresh samples per prompt (seeds its evaluations never used); over the last
-    10 iterations the KL per answer to the reference (reward/kl), the share of answers ended
-    with EOS, and their length.
+    same step-1/2 models: the exported policy's (ppo.export: the best evaluated policy, or
+    the last) mean ground truth over n fresh samples per prompt and its greedy ground
+    truth, on the test prompts; from step 3's own log, its exported iteration, KL to the
+    reference, and its evaluation's sampled ground truth (on the prompts that picked it);
+    over the last 10 iterations the KL per answer to the reference (reward/kl), the share
+    of answers ended with EOS, and their length.
 The reward model scores exactly as step 3 does (steps.scoring.RewardScorer: at the EOS
 that ends the answer, appended when it was cut off).
 
 Run:  python bench/step3_quality.py --task pick --seeds 1234 99 7 \\
           [--setting defaults] [--setting nokl ppo.kl_coef=0] [--root DIR] [--out FILE]
       (--setting NAME [OVERRIDE ...], repeatable; default: `defaults` with no overrides.
-      On 2 idle CPU cores about 1.5 min per seed for steps 1-2 and the baselines, plus
-      1 min per setting; several times that on shared cores.)
+      On 2 idle CPU cores about 2 min per seed for steps 1-2 and the baselines, plus
+      1-2 min per setting; several times that on shared cores.)
 Runs already finished under --root are read, not run again.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -54,23 +63,21 @@ from steps.tokenize import collate_prompts  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"defaults": []}
 FRESH_SEED_OFFSET = 10_000   # sample seeds for the exported policy, apart from step 3's
+TEST_SEED_OFFSET = 20_000    # the test prompts' draw, apart from the run's own data
 
 
-def eval_prompts(seed: int, overrides: list[str], actor_dir: Path
+def test_prompts(seed: int, overrides: list[str], actor_dir: Path, count: int
                  ) -> tuple[list[list[int]], list[str], int]:
-    """Step 3's held-out prompts (token ids, texts) exactly as steps/ppo.py picks them, and
-    the answer length limit (data.max_answer_len)."""
+    """`count` fresh prompts of the run's task (token ids, texts as step 3 decodes its
+    own), drawn with a seed of their own, and the answer length limit."""
     import train as cli
-    from steps.data import load_blend
-    from steps.ppo import load_prompts
+    from steps.tokenize import tokenize_prompts
 
     cfg = cli.build_config(cli.parse_args([f"seed={seed}", *overrides]))
-    _, _, ppo_pairs = load_blend(list(cfg.data.path), list(cfg.data.split), cfg.seed,
-                                 demo_pairs=lambda: demo.make_pairs(
-                                     cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task))
+    pairs = demo.make_pairs(count, seed + TEST_SEED_OFFSET, cfg.data.demo_task)
     tokenizer = load_tokenizer(str(actor_dir))
-    prompts = load_prompts(cfg, tokenizer, ppo_pairs, [])
-    return prompts.eval, prompts.eval_texts, cfg.data.max_answer_len
+    ids, _ = tokenize_prompts(pairs, tokenizer, cfg.data.max_prompt_len)
+    return ids, tokenizer.batch_decode(ids, skip_special_tokens=True), cfg.data.max_answer_len
 
 
 @torch.no_grad()
@@ -122,25 +129,48 @@ def sampled_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str]
                             for t in truths)
 
 
+def kl_optimum(scores: torch.Tensor, truths: torch.Tensor, kl: float) -> float:
+    """Ground truth of pi(y) ~ pi_SFT(y) exp(r(y) / b) with b such that KL(pi || pi_SFT) is
+    `kl` per prompt on average, from [prompts, n] reward scores and ground truths of n
+    samples of pi_SFT per prompt (self-normalised importance weights; bisection on log b)."""
+    scores, truths = scores.double(), truths.double()
+
+    def tilted(log_b: float) -> tuple[float, float]:
+        logits = scores / math.exp(log_b)
+        weights = torch.softmax(logits, dim=1)
+        log_z = torch.logsumexp(logits, dim=1) - math.log(scores.shape[1])
+        return (((weights * logits).sum(1) - log_z).mean().item(),
+                (weights * truths).sum(1).mean().item())
+
+    low, high = -12.0, 12.0   # a small b: far from pi_SFT; a large one: pi_SFT itself
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if tilted(middle)[0] > kl else (low, middle)
+    return tilted(high)[1]
+
+
 def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len: int,
-              seed: int, n: int) -> dict[str, float]:
-    """The baselines from n row-seeded samples of the SFT model per prompt."""
+              seed: int, n: int, frontier_n: int) -> dict[str, float]:
+    """The baselines from row-seeded samples of the SFT model: best-of-n from the first n
+    per prompt, the KL-optimal policy at best-of-n's KL from all max(n, frontier_n)."""
     actor, tokenizer = load_actor(base / "actor")
     scorer = RewardScorer(load_reward_model(str(base / "reward"), tokenizer).eval(),
                           tokenizer, tokenizer, torch.device("cpu"))
     truths, scores = [], []
     for sequences, mask, said_truths in samples(actor, tokenizer, prompt_ids, texts, max_len,
-                                                seed, n):
+                                                seed, max(n, frontier_n)):
         scores.append(scorer(sequences, mask).tolist())
         truths.append(said_truths)
     rows_ = range(len(prompt_ids))
     best = [max(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
     worst = [min(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
-    return {"SFT sample GT (mean)": statistics.fmean(t for row in truths for t in row),
+    return {"SFT sample GT (mean)": statistics.fmean(t for row in truths[:n] for t in row),
             "best-of-n GT": statistics.fmean(truths[best[i]][i] for i in rows_),
             "best-of-n RM score": statistics.fmean(scores[best[i]][i] for i in rows_),
             "worst-of-n GT": statistics.fmean(truths[worst[i]][i] for i in rows_),
-            "oracle best-of-n GT": statistics.fmean(max(t[i] for t in truths) for i in rows_)}
+            "oracle best-of-n GT": statistics.fmean(max(t[i] for t in truths[:n]) for i in rows_),
+            "RM's KL-optimal policy GT at best-of-n's KL": kl_optimum(
+                torch.tensor(scores).T, torch.tensor(truths).T, math.log(n) - (n - 1) / n)}
 
 
 def step3(out: Path, base: Path, seed: int, flags: list[str], prompts, n: int
@@ -152,13 +182,13 @@ def step3(out: Path, base: Path, seed: int, flags: list[str], prompts, n: int
     metrics = rows(out / "step3" / "metrics.jsonl")
     last = [r for r in metrics if "reward/kl" in r][-10:]
     summary = metrics[-1]
-    return {"step 3 last GT (sampled)": summary["eval/ground_truth_after"],
-            "step 3 exported GT (sampled)": summary["eval/ground_truth_exported"],
+    return {"step 3 exported GT (sampled)": sampled_truth(out / "step3" / "actor",
+                                                          *prompts, seed, n),
+            "step 3 exported greedy GT": greedy_truth(out / "step3" / "actor", *prompts),
             "step 3 exported iteration": summary["eval/iteration_exported"],
             "step 3 exported KL": summary["eval/kl_exported"],
-            "step 3 exported GT (fresh samples)": sampled_truth(out / "step3" / "actor",
-                                                                *prompts, seed, n),
-            "step 3 exported greedy GT": greedy_truth(out / "step3" / "actor", *prompts),
+            "step 3 exported GT (its evaluation)": summary["eval/ground_truth_exported"],
+            "step 3 last GT (its evaluation)": summary["eval/ground_truth_after"],
             "step 3 KL (last 10)": statistics.fmean(r["reward/kl"] for r in last),
             "step 3 ended with EOS": statistics.fmean(r["answer/ended_with_eos"] for r in last),
             "step 3 answer length": statistics.fmean(r["answer/length"] for r in last),
@@ -166,17 +196,18 @@ def step3(out: Path, base: Path, seed: int, flags: list[str], prompts, n: int
 
 
 def one_seed(root: Path, seed: int, task: str, settings: dict[str, list[str]],
-             extra: list[str], n: int) -> tuple[dict[str, float], int]:
+             extra: list[str], n: int, frontier_n: int, count: int
+             ) -> tuple[dict[str, float], int]:
     """The seed's figures (steps 1-2 and each step-3 setting run when not already under
     `root`) and the number of held-out prompts they were measured on."""
     common = [f"data.demo_task={task}", *extra]
     base = root / f"{task}-steps12-{seed}"
     if not (base / "reward" / "config.json").exists():
         train(base, "--step", "1", "2", f"seed={seed}", *common)
-    prompts = eval_prompts(seed, common, base / "actor")
+    prompts = test_prompts(seed, common, base / "actor", count)
     result = {"rm accuracy": rows(base / "step2" / "metrics.jsonl")[-1]["eval/accuracy"],
               "SFT greedy GT": greedy_truth(base / "actor", *prompts),
-              **best_of_n(base, *prompts, seed, n)}
+              **best_of_n(base, *prompts, seed, n, frontier_n)}
     print(f"seed {seed} baselines: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()),
           flush=True)
     for name, flags in settings.items():
@@ -211,6 +242,10 @@ def main() -> None:
     parser.add_argument("--overrides", nargs="*", default=[],
                         help="hydra overrides for every run (steps 1-3), e.g. data.demo_pairs=")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt for best-of-n")
+    parser.add_argument("--frontier-n", type=int, default=64,
+                        help="SFT samples per prompt for the KL-optimal policy's estimate")
+    parser.add_argument("--test-prompts", type=int, default=128,
+                        help="fresh prompts of the task every figure is measured on")
     parser.add_argument("--root", type=Path, help="run directory (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
@@ -221,11 +256,13 @@ def main() -> None:
     print(f"command: {command}\nruns under {root}", flush=True)
     results, count = {}, 0
     for seed in args.seeds:
-        results[seed], count = one_seed(root, seed, args.task, settings, args.overrides, args.n)
+        results[seed], count = one_seed(root, seed, args.task, settings, args.overrides, args.n,
+                                        args.frontier_n, args.test_prompts)
     described = "; ".join(f"{k}: {' '.join(v) or 'the demo recipe'}" for k, v in settings.items())
     report = (f"command: {command}\ntask {args.task}; step-3 settings: {described}\n"
-              f"GT = steps.demo.score on step 3's {count} held-out prompts; {args.n} samples "
-              f"per prompt at temperature 1\n\n" + table(results, args.n))
+              f"GT = steps.demo.score on {count} fresh test prompts of the task (not step "
+              f"3's own evaluation prompts); {args.n} samples per prompt at temperature 1; "
+              f"the KL-optimal policy from {args.frontier_n}\n\n" + table(results, args.n))
     print("\n" + report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

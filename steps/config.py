@@ -165,6 +165,9 @@ class PPOConfig(OptimConfig):
     export: str = val("auto", "best: the evaluated policy with the highest gold score (else "
                       "reward) within kl_budget | last | auto (best with a gold score)",
                       one_of("auto", "best", "last"))
+    greedy_floor: bool = val(True, "export=best with a gold score: never export a policy "
+                             "whose greedy answers score below the SFT model's greedy "
+                             "answers on it (false: rank by the sampled answers alone)")
     log_every: int = val(1, ok=COUNT)
     profile: list[int] = val([], "[first, last]: iterations recorded with torch.profiler "
                              "into <output>/step3/profile (trace.json, ops.txt); []: off",

@@ -144,6 +144,7 @@ class Settings(NamedTuple):
     kl_target: float | None           # the adaptive controller's (None: kl_coef fixed)
     kl_horizon: float
     export_best: bool
+    greedy_floor: bool                # export=best: greedy gold at least the SFT model's
 
 
 def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
@@ -163,7 +164,8 @@ def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
                     ppo.samples_per_prompt, sampling,
                     SamplingSettings(ppo.max_new_tokens, do_sample=False), gold, budget,
                     target or None, horizon,
-                    ppo.export == "best" or (ppo.export == "auto" and gold is not None))
+                    ppo.export == "best" or (ppo.export == "auto" and gold is not None),
+                    ppo.greedy_floor and gold is not None)
 
 
 def check_settings(ppo: DictConfig) -> None:
@@ -353,6 +355,7 @@ class Progress(NamedTuple):
     kl_coef: float = 0.0         # the adaptive controller's state
     seconds: float = 0.0
     kl_stops: int = 0            # rounds cut short by ppo.target_kl
+    floored: int = 0             # better evaluations not kept: greedy gold below the SFT's
     before: dict | None = None   # evaluation of the SFT policy, and its best-of-n baseline
     baseline: dict | None = None
     best: dict | None = None     # the best evaluation so far (export=best), with its iteration
@@ -866,14 +869,20 @@ def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,
 def keep_if_best(state: Progress, metrics: dict[str, float], s: Settings, kept: Kept,
                  actor: TrainEngine) -> Progress:
     """With export=best, copy the actor's weights if `metrics` beat the best evaluation so
-    far: a higher gold score (else reward; reward breaks ties), within the KL budget."""
+    far: a higher gold score (else reward; reward breaks ties), within the KL budget, and
+    with s.greedy_floor, greedy answers whose gold score is at least the SFT policy's (a
+    policy that only moved its most likely answer away from the gold is not better)."""
     if kept.best is None or not metrics:
         return state
     def standing(m: dict) -> tuple:   # gold first when there is one, the reward breaks ties
         return m.get("ground_truth", 0.0), m["reward"]
 
-    within = metrics["kl"] <= s.kl_budget
-    if within and (state.best is None or standing(metrics) > standing(state.best)):
+    better = metrics["kl"] <= s.kl_budget and (
+        state.best is None or standing(metrics) > standing(state.best))
+    floor = (state.before or {}).get("greedy_ground_truth") if s.greedy_floor else None
+    if better and floor is not None and metrics["greedy_ground_truth"] < floor:
+        return state._replace(floored=state.floored + 1)
+    if better:
         kept.best.load_state_dict(actor.copy_weights(trainable_only=True).tensors)
         return state._replace(best={**metrics, "iteration": state.iteration})
     return state
@@ -897,7 +906,7 @@ def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tr
                **{f"baseline/best_of_{s.ppo.best_of_n}_{k}": v
                   for k, v in state.baseline.items()},
                "time/seconds": state.seconds, "iterations": state.iteration,
-               "train/kl_stops": state.kl_stops,
+               "train/kl_stops": state.kl_stops, "eval/floored": state.floored,
                "memory/peak_mib": memory_peak(dp.device) / 2**20,
                "memory/trained_mib": sum(e.state_bytes() for e in (models.actor, models.critic)
                                          if e is not None) / 2**20}
@@ -912,6 +921,9 @@ def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tr
     if s.export_best and exported:
         line += f"; exported the best evaluated policy (iteration {exported['iteration']}: " \
                 f"{_scores_line(exported)})"
+        if state.floored:
+            line += (f"; {state.floored} evaluations scoring higher were not exported: their "
+                     "greedy answers' gold score fell below the SFT model's (ppo.greedy_floor)")
     log(f"step 3 ({s.algorithm.name}) done: {state.iteration} iterations, "
         + (f"{line}, " if line else "") + f"{state.seconds:.1f}s, peak memory "
         f"{summary['memory/peak_mib']:.0f} MiB -> {step3}")

@@ -153,6 +153,28 @@ def test_export_best_writes_the_peak_not_the_last_policy(tmp_path):
     assert all(torch.equal(live[k], snapshots[4][k]) for k in live)   # live ones untouched
 
 
+@pytest.mark.parametrize("floor", [True, False])
+def test_export_best_keeps_no_policy_whose_greedy_answers_fall_below_the_sft_models(floor):
+    """ppo.greedy_floor: a higher sampled gold score does not make a policy better when its
+    greedy answers' gold score fell below the SFT policy's; such evaluations are counted.
+    Without the floor the sampled gold score alone ranks them."""
+    tok = byte_tokenizer()
+    actor = tiny_models(tok).actor
+    s = settings(export="best", kl_budget=1.0, greedy_floor=floor,
+                 eval_reward_fn="steps.demo:score")
+    kept = ppo.Kept(None, actor.copy_weights(trainable_only=True))
+    sft = {"reward": 0.0, "ground_truth": 0.4, "greedy_ground_truth": 0.6, "kl": 0.0}
+    state = ppo.Progress(before=sft, best={**sft, "iteration": 0})
+    for iteration, (gold, greedy) in enumerate([(0.5, 0.6), (0.7, 0.5), (0.55, 0.65)], start=1):
+        state = ppo.keep_if_best(state._replace(iteration=iteration),
+                                 {"reward": 0.0, "ground_truth": gold,
+                                  "greedy_ground_truth": greedy, "kl": 0.5}, s, kept, actor)
+    assert state.best["iteration"] == (3 if floor else 2)
+    assert state.floored == (1 if floor else 0)
+    assert s.greedy_floor == floor
+    assert not settings(greedy_floor=True).greedy_floor   # without a gold score: no floor
+
+
 @pytest.mark.parametrize("best_of_n, budget", [(8, math.log(8) - 7 / 8), (4, math.log(4) - 3 / 4),
                                                (0, math.log(8) - 7 / 8)])
 def test_the_kl_budget_and_target_default_from_best_of_n_also_without_the_baseline(best_of_n,
