@@ -235,7 +235,7 @@ class HybridEngine(TrainEngine):
         sources are quantized, when engine.hybrid.quantized_inference), said once."""
         if not self.hybrid.quantized_inference:
             return {}
-        slots = {}
+        slots, sharded = {}, any(isinstance(m, FSDPModule) for m in inner.modules())
         for name, parts in self._plan.sources.items():
             path, attr = name.rsplit(".", 1)
             layers = [_base_module(inner, s)[:2] for s in parts]
@@ -243,7 +243,7 @@ class HybridEngine(TrainEngine):
             if slot is not None:
                 transforms = [self._plan.transforms.get(s) for s in parts]
                 slots[path] = slot._replace(
-                    shared=shareable(layers, transforms, self.runtime.device))
+                    shared=shareable(layers, transforms, self.runtime.device, sharded))
         if slots and self.runtime.is_main:
             bits = sorted({slot.bits for slot in slots.values()})
             shared = sum(slot.shared for slot in slots.values())

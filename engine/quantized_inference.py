@@ -140,11 +140,12 @@ def slot_for(layers: list[tuple[nn.Module, nn.Module]]) -> QuantizedSlot | None:
 
 def shareable(layers: list[tuple[nn.Module, nn.Module]],
               transforms: list[Callable[[torch.Tensor], torch.Tensor] | None],
-              device: torch.device) -> bool:
-    """True when the inference form can use the sources' integers in place: each is a
-    whole tensor on `device` (not a DTensor shard, e.g. one process without sharding) and
-    needs no row transform."""
-    return all(transform is None for transform in transforms) and all(
+              device: torch.device, sharded: bool) -> bool:
+    """True when the inference form can use the sources' integers in place: the model is
+    not sharded (FSDP frees and swaps the tensors a module shows, even a unit it leaves
+    gathered between forwards), each is a whole tensor on `device`, and none needs a row
+    transform."""
+    return not sharded and all(transform is None for transform in transforms) and all(
         not isinstance(t, DTensor) and t.device == device
         for _, base in layers for t in (base.weight, base.weight_scale))
 
