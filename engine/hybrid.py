@@ -40,7 +40,7 @@ from engine.generation import SamplingSettings, generate
 from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
 from engine.inference_modules import weight_bytes
 from engine.inference_plans import Unsupported, plan
-from engine.lora import is_lora_param
+from engine.lora import active_adapters, is_lora_param
 from engine.parallel import ShardSettings, hf_model, transformer_blocks
 from engine.quantized_base import effective_shape, effective_weight
 from engine.quantized_inference import QuantizedSlot, fill_quantized, shareable, slot_for
@@ -78,10 +78,8 @@ def merged_weight(model: nn.Module, name: str) -> torch.Tensor:
     if attr != "weight":
         return getattr(base, attr)
     value = effective_weight(base)
-    if isinstance(owner, LoraLayer) and not owner.merged and not owner.disable_adapters:
-        for adapter in owner.active_adapters:
-            if adapter in owner.lora_A:
-                value = value + owner.get_delta_weight(adapter)
+    for adapter in active_adapters(owner):
+        value = value + owner.get_delta_weight(adapter)
     return value
 
 

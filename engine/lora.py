@@ -5,6 +5,7 @@ from __future__ import annotations
 import peft
 import torch
 from peft import PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from engine.config import LoraConfig
@@ -30,6 +31,14 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
 def merged(model: nn.Module) -> nn.Module:
     """The plain transformers model with LoRA folded into its weights (in place)."""
     return model.merge_and_unload() if isinstance(model, PeftModel) else model
+
+
+def active_adapters(layer: nn.Module) -> list[str]:
+    """The active low-rank (lora_A/lora_B) adapters of a peft LoRA layer that are not merged
+    into its base: none for a plain module."""
+    if not isinstance(layer, LoraLayer) or layer.merged or layer.disable_adapters:
+        return []
+    return [a for a in layer.active_adapters if a in layer.lora_A]
 
 
 def is_lora_param(name: str) -> bool:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engine import kernels
+from engine.lora import active_adapters
 from engine.quantized_base import QuantizedEmbedding, QuantizedLinear, dequantize_weight
 
 
@@ -109,13 +110,6 @@ def quantized_module(shape: torch.Size, slot: QuantizedSlot, bias: bool, table: 
     return QuantizedProjection(shape[0], shape[1], slot, bias, dtype, device)
 
 
-def _adapters(owner: nn.Module) -> list[str]:
-    """The active LoRA adapters of a peft layer (none for a plain module)."""
-    if not isinstance(owner, LoraLayer) or owner.merged or owner.disable_adapters:
-        return []
-    return [a for a in owner.active_adapters if a in owner.lora_A]
-
-
 def slot_for(layers: list[tuple[nn.Module, nn.Module]]) -> QuantizedSlot | None:
     """The slot of an inference weight whose sources are `layers` ((owner, base) pairs: the
     peft layer or plain module, and its base module), or None when it cannot be held
@@ -131,7 +125,7 @@ def slot_for(layers: list[tuple[nn.Module, nn.Module]]) -> QuantizedSlot | None:
     for owner, base in layers:
         if isinstance(base, QuantizedEmbedding) and isinstance(owner, LoraLayer):
             return None
-        for adapter in _adapters(owner):
+        for adapter in active_adapters(owner):
             if owner.use_dora.get(adapter, False):
                 return None
             rank += owner.lora_A[adapter].weight.shape[0]
@@ -169,7 +163,7 @@ def fill_quantized(module: _Integers, layers: list[tuple[nn.Module, nn.Module]],
         if not shared:
             module.weight[rows:rows + n].copy_(same(base.weight))
             module.weight_scale[rows:rows + n].copy_(same(base.weight_scale))
-        for adapter in _adapters(owner):
+        for adapter in active_adapters(owner):
             a = owner.lora_A[adapter].weight
             b = same(owner.lora_B[adapter].weight) * owner.scaling[adapter]
             module.lora_A[cols:cols + a.shape[0]].copy_(a)
