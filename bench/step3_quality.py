@@ -55,7 +55,7 @@ from quantized_base import rows, train  # noqa: E402
 from engine.generation import SamplingSettings, generate  # noqa: E402
 from engine.models import load_causal_lm, load_reward_model, load_tokenizer  # noqa: E402
 from steps import demo  # noqa: E402
-from steps.ppo import row_seeds  # noqa: E402
+from steps.ppo import answer_logprobs, row_seeds  # noqa: E402
 from steps.rlhf import answer_mask  # noqa: E402
 from steps.scoring import RewardScorer  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
@@ -111,6 +111,14 @@ def samples(model, tokenizer, prompt_ids: list[list[int]], texts: list[str], max
         yield sequences, mask, [demo.score(p, a) for p, a in zip(texts, said, strict=True)]
 
 
+@torch.no_grad()
+def sequence_logprobs(model, sequences: torch.Tensor, mask: torch.Tensor, prompt_len: int
+                      ) -> list[float]:
+    """[B] log pi(answer | prompt) of each answer, up to and including its EOS."""
+    tokens = answer_logprobs(model, sequences, mask, prompt_len)
+    return (tokens * mask[:, prompt_len:]).sum(1).tolist()
+
+
 def greedy_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str],
                  max_len: int) -> float:
     model, tokenizer = load_actor(actor_dir)
@@ -129,10 +137,13 @@ def sampled_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str]
                             for t in truths)
 
 
-def kl_optimum(scores: torch.Tensor, truths: torch.Tensor, kl: float) -> float:
-    """Ground truth of pi(y) ~ pi_SFT(y) exp(r(y) / b) with b such that KL(pi || pi_SFT) is
-    `kl` per prompt on average, from [prompts, n] reward scores and ground truths of n
-    samples of pi_SFT per prompt (self-normalised importance weights; bisection on log b)."""
+def kl_optimum(scores: torch.Tensor, truths: torch.Tensor, logprobs: torch.Tensor, kl: float
+               ) -> tuple[float, float]:
+    """pi(y) ~ pi_SFT(y) exp(r(y) / b) with b such that KL(pi || pi_SFT) is `kl` per prompt
+    on average, from [prompts, n] reward scores, ground truths and log pi_SFT of n samples
+    of pi_SFT per prompt (self-normalised importance weights; bisection on log b): its mean
+    ground truth, and the ground truth of its most likely answer among the samples (what a
+    policy at that optimum answers greedily)."""
     scores, truths = scores.double(), truths.double()
 
     def tilted(log_b: float) -> tuple[float, float]:
@@ -146,7 +157,13 @@ def kl_optimum(scores: torch.Tensor, truths: torch.Tensor, kl: float) -> float:
     for _ in range(60):
         middle = (low + high) / 2
         low, high = (middle, high) if tilted(middle)[0] > kl else (low, middle)
-    return tilted(high)[1]
+    return tilted(high)[1], most_likely_truth(logprobs.double() + scores / math.exp(high), truths)
+
+
+def most_likely_truth(log_weights: torch.Tensor, truths: torch.Tensor) -> float:
+    """Mean over prompts of the ground truth of each prompt's sample with the largest
+    (unnormalised) log-probability [prompts, n]."""
+    return truths.gather(1, log_weights.argmax(1, keepdim=True)).mean().item()
 
 
 def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len: int,
@@ -156,21 +173,26 @@ def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len
     actor, tokenizer = load_actor(base / "actor")
     scorer = RewardScorer(load_reward_model(str(base / "reward"), tokenizer).eval(),
                           tokenizer, tokenizer, torch.device("cpu"))
-    truths, scores = [], []
+    truths, scores, logprobs = [], [], []
+    prompt_len = collate_prompts(prompt_ids, tokenizer.pad_token_id)["input_ids"].shape[1]
     for sequences, mask, said_truths in samples(actor, tokenizer, prompt_ids, texts, max_len,
                                                 seed, max(n, frontier_n)):
         scores.append(scorer(sequences, mask).tolist())
+        logprobs.append(sequence_logprobs(actor, sequences, mask, prompt_len))
         truths.append(said_truths)
     rows_ = range(len(prompt_ids))
     best = [max(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
     worst = [min(range(n), key=lambda j, i=i: scores[j][i]) for i in rows_]
+    scores_, truths_, logprobs_ = (torch.tensor(x).T for x in (scores, truths, logprobs))
+    optimum, optimum_mode = kl_optimum(scores_, truths_, logprobs_, math.log(n) - (n - 1) / n)
     return {"SFT sample GT (mean)": statistics.fmean(t for row in truths[:n] for t in row),
             "best-of-n GT": statistics.fmean(truths[best[i]][i] for i in rows_),
             "best-of-n RM score": statistics.fmean(scores[best[i]][i] for i in rows_),
             "worst-of-n GT": statistics.fmean(truths[worst[i]][i] for i in rows_),
             "oracle best-of-n GT": statistics.fmean(max(t[i] for t in truths[:n]) for i in rows_),
-            "RM's KL-optimal policy GT at best-of-n's KL": kl_optimum(
-                torch.tensor(scores).T, torch.tensor(truths).T, math.log(n) - (n - 1) / n)}
+            "RM's KL-optimal policy GT at best-of-n's KL": optimum,
+            "RM's KL-optimal policy, its most likely answer's GT": optimum_mode,
+            "SFT's most likely sample's GT": most_likely_truth(logprobs_, truths_)}
 
 
 def step3(out: Path, base: Path, seed: int, flags: list[str], prompts, n: int
