@@ -157,6 +157,7 @@ def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
     # must not turn off the KL controller and the budget with it
     budget = ppo.kl_budget or best_of_n_kl(ppo.best_of_n or DEFAULT_BEST_OF_N)
     target = ppo.kl_target if ppo.kl_target is not None else KL_TARGET_SHARE * budget
+    target = target if ppo.kl_coef > 0 else 0.0   # a coefficient of 0: no KL penalty at all
     per_round = ppo.rollout_batch_size * ppo.samples_per_prompt
     horizon = ppo.kl_horizon or max(KL_HORIZON_SHARE * total_samples, per_round)
     sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
@@ -352,7 +353,8 @@ class Progress(NamedTuple):
     round: int = 0               # rounds of this epoch done
     iteration: int = 0
     ptx_batches: int = 0         # position in the PTX stream
-    kl_coef: float = 0.0         # the adaptive controller's state
+    kl_coef: float = 0.0         # the coefficient in use
+    kl_integral: float | None = None   # the adaptive controller's integral (None: log kl_coef)
     seconds: float = 0.0
     kl_stops: int = 0            # rounds cut short by ppo.target_kl
     floored: int = 0             # better evaluations not kept: greedy gold below the SFT's
@@ -471,10 +473,11 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
                             answers, metrics.pop("answer/tokens"), s.ppo.ppo_epochs)
-    kl_coef = state.kl_coef
+    kl_coef, integral = state.kl_coef, state.kl_integral
     if s.kl_target is not None:
-        kl_coef = adaptive_kl_coef(kl_coef, metrics["reward/kl"], s.kl_target, s.kl_horizon,
-                                   answers, floor=s.ppo.kl_coef)
+        kl_coef, integral = adaptive_kl_coef(
+            math.log(kl_coef) if integral is None else integral, metrics["reward/kl"],
+            s.kl_target, s.kl_horizon, answers, floor=s.ppo.kl_coef)
     iteration = state.iteration + 1
     if iteration % s.ppo.log_every == 0:
         lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
@@ -483,7 +486,7 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         if not bars:   # else the progress bar shows the pace
             log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
     return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_coef=kl_coef,
-                          kl_stops=kl_stops), times
+                          kl_integral=integral, kl_stops=kl_stops), times
 
 
 class Experience(NamedTuple):
