@@ -1,0 +1,62 @@
+"""How well step 3's adaptive KL controller holds its target, from finished runs' logs.
+
+For each run directory (one `python train.py --step 3 ...` output, e.g. those
+bench/step3_quality.py leaves under its --root), over the iterations after the first
+fifth (the controller's approach): the mean and standard deviation of the KL per answer
+to the reference (`reward/kl`, each iteration's rollouts), the share of iterations within
+±25% of the target, and the range of the coefficient (`kl_coef`); and the highest KL of
+the whole run. Runs are grouped by the name between the task and the seed
+(<task>-<setting>-<seed>, as bench/step3_quality.py names them).
+
+Run:  python bench/kl_hold.py ROOT [ROOT ...] [--settings guarded grpo] [--target 0.964]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def hold(run: Path, target: float) -> tuple[float, float, float, float, float, float]:
+    """(mean KL, its sd, share within ±25% of target, min and max coefficient) after the
+    first fifth of the run's iterations, and the run's highest KL."""
+    rows = [json.loads(line) for line in (run / "step3" / "metrics.jsonl").open()]
+    iterations = [r for r in rows if "reward/kl" in r]
+    settled = iterations[len(iterations) // 5:]
+    kl, coef = [r["reward/kl"] for r in settled], [r["kl_coef"] for r in settled]
+    return (statistics.fmean(kl), statistics.stdev(kl),
+            sum(abs(k / target - 1) < 0.25 for k in kl) / len(kl), min(coef), max(coef),
+            max(r["reward/kl"] for r in iterations))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("roots", nargs="+", type=Path)
+    parser.add_argument("--settings", nargs="*", default=None, help="default: all")
+    parser.add_argument("--target", type=float, default=0.8 * 1.2044,
+                        help="the KL target the runs aimed at (default: step 3's, 0.8 x "
+                             "best-of-8's KL)")
+    args = parser.parse_args()
+    print(f"{'root':<16} {'setting':<14} runs  KL mean ± sd   within ±25%   kl_coef range"
+          "   highest KL (mean, max)")
+    for root in args.roots:
+        groups: dict[str, list] = defaultdict(list)
+        for run in sorted(root.iterdir()):
+            task, *setting, _seed = run.name.split("-")
+            name = "-".join(setting)
+            done = (run / "step3" / "actor" / "config.json").exists()
+            if done and (args.settings is None or name in args.settings):
+                groups[name].append(hold(run, args.target))
+        for name, runs in groups.items():
+            mean = [statistics.fmean(r[i] for r in runs) for i in range(6)]
+            print(f"{root.name:<16} {name:<14} {len(runs):>4}  {mean[0]:.2f} ± {mean[1]:.2f}"
+                  f"   {mean[2]:>10.0%}   {min(r[3] for r in runs):.2f}-"
+                  f"{max(r[4] for r in runs):<8.2f}   {mean[5]:.1f}, "
+                  f"{max(r[5] for r in runs):.1f}")
+
+
+if __name__ == "__main__":
+    main()
