@@ -16,7 +16,11 @@ Per seed: steps 1-2 once (`python train.py --step 1 2 seed=S data.demo_task=T`),
     importance weights over --frontier-n samples per prompt. It is the most any policy
     can get by optimising this reward model within that KL (what step 3's objective
     converges to), so it says how far the reward model's errors, not the optimiser, bound
-    the result;
+    the result; and the ground truth of its most likely answer among those samples (by
+    log pi_SFT + r/b), beside the SFT model's most likely sample: whether the optimum
+    moves the mode towards right answers or away. (Only the samples are searched, so
+    this reads greedy answers roughly: compare the two estimates with each other, not
+    with the SFT model's greedy score);
   - step 3 under each named setting (hydra overrides on top of the demo recipe), from the
     same step-1/2 models: the exported policy's (ppo.export: the best evaluated policy, or
     the last) mean ground truth over n fresh samples per prompt and its greedy ground
