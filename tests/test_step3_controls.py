@@ -187,3 +187,11 @@ def test_the_kl_budget_and_target_default_from_best_of_n_also_without_the_baseli
     assert s.kl_target == pytest.approx(0.8 * budget)
     assert settings(best_of_n=0, kl_budget=2.0).kl_target == pytest.approx(1.6)
     assert settings(best_of_n=0, kl_target=0).kl_target is None     # 0: off, as documented
+
+
+def test_a_kl_coefficient_of_zero_turns_the_controller_off():
+    """kl_coef is the controller's start and floor: at 0 (no KL penalty asked for) the
+    controller, which works on the log coefficient, is off rather than started at log 0."""
+    assert settings(kl_coef=0.0).kl_target is None
+    assert settings(kl_coef=0.0, kl_target=1.0).kl_target is None
+    assert settings(kl_coef=0.05).kl_target == pytest.approx(0.8 * (math.log(8) - 7 / 8))
