@@ -16,8 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from steps.ppo import DEFAULT_BEST_OF_N, KL_TARGET_SHARE, best_of_n_kl  # noqa: E402
 
 
 def hold(run: Path, target: float) -> tuple[float, float, float, float, float, float]:
@@ -36,16 +41,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("roots", nargs="+", type=Path)
     parser.add_argument("--settings", nargs="*", default=None, help="default: all")
-    parser.add_argument("--target", type=float, default=0.8 * 1.2044,
-                        help="the KL target the runs aimed at (default: step 3's, 0.8 x "
-                             "best-of-8's KL)")
+    parser.add_argument("--target", type=float,
+                        default=KL_TARGET_SHARE * best_of_n_kl(DEFAULT_BEST_OF_N),
+                        help="the KL target the runs aimed at (default: step 3's default)")
     args = parser.parse_args()
     print(f"{'root':<16} {'setting':<14} runs  KL mean ± sd   within ±25%   kl_coef range"
           "   highest KL (mean, max)")
     for root in args.roots:
         groups: dict[str, list] = defaultdict(list)
         for run in sorted(root.iterdir()):
-            task, *setting, _seed = run.name.split("-")
+            _task, *setting, _seed = run.name.split("-")
             name = "-".join(setting)
             done = (run / "step3" / "actor" / "config.json").exists()
             if done and (args.settings is None or name in args.settings):

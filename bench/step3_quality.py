@@ -60,7 +60,7 @@ from engine.generation import SamplingSettings, generate  # noqa: E402
 from engine.models import load_causal_lm, load_reward_model, load_tokenizer  # noqa: E402
 from steps import demo  # noqa: E402
 from steps.ppo import answer_logprobs, row_seeds  # noqa: E402
-from steps.rlhf import answer_mask  # noqa: E402
+from steps.rlhf import answer_mask, masked_sum  # noqa: E402
 from steps.scoring import RewardScorer  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
@@ -120,7 +120,7 @@ def sequence_logprobs(model, sequences: torch.Tensor, mask: torch.Tensor, prompt
                       ) -> list[float]:
     """[B] log pi(answer | prompt) of each answer, up to and including its EOS."""
     tokens = answer_logprobs(model, sequences, mask, prompt_len)
-    return (tokens * mask[:, prompt_len:]).sum(1).tolist()
+    return masked_sum(tokens, mask[:, prompt_len:], dim=1).tolist()
 
 
 def greedy_truth(actor_dir: Path, prompt_ids: list[list[int]], texts: list[str],
