@@ -50,8 +50,8 @@ ARGS = [
     "data.demo_pairs=120", "data.max_prompt_len=64", "data.max_answer_len=10",
     "sft.epochs=1", "sft.batch_size=4", "sft.grad_accum=2", "sft.lr=2e-3", "sft.log_every=1",
     "rm.epochs=1", "rm.batch_size=6", "rm.lr=1e-3", "rm.log_every=1", "rm.eval_batch_size=3",
-    "ppo.rollout_batch_size=8", "ppo.micro_batch_size=4", "ppo.forward_batch_size=2",
-    "ppo.eval_prompts=6",
+    "ppo.epochs=1", "ppo.rollout_batch_size=8", "ppo.micro_batch_size=4",
+    "ppo.forward_batch_size=2", "ppo.eval_prompts=6",
     "ppo.actor_lr=2e-4", "ppo.critic_lr=5e-4", "ppo.actor_lora.dim=4",
     "ppo.ema.enabled=true", "ppo.ptx.enabled=true", "ppo.ptx.batch_size=3", "ppo.ptx.coef=0.5",
     "engine.checkpoint_every=2", "engine.device=cpu", "logging.progress=false",
@@ -389,20 +389,21 @@ def test_zeropp_run_writes_plain_hf_models_and_logs_comm(zeropp_run):
 
 
 def test_zeropp_killed_run_resumes_to_the_same_end(zeropp_run, tmp_path):
-    """Killed after step 3's second checkpoint, resumed: the end equals the uninterrupted
-    ZeRO++ run's. These two runs leave the comm meter off (it only observes, so the
+    """Step 3 from the ZeRO++ run's step-1 and step-2 models, killed after its second
+    checkpoint, resumed: the end equals the uninterrupted run's step 3 (which read the same
+    models from disk). These two runs leave the comm meter off (it only observes, so the
     reference stays valid, and this checks that too): rows compare without comm/*."""
-    killed = _train(tmp_path, *ZEROPP, fault="kill:3:2", timeout=ZEROPP_TIMEOUT)
+    step3 = [*ZEROPP, "--step", "3", f"ppo.actor_path={zeropp_run / 'actor'}",
+             f"ppo.reward_path={zeropp_run / 'reward'}"]
+    killed = _train(tmp_path, *step3, fault="kill:3:2", timeout=ZEROPP_TIMEOUT)
     assert killed.returncode != 0
     assert "failed (exit code 9)" in killed.stderr
-    assert (tmp_path / "actor").exists() and (tmp_path / "reward").exists()
     assert (tmp_path / "step3" / "checkpoints" / "step-00000004" / "state.json").exists()
 
-    resumed = _ok(_train(tmp_path, *ZEROPP, "--resume", timeout=ZEROPP_TIMEOUT))
-    assert "step 2: finished before the interruption" in resumed.stdout
+    resumed = _ok(_train(tmp_path, *step3, "--resume", timeout=ZEROPP_TIMEOUT))
     assert "step 3: resumed from" in resumed.stdout and "iteration 4" in resumed.stdout
     _assert_same_run(tmp_path, zeropp_run, rtol=1e-6, atol=1e-6, weight_max=1e-6,
-                     weight_mean=1e-7)
+                     weight_mean=1e-7, steps=(3,), models=MODEL_DIRS[2:])
 
 
 def test_zeropp_cuts_cross_node_bytes_per_step1_row(single, zeropp_run, tmp_path):

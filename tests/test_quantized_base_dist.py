@@ -5,6 +5,7 @@ shards hold 1/N of the integer base (where torch can shard it: 2.12 on)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -28,6 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@functools.cache    # both tests compare with the same one-process INT8 run
 def run(model_dir: Path, bits: int, world: int, *extra: str) -> dict:
     launch = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone",
                                     f"--nproc-per-node={world}"]
