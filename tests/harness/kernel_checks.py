@@ -211,7 +211,7 @@ def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantize
                             .to(param.device) * 0.05)
     batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
-    sampling = SamplingSettings(max_new_tokens=6, do_sample=False)
+    sampling = SamplingSettings(max_new_tokens=4, do_sample=False)
     kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     answers = []
     for quantized in (True, False):
