@@ -76,6 +76,7 @@ from steps.data import PreferencePair, permutation, train_eval_split
 from steps.rlhf import (
     adaptive_kl_coef,
     answer_mask,
+    coef_for_kl,
     ema_update,
     gae,
     group_normalized_advantages,
@@ -88,6 +89,7 @@ from steps.rlhf import (
     policy_loss,
     returns_to_go,
     sequence_rewards,
+    tilted_kl,
     value_loss,
     whiten,
 )
@@ -125,6 +127,8 @@ def best_of_n_kl(n: int) -> float:
 KL_TARGET_SHARE = 0.8         # the controller aims this far under the budget: its noise fits
 DEFAULT_BEST_OF_N = 8         # whose KL is the default budget when ppo.best_of_n is 0
 KL_HORIZON_SHARE = 0.005      # of the run's samples: the controller settles early in any run
+# coefficients searched for the one whose optimum sits at the KL target (see best_of_n)
+KL_COEF_GRID = torch.logspace(-3, 3, 121, dtype=torch.float64)
 DEMO_GOLD = "steps.demo:score"
 
 
@@ -355,6 +359,7 @@ class Progress(NamedTuple):
     ptx_batches: int = 0         # position in the PTX stream
     kl_coef: float = 0.0         # the coefficient in use
     kl_integral: float | None = None   # the adaptive controller's integral (None: log kl_coef)
+    kl_floor: float | None = None      # its floor until the KL first reaches the target
     seconds: float = 0.0
     kl_stops: int = 0            # rounds cut short by ppo.target_kl
     floored: int = 0             # better evaluations not kept: greedy gold below the SFT's
@@ -473,11 +478,6 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
                             answers, metrics.pop("answer/tokens"), s.ppo.ppo_epochs)
-    kl_coef, integral = state.kl_coef, state.kl_integral
-    if s.kl_target is not None:
-        kl_coef, integral = adaptive_kl_coef(
-            math.log(kl_coef) if integral is None else integral, metrics["reward/kl"],
-            s.kl_target, s.kl_horizon, answers, floor=s.ppo.kl_coef)
     iteration = state.iteration + 1
     if iteration % s.ppo.log_every == 0:
         lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
@@ -485,8 +485,22 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         tracker.log({**metrics, **lrs, **times}, iteration)
         if not bars:   # else the progress bar shows the pace
             log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
-    return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_coef=kl_coef,
-                          kl_integral=integral, kl_stops=kl_stops), times
+    state = next_kl_coef(state, metrics["reward/kl"], answers, s)
+    return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_stops=kl_stops), times
+
+
+def next_kl_coef(state: Progress, observed_kl: float, answers: int, s: Settings) -> Progress:
+    """The adaptive KL coefficient after a round of `answers` whose mean KL per answer was
+    `observed_kl`. Its floor is ppo.kl_coef, or the coefficient it started at (see
+    start_kl_coef) until the KL first reaches the target."""
+    if s.kl_target is None:
+        return state
+    integral = math.log(state.kl_coef) if state.kl_integral is None else state.kl_integral
+    coef, integral = adaptive_kl_coef(integral, observed_kl, s.kl_target, s.kl_horizon,
+                                      answers, floor=state.kl_floor or s.ppo.kl_coef)
+    reached = observed_kl >= s.kl_target
+    return state._replace(kl_coef=coef, kl_integral=integral,
+                          kl_floor=None if reached else state.kl_floor)
 
 
 class Experience(NamedTuple):
@@ -826,6 +840,7 @@ def best_of_n(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
     if not prompts.eval or n < 2:
         return {}
     totals = torch.zeros(2, dtype=torch.float64)   # reward, gold sums of the picks
+    tilted = torch.zeros(len(KL_COEF_GRID), dtype=torch.float64)   # sums over prompts
     for batch_rows in batches(range(len(prompts.eval)), max(1, s.ppo.rollout_batch_size // n),
                               shuffle=False, seed=0):
         share = dp.share(batch_rows, group=n)
@@ -841,9 +856,13 @@ def best_of_n(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
         totals += share.weight * torch.tensor([float(reward[picks].sum()),
                                                float(gold[picks.cpu()].sum())],
                                               dtype=torch.float64)
-    reward, gold = (total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
+        clipped = reward.float().cpu().clamp(-s.ppo.score_clip, s.ppo.score_clip)
+        tilted += share.weight * tilted_kl(clipped.view(-1, n), KL_COEF_GRID).sum(0)
+    reward, gold, *tilted = (total / len(prompts.eval)
+                             for total in dp.sum(*totals.tolist(), *tilted.tolist()))
+    coef = coef_for_kl(KL_COEF_GRID, torch.tensor(tilted), s.kl_target or 0.0)
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
-            "kl": best_of_n_kl(n)}
+            "kl": best_of_n_kl(n), **({"kl_coef_at_target": coef} if coef else {})}
 
 
 def baseline(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
@@ -858,7 +877,25 @@ def baseline(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
         log("step 3 baseline: SFT greedy " + _scores_line(greedy) + " | SFT sampled "
             + _scores_line(before) + (f" | best-of-{s.ppo.best_of_n} " + _scores_line(bon)
                                       if bon else ""))
-    return state._replace(before=before, baseline=bon, best={**before, "iteration": 0})
+    state = state._replace(before=before, baseline=bon, best={**before, "iteration": 0})
+    return start_kl_coef(state, bon.get("kl_coef_at_target"), s)
+
+
+def start_kl_coef(state: Progress, at_target: float | None, s: Settings) -> Progress:
+    """Start the adaptive controller at the coefficient whose optimum holds the KL target,
+    as read from the baseline's samples (never below ppo.kl_coef), and keep it there at
+    least until the KL first reaches the target: from ppo.kl_coef, or lowered while the KL
+    grows from 0, the policy runs far past the target in the first updates before the
+    controller catches up. (Few samples read the KL low, so this coefficient errs low:
+    the KL does reach the target.) Only where the KL is a penalty in the reward: a
+    loss-term KL weighs against normalised advantages, another scale."""
+    if s.kl_target is None or at_target is None or s.kl.in_loss:
+        return state
+    coef = max(at_target, s.ppo.kl_coef)
+    log(f"step 3 KL coefficient starts at {coef:.3g}: the optimum of the reward model's "
+        f"score at that coefficient holds KL {s.kl_target:.3g} (from the best-of-"
+        f"{s.ppo.best_of_n} samples)")
+    return state._replace(kl_coef=coef, kl_integral=math.log(coef), kl_floor=coef)
 
 
 def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,

@@ -386,6 +386,37 @@ def adaptive_kl_coef(integral: float, observed_kl: float, target: float, horizon
     return max(math.exp(integral + KL_PROPORTIONAL_GAIN * error), floor), integral
 
 
+def tilted_kl(rewards: Tensor, coefs: Tensor) -> Tensor:
+    """KL(pi_c || pi) of the reward-tilted policy pi_c(y) ~ pi(y) exp(r(y) / c), the optimum
+    of E[r] - c KL(. || pi), estimated per prompt from answers sampled from pi: with the
+    self-normalised weights w = softmax(r / c), KL = sum_i w_i log(n w_i). It is at most
+    log n (all weight on one answer), so n samples under-read a large KL.
+
+    Args:
+        rewards: [P, n] float, n sampled answers' rewards per prompt. coefs: [G] > 0.
+
+    Returns:
+        [P, G] float32, each prompt's KL at each coefficient.
+    """
+    logits = rewards.float()[:, :, None] / coefs.float()[None, None, :]     # [P, n, G]
+    log_w = torch.log_softmax(logits, dim=1)
+    return (log_w.exp() * (log_w + math.log(rewards.shape[1]))).sum(1)
+
+
+def coef_for_kl(coefs: Tensor, kl: Tensor, target: float) -> float | None:
+    """The coefficient at which the tilted policy's KL (`tilted_kl` averaged over prompts)
+    is `target`, interpolated in log space on an increasing grid `coefs` [G] with their KL
+    `kl` [G] (which falls as the coefficient grows); None when the grid does not bracket
+    the target (e.g. a target above log n, or rewards that do not vary)."""
+    above = (kl >= target).nonzero().flatten()
+    if not len(above) or above[-1] + 1 >= len(coefs) or kl[-1] > target:
+        return None
+    i = int(above[-1])           # kl[i] >= target > kl[i + 1]
+    share = (kl[i] - target) / (kl[i] - kl[i + 1]).clamp(min=1e-12)
+    lo, hi = math.log(float(coefs[i])), math.log(float(coefs[i + 1]))
+    return math.exp(lo + float(share) * (hi - lo))
+
+
 def loss_weights(mask: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:
     """How a per-token loss is averaged: the mask scaled per token, and the count the sum
     divides by (to be summed over ranks when these rows are one rank's share).

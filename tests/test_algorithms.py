@@ -17,6 +17,7 @@ from steps import demo, ppo
 from steps.config import PPOConfig, RunConfig, validate
 from steps.rlhf import (
     adaptive_kl_coef,
+    coef_for_kl,
     group_normalized_advantages,
     kl_estimate,
     kl_penalized_rewards,
@@ -26,6 +27,7 @@ from steps.rlhf import (
     policy_loss,
     returns_to_go,
     sequence_rewards,
+    tilted_kl,
 )
 from steps.scoring import RewardFunction, Rewards, load_reward_fn
 
@@ -141,6 +143,28 @@ def toy_policy_kl(iterations: int, target: float | None, coef: float = 0.05,
             coef, integral = adaptive_kl_coef(integral, kls[-1], target, horizon, samples,
                                               floor)
     return kls
+
+
+def test_tilted_kl_by_hand_and_the_coefficient_that_hits_a_target():
+    """pi_c ~ pi exp(r/c) over two sampled answers with rewards 0 and log 3, c = 1: weights
+    1/4, 3/4, KL = 1/4 log(2/4) + 3/4 log(6/4). It falls from log n (c -> 0) to 0 (large c),
+    and coef_for_kl finds the c whose KL, averaged over prompts, is the target."""
+    rewards = torch.tensor([[0.0, math.log(3)]])
+    want = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    kl = tilted_kl(rewards, torch.tensor([1e-4, 1.0, 1e4]))
+    assert kl.shape == (1, 3)
+    assert kl[0].tolist() == pytest.approx([math.log(2), want, 0.0], abs=1e-6)
+
+    rewards = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    grid = ppo.KL_COEF_GRID
+    curve = tilted_kl(rewards, grid).mean(0)
+    for target in (0.2, 0.96, 1.8):
+        coef = coef_for_kl(grid, curve, target)
+        got = float(tilted_kl(rewards, torch.tensor([coef])).mean())
+        assert got == pytest.approx(target, rel=1e-2)
+    assert coef_for_kl(grid, curve, math.log(8)) is None        # no c reaches log n
+    flat = tilted_kl(torch.ones(4, 8), grid).mean(0)
+    assert coef_for_kl(grid, flat, 0.5) is None                  # nothing to tilt towards
 
 
 @pytest.mark.parametrize("iterations", [150, 1500])

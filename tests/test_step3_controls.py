@@ -19,6 +19,7 @@ from engine.parallel import frozen
 from engine.runtime import Runtime
 from steps import ppo
 from steps.config import RunConfig
+from steps.rlhf import tilted_kl
 from steps.scoring import RewardFunction, Rewards, RewardScorer, decode_rollouts
 from steps.tokenize import collate_prompts
 
@@ -94,7 +95,8 @@ def test_target_kl_stops_a_round_early():
 def test_best_of_n_equals_a_direct_computation():
     """For each prompt: sample n answers one by one, score each with the reward model
     (EOS appended where cut off) and the gold function, keep the reward model's favourite;
-    the means must be ppo.best_of_n's, and its KL the analytic log n - (n-1)/n."""
+    the means must be ppo.best_of_n's, and its KL the analytic log n - (n-1)/n; the KL
+    coefficient it reads from those answers holds the KL target."""
     tok, n = byte_tokenizer(), 4
     models = tiny_models(tok)
     gold = RewardFunction(lambda prompt, answer: float(answer.count("a")), "tests:gold",
@@ -123,6 +125,15 @@ def test_best_of_n_equals_a_direct_computation():
     assert got["kl"] == pytest.approx(math.log(4) - 3 / 4, abs=1e-12)
     # a real selection: above the mean of all sampled answers by the reward model
     assert got["reward"] > sum(all_rewards) / len(all_rewards)
+    # the coefficient whose reward-tilted optimum holds the KL target, from the same
+    # answers: bisection on the exact mean KL (best_of_n interpolates on a grid)
+    rewards = torch.tensor(all_rewards).view(3, n).clamp(-s.ppo.score_clip, s.ppo.score_clip)
+    low, high = 1e-3, 1e3
+    for _ in range(60):
+        mid = math.sqrt(low * high)
+        above = float(tilted_kl(rewards, torch.tensor([mid])).mean()) > s.kl_target
+        low, high = (mid, high) if above else (low, mid)
+    assert got["kl_coef_at_target"] == pytest.approx(low, rel=2e-2)
 
 
 def test_export_best_writes_the_peak_not_the_last_policy(tmp_path):
@@ -195,3 +206,24 @@ def test_a_kl_coefficient_of_zero_turns_the_controller_off():
     assert settings(kl_coef=0.0).kl_target is None
     assert settings(kl_coef=0.0, kl_target=1.0).kl_target is None
     assert settings(kl_coef=0.05).kl_target == pytest.approx(0.8 * (math.log(8) - 7 / 8))
+
+
+def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_until_the_target():
+    """best_of_n's coefficient (whose tilted optimum holds the target) is where the adaptive
+    controller starts, and its floor while the KL grows from 0 towards the target; once
+    the KL reaches the target the controller answers it, down to ppo.kl_coef."""
+    s = settings(kl_coef=0.05)                       # target 0.8 x 1.204 nats
+    state = ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.4, s)
+    assert (state.kl_coef, state.kl_floor) == (0.4, 0.4)
+    for kl in (0.0, 0.3, 0.6):                       # below the target: held at the start
+        state = ppo.next_kl_coef(state, kl, 32, s)
+        assert state.kl_coef == pytest.approx(0.4)
+    state = ppo.next_kl_coef(state, 2.0, 32, s)      # past it: raised at once
+    assert state.kl_coef > 0.4 and state.kl_floor is None
+    for _ in range(200):
+        state = ppo.next_kl_coef(state, 0.0, 32, s)
+    assert state.kl_coef == pytest.approx(0.05)      # and free to fall to ppo.kl_coef
+    # never below ppo.kl_coef; and not where the KL is a loss term (GRPO's other scale)
+    assert ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.01, s).kl_coef == 0.05
+    grpo = settings(kl_coef=0.05, algorithm="grpo", samples_per_prompt=4)
+    assert ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.4, grpo).kl_coef == 0.05
