@@ -114,8 +114,10 @@ class PPOConfig(OptimConfig):
                                    "a rule-based reward (the demo's: steps.demo:score)")
     reward_fn_weight: float = 1.0
     reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)")
-    kl_coef: float = val(0.1, "the KL penalty's coefficient: with kl_target, where the "
-                         "controller starts and its floor; 0: no KL penalty", NON_NEGATIVE)
+    kl_coef: float = val(0.1, "the KL penalty's coefficient: with kl_target, the "
+                         "controller's floor; it starts where best-of-n's samples put the "
+                         "target (a KL in the reward), else here; 0: no KL penalty",
+                         NON_NEGATIVE)
     kl_penalty: str = val("auto", "reward | loss | auto (loss for grpo, reward otherwise)",
                           one_of("auto", "reward", "loss"))
     kl_estimator: str = val("auto", "k1 | k2 | k3 | auto (k3 as a loss, k1 in the reward)",
