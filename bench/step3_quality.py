@@ -60,7 +60,7 @@ from engine.generation import SamplingSettings, generate  # noqa: E402
 from engine.models import load_causal_lm, load_reward_model, load_tokenizer  # noqa: E402
 from steps import demo  # noqa: E402
 from steps.ppo import answer_logprobs, row_seeds  # noqa: E402
-from steps.rlhf import answer_mask, masked_sum  # noqa: E402
+from steps.rlhf import answer_mask, masked_sum, tilted_kl  # noqa: E402
 from steps.scoring import RewardScorer  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 
@@ -145,23 +145,18 @@ def kl_optimum(scores: torch.Tensor, truths: torch.Tensor, logprobs: torch.Tenso
                ) -> tuple[float, float]:
     """pi(y) ~ pi_SFT(y) exp(r(y) / b) with b such that KL(pi || pi_SFT) is `kl` per prompt
     on average, from [prompts, n] reward scores, ground truths and log pi_SFT of n samples
-    of pi_SFT per prompt (self-normalised importance weights; bisection on log b): its mean
-    ground truth, and the ground truth of its most likely answer among the samples (what a
-    policy at that optimum answers greedily)."""
+    of pi_SFT per prompt (steps.rlhf.tilted_kl's self-normalised weights; bisection on
+    log b): its mean ground truth, and the ground truth of its most likely answer among the
+    samples (what a policy at that optimum answers greedily)."""
     scores, truths = scores.double(), truths.double()
-
-    def tilted(log_b: float) -> tuple[float, float]:
-        logits = scores / math.exp(log_b)
-        weights = torch.softmax(logits, dim=1)
-        log_z = torch.logsumexp(logits, dim=1) - math.log(scores.shape[1])
-        return (((weights * logits).sum(1) - log_z).mean().item(),
-                (weights * truths).sum(1).mean().item())
-
     low, high = -12.0, 12.0   # a small b: far from pi_SFT; a large one: pi_SFT itself
     for _ in range(60):
         middle = (low + high) / 2
-        low, high = (middle, high) if tilted(middle)[0] > kl else (low, middle)
-    return tilted(high)[1], most_likely_truth(logprobs.double() + scores / math.exp(high), truths)
+        above = float(tilted_kl(scores, torch.tensor([math.exp(middle)])).mean()) > kl
+        low, high = (middle, high) if above else (low, middle)
+    weights = torch.softmax(scores / math.exp(high), dim=1)
+    return ((weights * truths).sum(1).mean().item(),
+            most_likely_truth(logprobs.double() + scores / math.exp(high), truths))
 
 
 def most_likely_truth(log_weights: torch.Tensor, truths: torch.Tensor) -> float:

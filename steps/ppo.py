@@ -860,7 +860,7 @@ def best_of_n(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
         tilted += share.weight * tilted_kl(clipped.view(-1, n), KL_COEF_GRID).sum(0)
     reward, gold, *tilted = (total / len(prompts.eval)
                              for total in dp.sum(*totals.tolist(), *tilted.tolist()))
-    coef = coef_for_kl(KL_COEF_GRID, torch.tensor(tilted), s.kl_target or 0.0)
+    coef = coef_for_kl(KL_COEF_GRID, torch.tensor(tilted), s.kl_target) if s.kl_target else None
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
             "kl": best_of_n_kl(n), **({"kl_coef_at_target": coef} if coef else {})}
 
