@@ -90,6 +90,7 @@ from steps.rlhf import (
     returns_to_go,
     sequence_rewards,
     tilted_kl,
+    token_kl,
     value_loss,
     whiten,
 )
@@ -724,17 +725,23 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
     """[B, N] fp32 log-probability of each answer token under `model` at the sampling
-    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T).
-    The model's head runs on the N + 1 last positions only (`logits_to_keep`): the prompt's
-    logits are never made."""
-    answer_len = sequences.shape[1] - prompt_len
-    logits = model(input_ids=sequences, attention_mask=attention_mask,
-                   position_ids=position_ids(attention_mask),
-                   logits_to_keep=answer_len + 1).logits
+    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T)."""
+    logits = _answer_head(model, sequences, attention_mask, prompt_len)
     # the last position's log-prob (of a stand-in token 0) is dropped: slicing the logits
     # instead would make the backward fill a zero [B, N + 1, V] gradient to copy into
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
     return logprobs_of_tokens(logits, answers, temperature)[:, :-1]
+
+
+def _answer_head(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                 prompt_len: int) -> torch.Tensor:
+    """[B, N + 1, V] logits at the answer's positions: position t is the distribution
+    answer token t was drawn from, the last one what would follow the answer. The model's
+    head runs on these positions only (`logits_to_keep`): the prompt's logits are never
+    made."""
+    return model(input_ids=sequences, attention_mask=attention_mask,
+                 position_ids=position_ids(attention_mask),
+                 logits_to_keep=sequences.shape[1] - prompt_len + 1).logits
 
 
 def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -785,7 +792,7 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
                                           models.tokenizer.pad_token_id), dp.device)
         sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
         greedy = rollout(models, batch, s.greedy, None)
-        kl = masked_sum(_policy_and_reference(models, sampled, s, dp), sampled.answered, dim=1)
+        kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
         sums = [float(kl.sum())]
         for answers in (sampled, greedy):
             reward = _scores(models, answers, s, dp)
@@ -806,14 +813,16 @@ def _gold(s: Settings, tokenizer, answers: Rollout) -> torch.Tensor:
                                                 answers.prompt_len)))
 
 
-def _policy_and_reference(models: Models, answers: Rollout, s: Settings, dp: DataParallel
-                          ) -> torch.Tensor:
-    """[B, N] log pi - log pi_ref of each answer token (k1, whose sum is an unbiased
-    estimate of the KL per answer), `ppo.forward_batch_size` rows at a time."""
+def _kl_to_reference(models: Models, answers: Rollout, s: Settings, dp: DataParallel
+                     ) -> torch.Tensor:
+    """[B, N] KL(pi || pi_ref) over the vocabulary at each answer token's position
+    (steps.rlhf.token_kl: summed over an answer, the KL per answer with a third of the
+    sampled log-ratio's spread, so that a budget is judged on the policy, not on which 64
+    answers it happened to sample), `ppo.forward_batch_size` rows at a time."""
     def both(rows: slice) -> torch.Tensor:
-        args = (answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len,
-                s.sampling.temperature)
-        return answer_logprobs(models.actor, *args) - answer_logprobs(models.reference, *args)
+        args = (answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len)
+        return token_kl(_answer_head(models.actor, *args)[:, :-1],
+                        _answer_head(models.reference, *args)[:, :-1], s.sampling.temperature)
 
     models.actor.eval()
     kl = dp.by_row_chunks(both, len(answers.sequences), s.ppo.forward_batch_size)

@@ -91,6 +91,26 @@ def logprobs_of_tokens(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
     return _TokenLogprobs.apply(logits, tokens, temperature, rows)
 
 
+@torch.no_grad()
+def token_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0,
+             chunk: int = LOGPROB_CHUNK) -> Tensor:
+    """float32 [B, T] KL(pi(. | prefix) || pi_ref(. | prefix)) over the whole vocabulary at
+    each position, from the policy's and the reference's ``logits`` [B, T, V] (any float
+    dtype, at the sampling ``temperature``). Summed over a sampled answer it estimates the
+    KL per answer without bias (the chain rule, with each step's expectation taken exactly
+    instead of read from the one token sampled), at a third of the sampled log-ratio's
+    (k1's) spread on the demo task: what an evaluation measures a KL budget with.
+    ``chunk`` float32 elements a piece, as in `logprobs_of_tokens`."""
+    rows = max(1, chunk // (logits.shape[1] * logits.shape[-1]))
+    out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for (part, policy), (_, reference) in zip(_scaled_chunks(logits, temperature, rows),
+                                              _scaled_chunks(ref_logits, temperature, rows),
+                                              strict=True):
+        log_p, log_q = torch.log_softmax(policy, -1), torch.log_softmax(reference, -1)
+        out[part] = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+    return out
+
+
 def _scaled_chunks(logits: Tensor, temperature: float, rows: int):
     """(slice of rows, float32 logits / temperature of those rows): a fresh chunk each."""
     for b in range(0, logits.shape[0], rows):

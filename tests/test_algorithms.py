@@ -28,6 +28,7 @@ from steps.rlhf import (
     returns_to_go,
     sequence_rewards,
     tilted_kl,
+    token_kl,
 )
 from steps.scoring import RewardFunction, Rewards, load_reward_fn
 
@@ -165,6 +166,37 @@ def test_tilted_kl_by_hand_and_the_coefficient_that_hits_a_target():
     assert coef_for_kl(grid, curve, math.log(8)) is None        # no c reaches log n
     flat = tilted_kl(torch.ones(4, 8), grid).mean(0)
     assert coef_for_kl(grid, flat, 0.5) is None                  # nothing to tilt towards
+
+
+def test_token_kl_by_hand_and_summed_over_an_answer_it_is_the_answers_kl():
+    """Over two tokens, pi = (1/4, 3/4) against a uniform reference: KL = 1/4 log(1/2) +
+    3/4 log(3/2), at temperature 2 from logits twice as far apart, in chunks of one row.
+    Then the chain rule on a toy two-token language (3 tokens, the second's distribution
+    depending on the first): the per-position KLs summed over an answer and averaged over
+    every answer under pi (enumerated, weighted by its probability) equal the exact KL
+    between the two distributions over whole answers, sum_y pi(y) log(pi(y) / pi_ref(y))."""
+    want = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    logits, uniform = torch.tensor([[[0.0, math.log(3)]]]), torch.zeros(1, 1, 2)
+    assert token_kl(logits, uniform).item() == pytest.approx(want, abs=1e-6)
+    assert token_kl(2 * logits, uniform, temperature=2.0).item() == pytest.approx(want, abs=1e-6)
+    batch = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(0))
+    reference = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(token_kl(batch, reference, chunk=1),
+                               token_kl(batch, reference), atol=1e-6, rtol=0)
+
+    g = torch.Generator().manual_seed(2)
+    first, first_ref = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    then, then_ref = torch.randn(3, 3, generator=g), torch.randn(3, 3, generator=g)  # [y1, y2]
+    exact, expected = 0.0, 0.0
+    for y1 in range(3):
+        for y2 in range(3):
+            log_p = first.log_softmax(0)[y1] + then[y1].log_softmax(0)[y2]
+            log_q = first_ref.log_softmax(0)[y1] + then_ref[y1].log_softmax(0)[y2]
+            exact += float(log_p.exp() * (log_p - log_q))
+            per_position = token_kl(torch.stack([first, then[y1]])[None],
+                                    torch.stack([first_ref, then_ref[y1]])[None])
+            expected += float(log_p.exp() * per_position.sum())
+    assert expected == pytest.approx(exact, abs=1e-6)
 
 
 @pytest.mark.parametrize("iterations", [150, 1500])

@@ -136,6 +136,36 @@ def test_best_of_n_equals_a_direct_computation():
     assert got["kl_coef_at_target"] == pytest.approx(low, rel=2e-2)
 
 
+def test_evaluations_measure_the_kl_over_the_vocabulary_at_each_answer_token():
+    """The evaluation's KL per answer, computed one unpadded answer at a time by hand: the
+    same sampled answers (the evaluation's row seeds), then at each answer token, EOS
+    included, sum_v p log(p / q) of the actor's and the reference's next-token
+    distributions, summed over the answer and averaged over the prompts. It is not the
+    sampled log-ratio (k1) of the same answers, which has three times the spread."""
+    tok = byte_tokenizer()
+    models = tiny_models(tok)._replace(
+        reference=frozen(load_causal_lm("tiny-llama", tok, seed=3), CPU))
+    s = settings(rollout_batch_size=4, max_new_tokens=8)
+    prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
+    got = ppo.evaluate(models, ppo.Prompts([], prompt_ids, [], []), s, DataParallel(CPU))
+
+    full, sampled = [], []
+    for i, prompt in enumerate(prompt_ids):
+        seed = ppo.row_seeds(s.seed, ppo.EVAL_STREAM, [i])
+        answer = ppo.rollout(models, collate_prompts([prompt], PAD), s.sampling, seed)
+        n = int(answer.answered.sum())
+        sequence = answer.sequences[:, :len(prompt) + n]
+        with torch.no_grad():
+            log_p = models.actor(input_ids=sequence).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+            log_q = models.reference(input_ids=sequence).logits[0, len(prompt) - 1:-1
+                                                                ].log_softmax(-1)
+        full.append(float((log_p.exp() * (log_p - log_q)).sum()))
+        taken = sequence[0, len(prompt):, None]
+        sampled.append(float((log_p.gather(-1, taken) - log_q.gather(-1, taken)).sum()))
+    assert got["kl"] == pytest.approx(sum(full) / 3, abs=1e-5)
+    assert abs(sum(full) - sum(sampled)) > 1e-3
+
+
 def test_export_best_writes_the_peak_not_the_last_policy(tmp_path):
     """Evaluations whose gold score rises, peaks and falls: the weights kept are the
     peak's, and the export writes them, not the live (last) ones; a policy over the KL
