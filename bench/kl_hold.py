@@ -3,7 +3,9 @@
 For each run directory (one `python train.py --step 3 ...` output, e.g. those
 bench/step3_quality.py leaves under its --root), over the iterations after the first
 fifth (the controller's approach): the mean and standard deviation of the KL per answer
-to the reference (`reward/kl`, each iteration's rollouts), the share of iterations within
+to the reference of each iteration's rollouts (what the controller reads: the KL over the
+vocabulary, `reward/kl_vocab`, where the run logged it, else the sampled log-ratio,
+`reward/kl`; --sampled: always the latter), the share of iterations within
 ±25% of the target, and the range of the coefficient (`kl_coef`); and the highest KL of
 the whole run. Runs are grouped by the name between the task and the seed
 (<task>-<setting>-<seed>, as bench/step3_quality.py names them).
@@ -25,16 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from steps.ppo import DEFAULT_BEST_OF_N, KL_TARGET_SHARE, best_of_n_kl  # noqa: E402
 
 
-def hold(run: Path, target: float) -> tuple[float, float, float, float, float, float]:
+def hold(run: Path, target: float, sampled: bool
+         ) -> tuple[float, float, float, float, float, float]:
     """(mean KL, its sd, share within ±25% of target, min and max coefficient) after the
     first fifth of the run's iterations, and the run's highest KL."""
     rows = [json.loads(line) for line in (run / "step3" / "metrics.jsonl").open()]
     iterations = [r for r in rows if "reward/kl" in r]
-    settled = iterations[len(iterations) // 5:]
-    kl, coef = [r["reward/kl"] for r in settled], [r["kl_coef"] for r in settled]
+    kls = [r["reward/kl"] if sampled else r.get("reward/kl_vocab", r["reward/kl"])
+           for r in iterations]
+    first = len(iterations) // 5
+    kl, coef = kls[first:], [r["kl_coef"] for r in iterations[first:]]
     return (statistics.fmean(kl), statistics.stdev(kl),
             sum(abs(k / target - 1) < 0.25 for k in kl) / len(kl), min(coef), max(coef),
-            max(r["reward/kl"] for r in iterations))
+            max(kls))
 
 
 def main() -> None:
@@ -44,6 +49,9 @@ def main() -> None:
     parser.add_argument("--target", type=float,
                         default=KL_TARGET_SHARE * best_of_n_kl(DEFAULT_BEST_OF_N),
                         help="the KL target the runs aimed at (default: step 3's default)")
+    parser.add_argument("--sampled", action="store_true",
+                        help="the sampled log-ratio (reward/kl) even where reward/kl_vocab was "
+                             "logged")
     args = parser.parse_args()
     print(f"{'root':<16} {'setting':<14} runs  KL mean ± sd   within ±25%   kl_coef range"
           "   highest KL (mean, max)")
@@ -54,7 +62,7 @@ def main() -> None:
             name = "-".join(setting)
             done = (run / "step3" / "actor" / "config.json").exists()
             if done and (args.settings is None or name in args.settings):
-                groups[name].append(hold(run, args.target))
+                groups[name].append(hold(run, args.target, args.sampled))
         for name, runs in groups.items():
             mean = [statistics.fmean(r[i] for r in runs) for i in range(6)]
             print(f"{root.name:<16} {name:<14} {len(runs):>4}  {mean[0]:.2f} ± {mean[1]:.2f}"

@@ -26,7 +26,8 @@ Per seed: steps 1-2 once (`python train.py --step 1 2 seed=S data.demo_task=T`),
     the last) mean ground truth over n fresh samples per prompt and its greedy ground
     truth, on the test prompts; from step 3's own log, its exported iteration, KL to the
     reference, and its evaluation's sampled ground truth (on the prompts that picked it);
-    over the last 10 iterations the KL per answer to the reference (reward/kl), the share
+    over the last 10 iterations the KL per answer to the reference (reward/kl_vocab, the
+    KL over the vocabulary the controller reads, where logged, else reward/kl), the share
     of answers ended with EOS, and their length.
 The reward model scores exactly as step 3 does (steps.scoring.RewardScorer: at the EOS
 that ends the answer, appended when it was cut off).
@@ -210,7 +211,8 @@ def step3(out: Path, base: Path, seed: int, flags: list[str], prompts, n: int
             "step 3 exported KL": summary["eval/kl_exported"],
             "step 3 exported GT (its evaluation)": summary["eval/ground_truth_exported"],
             "step 3 last GT (its evaluation)": summary["eval/ground_truth_after"],
-            "step 3 KL (last 10)": statistics.fmean(r["reward/kl"] for r in last),
+            "step 3 KL (last 10)": statistics.fmean(r.get("reward/kl_vocab", r["reward/kl"])
+                                                    for r in last),
             "step 3 ended with EOS": statistics.fmean(r["answer/ended_with_eos"] for r in last),
             "step 3 answer length": statistics.fmean(r["answer/length"] for r in last),
             "step 3 last RM score": summary["eval/reward_after"]}

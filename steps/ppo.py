@@ -472,7 +472,8 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
                                 state.ptx_batches, kept.ema, state.iteration, state.kl_coef)
     t2 = time.perf_counter()
     kl_stops = state.kl_stops + int(stats.pop("stopped"))
-    metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id, dp),
+    metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id,
+                                           s.kl_target is not None, dp),
                "kl_coef": state.kl_coef, "train/kl_stops": kl_stops,
                "train/skipped_steps": models.actor.skipped_steps}
     if models.critic is not None:
@@ -486,7 +487,7 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         tracker.log({**metrics, **lrs, **times}, iteration)
         if not bars:   # else the progress bar shows the pace
             log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
-    state = next_kl_coef(state, metrics["reward/kl"], answers, s)
+    state = next_kl_coef(state, metrics.get("reward/kl_vocab", 0.0), answers, s)
     return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_stops=kl_stops), times
 
 
@@ -518,6 +519,8 @@ class Experience(NamedTuple):
     returns: torch.Tensor         # [B, N] the critic's targets
     scores: torch.Tensor          # [B] score of each answer (reward model and/or function)
     kl: torch.Tensor              # [B, N] per-token KL estimate actor/reference
+    vocab_kl: torch.Tensor        # [B, N] KL over the vocabulary at each answer token (the
+                                  # KL controller's reading; zeros when it is off)
 
     @property
     def prompt_len(self) -> int:
@@ -593,13 +596,10 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
         return dp.by_row_chunks(lambda rows: fn(sequences[rows], attention_mask[rows]),
                                 len(sequences), s.ppo.forward_batch_size)
 
-    temperature = s.sampling.temperature
     actor.eval()
-    logprobs = by_rows(lambda seq, mask: answer_logprobs(actor, seq, mask, prompt_len,
-                                                         temperature))
+    logprobs, ref_logprobs, vocab_kl = by_rows(
+        lambda seq, mask: _policy_and_reference(models, seq, mask, prompt_len, s)).unbind(1)
     actor.train()
-    ref_logprobs = by_rows(lambda seq, mask: answer_logprobs(models.reference, seq, mask,
-                                                             prompt_len, temperature))
     values = torch.zeros_like(logprobs)
     if critic is not None:
         critic.eval()
@@ -618,9 +618,26 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
                                                  reward_kl_coef, s.group, dp)
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
-                            rewards, advantages, returns, scores, kl)
+                            rewards, advantages, returns, scores, kl, vocab_kl)
     return experience, {"time/gather": generation.gather, "time/generate": generation.generate,
                         "time/experience": t2 - t1}
+
+
+def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.Tensor,
+                          prompt_len: int, s: Settings) -> torch.Tensor:
+    """[B, 3, N]: each answer token's log-prob under the actor and under the reference, and
+    with the KL controller on, the KL between their next-token distributions over the
+    vocabulary (steps.rlhf.token_kl; else zeros). The controller reads the last: the
+    sampled log-ratio of 32-64 answers has three times its spread, noise the controller
+    would answer as if the policy had moved."""
+    temperature, answers = s.sampling.temperature, F.pad(sequences[:, prompt_len:], (0, 1))
+    logits = _answer_head(models.actor, sequences, mask, prompt_len)
+    logprobs = logprobs_of_tokens(logits, answers, temperature)[:, :-1]
+    ref_logits = _answer_head(models.reference, sequences, mask, prompt_len)
+    ref_logprobs = logprobs_of_tokens(ref_logits, answers, temperature)[:, :-1]
+    vocab_kl = (token_kl(logits[:, :-1], ref_logits[:, :-1], temperature)
+                if s.kl_target is not None else torch.zeros_like(logprobs))
+    return torch.stack([logprobs, ref_logprobs, vocab_kl], 1)
 
 
 def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Settings,
@@ -1011,18 +1028,22 @@ def _breakdown_line(times: dict[str, float]) -> str:
             f"{times['time/generate_tokens_per_s']:.0f} generated tokens/s")
 
 
-def _rollout_metrics(exp: Experience, eos_token_id: int, dp: DataParallel
+def _rollout_metrics(exp: Experience, eos_token_id: int, vocab_kl: bool, dp: DataParallel
                      ) -> dict[str, float]:
-    """Means over the whole batch's real rows (rows with at least one action)."""
+    """Means over the whole batch's real rows (rows with at least one action); `vocab_kl`:
+    also the KL over the vocabulary per answer (reward/kl_vocab, the controller's reading)."""
     lengths = exp.action_mask.sum(1)
     real = (lengths > 0).float()
     ended = ended_with_eos(exp.sequences[:, exp.prompt_len:], exp.action_mask, eos_token_id)
-    rows, score, kl, reward, tokens, ended, values = dp.sum(
+    rows, score, kl, kl_vocab, reward, tokens, ended, values = dp.sum(
         float(real.sum()), float((exp.scores * real).sum()),
-        float((exp.kl * exp.action_mask).sum()), float(exp.rewards.sum()),
+        float(masked_sum(exp.kl, exp.action_mask)),
+        float(masked_sum(exp.vocab_kl, exp.action_mask)), float(exp.rewards.sum()),
         float(lengths.sum()), float(ended.float().sum()),
         float(masked_sum(exp.values, exp.action_mask)))
     rows = max(rows, 1)
-    return {"reward/score": score / rows, "reward/kl": kl / rows, "reward/total": reward / rows,
-            "answer/length": tokens / rows, "answer/ended_with_eos": ended / rows,
-            "value/mean": values / max(tokens, 1), "answer/tokens": tokens}
+    return {"reward/score": score / rows, "reward/kl": kl / rows,
+            **({"reward/kl_vocab": kl_vocab / rows} if vocab_kl else {}),
+            "reward/total": reward / rows, "answer/length": tokens / rows,
+            "answer/ended_with_eos": ended / rows, "value/mean": values / max(tokens, 1),
+            "answer/tokens": tokens}

@@ -154,16 +154,53 @@ def test_evaluations_measure_the_kl_over_the_vocabulary_at_each_answer_token():
         seed = ppo.row_seeds(s.seed, ppo.EVAL_STREAM, [i])
         answer = ppo.rollout(models, collate_prompts([prompt], PAD), s.sampling, seed)
         n = int(answer.answered.sum())
-        sequence = answer.sequences[:, :len(prompt) + n]
-        with torch.no_grad():
-            log_p = models.actor(input_ids=sequence).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-            log_q = models.reference(input_ids=sequence).logits[0, len(prompt) - 1:-1
-                                                                ].log_softmax(-1)
-        full.append(float((log_p.exp() * (log_p - log_q)).sum()))
-        taken = sequence[0, len(prompt):, None]
-        sampled.append(float((log_p.gather(-1, taken) - log_q.gather(-1, taken)).sum()))
+        kls = kl_by_hand(models, answer.sequences[:, :len(prompt) + n], len(prompt))
+        full.append(kls[0])
+        sampled.append(kls[1])
     assert got["kl"] == pytest.approx(sum(full) / 3, abs=1e-5)
     assert abs(sum(full) - sum(sampled)) > 1e-3
+
+
+def kl_by_hand(models: ppo.Models, sequence: torch.Tensor, prompt_len: int
+               ) -> tuple[float, float]:
+    """One unpadded answer [1, P + n] (EOS included): its KL over the vocabulary summed
+    over the answer's tokens, sum_t sum_v p log(p / q), and its sampled log-ratio."""
+    with torch.no_grad():
+        log_p = models.actor(input_ids=sequence).logits[0, prompt_len - 1:-1].log_softmax(-1)
+        log_q = models.reference(input_ids=sequence).logits[0, prompt_len - 1:-1
+                                                            ].log_softmax(-1)
+    taken = sequence[0, prompt_len:, None]
+    return (float((log_p.exp() * (log_p - log_q)).sum()),
+            float((log_p.gather(-1, taken) - log_q.gather(-1, taken)).sum()))
+
+
+@pytest.mark.parametrize("controller", [True, False])
+def test_the_kl_controller_reads_the_rollouts_kl_over_the_vocabulary(controller):
+    """With the adaptive controller on, the experience holds each answer token's KL over
+    the vocabulary, and the round's mean per answer is logged as reward/kl_vocab (what
+    the controller reads), each answer's equal to the one computed by hand; with the
+    controller off there is nothing to read and nothing is computed."""
+    tok = byte_tokenizer()
+    models = tiny_models(tok)._replace(
+        reference=frozen(load_causal_lm("tiny-llama", tok, seed=3), CPU))
+    s = settings(rollout_batch_size=3, max_new_tokens=8, kl_target=1.0 if controller else 0)
+    prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
+    exp, _ = ppo.make_experience(models, collate_prompts(prompt_ids, PAD), s, DataParallel(CPU),
+                                 kl_coef=0.1, seeds=ppo.row_seeds(0, 1, [0, 1, 2]))
+    metrics = ppo._rollout_metrics(exp, tok.eos_token_id, s.kl_target is not None,
+                                   DataParallel(CPU))
+    if not controller:
+        assert not exp.vocab_kl.any() and "reward/kl_vocab" not in metrics
+        return
+    full = []
+    for i, prompt in enumerate(prompt_ids):
+        p, n = exp.prompt_len, int(exp.action_mask[i].sum())
+        full.append(kl_by_hand(models, exp.sequences[i:i + 1, p - len(prompt):p + n],
+                               len(prompt))[0])
+        assert float((exp.vocab_kl[i] * exp.action_mask[i]).sum()) == pytest.approx(full[-1],
+                                                                                    abs=1e-5)
+    assert metrics["reward/kl_vocab"] == pytest.approx(sum(full) / 3, abs=1e-5)
+    assert metrics["reward/kl_vocab"] != pytest.approx(metrics["reward/kl"], abs=1e-3)
 
 
 def test_export_best_writes_the_peak_not_the_last_policy(tmp_path):
