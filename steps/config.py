@@ -123,7 +123,7 @@ class PPOConfig(OptimConfig):
     kl_estimator: str = val("auto", "k1 | k2 | k3 | auto (k3 as a loss, k1 in the reward)",
                             one_of("auto", "k1", "k2", "k3"))
     kl_target: Optional[float] = val(None, "adaptive KL controller (proportional-integral): the KL "  # noqa: UP045
-                                     "per answer to hold, from kl_coef up; null: 0.8 x "
+                                     "per answer to hold, from kl_coef up; null: 0.9 x "
                                      "kl_budget; 0: off, kl_coef stays fixed", NON_NEGATIVE)
     kl_horizon: Optional[float] = val(None, "adaptive KL: samples over which it closes the "  # noqa: UP045
                                       "gap; null: 0.5% of the run's (one round's at least)",

@@ -262,8 +262,8 @@ def test_the_kl_budget_and_target_default_from_best_of_n_also_without_the_baseli
     it off: a GRPO demo run drifted to 6.5 nats)."""
     s = settings(best_of_n=best_of_n)
     assert s.kl_budget == pytest.approx(budget)
-    assert s.kl_target == pytest.approx(0.8 * budget)
-    assert settings(best_of_n=0, kl_budget=2.0).kl_target == pytest.approx(1.6)
+    assert s.kl_target == pytest.approx(0.9 * budget)
+    assert settings(best_of_n=0, kl_budget=2.0).kl_target == pytest.approx(1.8)
     assert settings(best_of_n=0, kl_target=0).kl_target is None     # 0: off, as documented
 
 
@@ -272,14 +272,14 @@ def test_a_kl_coefficient_of_zero_turns_the_controller_off():
     controller, which works on the log coefficient, is off rather than started at log 0."""
     assert settings(kl_coef=0.0).kl_target is None
     assert settings(kl_coef=0.0, kl_target=1.0).kl_target is None
-    assert settings(kl_coef=0.05).kl_target == pytest.approx(0.8 * (math.log(8) - 7 / 8))
+    assert settings(kl_coef=0.05).kl_target == pytest.approx(0.9 * (math.log(8) - 7 / 8))
 
 
 def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_until_the_target():
     """best_of_n's coefficient (whose tilted optimum holds the target) is where the adaptive
     controller starts, and its floor while the KL grows from 0 towards the target; once
     the KL reaches the target the controller answers it, down to ppo.kl_coef."""
-    s = settings(kl_coef=0.05)                       # target 0.8 x 1.204 nats
+    s = settings(kl_coef=0.05)                       # target 0.9 x 1.204 nats
     state = ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.4, s)
     assert (state.kl_coef, state.kl_floor) == (0.4, 0.4)
     for kl in (0.0, 0.3, 0.6):                       # below the target: held at the start
@@ -290,6 +290,15 @@ def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_unti
     for _ in range(200):
         state = ppo.next_kl_coef(state, 0.0, 32, s)
     assert state.kl_coef == pytest.approx(0.05)      # and free to fall to ppo.kl_coef
+    # a policy that never reaches the target: the start holds KL_START_HORIZONS horizons
+    state = ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.4, s)
+    rounds = math.ceil(ppo.KL_START_HORIZONS * s.kl_horizon / 32)
+    for iteration in range(rounds):
+        assert state.kl_floor == 0.4
+        state = ppo.next_kl_coef(state._replace(iteration=iteration), 0.5, 32, s)
+    assert state.kl_floor is None
+    state = ppo.next_kl_coef(state._replace(iteration=rounds), 0.5, 32, s)
+    assert state.kl_coef < 0.4                       # lowered towards the target
     # never below ppo.kl_coef; and not where the KL is a loss term (GRPO's other scale)
     assert ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.01, s).kl_coef == 0.05
     grpo = settings(kl_coef=0.05, algorithm="grpo", samples_per_prompt=4)
