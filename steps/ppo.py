@@ -637,10 +637,12 @@ def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.T
     temperature, answers = s.sampling.temperature, F.pad(sequences[:, prompt_len:], (0, 1))
     logits = _answer_head(models.actor, sequences, mask, prompt_len)
     logprobs = logprobs_of_tokens(logits, answers, temperature)[:, :-1]
+    if s.kl_target is None:   # nothing reads them: freed before the reference's forward
+        logits = None
     ref_logits = _answer_head(models.reference, sequences, mask, prompt_len)
     ref_logprobs = logprobs_of_tokens(ref_logits, answers, temperature)[:, :-1]
-    vocab_kl = (token_kl(logits[:, :-1], ref_logits[:, :-1], temperature)
-                if s.kl_target is not None else torch.zeros_like(logprobs))
+    vocab_kl = (torch.zeros_like(logprobs) if logits is None
+                else token_kl(logits[:, :-1], ref_logits[:, :-1], temperature))
     return torch.stack([logprobs, ref_logprobs, vocab_kl], 1)
 
 
