@@ -273,7 +273,10 @@ def build_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseC
     tied, new, total = _tied(model), [], QuantizeReport(0, Counter(), 0, 0)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        for name, module in list(model.named_modules()):
+        for name in [name for name, _ in model.named_modules()]:
+            # by name, not a list of modules: that would keep every replaced module's
+            # full-precision weight alive until the end (140 GB at 70B)
+            module = model.get_submodule(name)
             if module in tied and module is model.get_output_embeddings():
                 continue   # the input embedding's weight, tied again below
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
