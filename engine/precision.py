@@ -20,7 +20,8 @@ bf16/fp16) when a mask is given, the sequence length is 64 mod 128 and a query r
 log-sum-exp is below -88.7, which every left-padded row's padding positions have (they
 attend to nothing). That is what turned bf16 step 3 NaN on an H100 at the first rollout
 batch 64 tokens long. Flash and memory-efficient attention take over at the same speed
-for these shapes; forward-only passes (no backward) keep cuDNN.
+for these shapes; forward-only passes (no backward) keep cuDNN. The backward runs under
+the same choice: gradient checkpointing's recompute must pick the forward's kernel.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ class Precision:
         with contextlib.ExitStack() as stack:
             if autocast and self.mixed:
                 stack.enter_context(torch.autocast(device.type, dtype=self.compute))
-            if device.type == "cuda":
-                stack.enter_context(sdpa_kernel(_TRAINING_ATTENTION))
+            stack.enter_context(self.trained_backward(device))
+            yield
+
+    @contextlib.contextmanager
+    def trained_backward(self, device: torch.device) -> Iterator[None]:
+        """The context of a trained model's backward: the forward's attention kernels, so
+        that gradient checkpointing recomputes with the backend the forward saved for
+        (otherwise cuDNN's, and the recomputed tensors' shapes differ)."""
+        with sdpa_kernel(_TRAINING_ATTENTION) if device.type == "cuda" else \
+                contextlib.nullcontext():
             yield

@@ -81,7 +81,8 @@ class TrainEngine:
         set_gradient_sync(self.module, self.micro_steps % self.grad_accum == 0)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync
         # FSDP2 averages gradients over ranks; the objective is their sum (see above)
-        (loss * (self.runtime.world_size / self.grad_accum)).backward()
+        with self.runtime.precision.trained_backward(self.runtime.device):
+            (loss * (self.runtime.world_size / self.grad_accum)).backward()
 
     def step(self) -> float | None:
         """Apply the optimizer at the end of an accumulation window; returns the gradient

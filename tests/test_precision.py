@@ -7,9 +7,11 @@ sampling from non-finite scores, and log-probs at the sampling temperature."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from engine.checkpoint import Checkpointer, Tensors
 from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
@@ -130,6 +132,34 @@ def test_differentiated_attention_never_runs_on_cudnn():
         assert torch.backends.cuda.flash_sdp_enabled()
         assert torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+
+
+def test_a_checkpointed_forward_is_recomputed_under_the_forwards_attention_choice(monkeypatch):
+    """Gradient checkpointing recomputes a block during backward: TrainEngine.backward runs
+    it under the trained forward's attention kernels, or the recompute picks cuDNN's and
+    its saved tensors differ (CheckpointError on an H200, bench/results/h200-2026-11-27.txt).
+    The CUDA device is only named: the SDPA flags are what each pass would dispatch on."""
+    runtime = Runtime(device=torch.device("cuda"), dtype=torch.float32)
+    cudnn_seen = []
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            cudnn_seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return self.linear(x)
+
+    block = Block()
+    engine = SimpleNamespace(runtime=runtime, micro_steps=0, grad_accum=1, module=block,
+                             _loss_nonfinite=torch.zeros((), dtype=torch.bool))
+    monkeypatch.setattr("engine.trainer.set_gradient_sync", lambda *_: None)
+    with runtime.precision.trained_forward(runtime.device, autocast=False):
+        loss = checkpoint(block, torch.randn(2, 4), use_reentrant=False).sum()
+    TrainEngine.backward(engine, loss)
+    assert cudnn_seen == [False, False]   # the forward, then its recompute in backward
+    assert block.linear.weight.grad is not None
 
 
 # ---------------------------------------------------------------------------------------------
