@@ -77,9 +77,12 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
         f"engine.hybrid.quantized_inference={str(not dequantized).lower()}",
         "logging.progress=false"]
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True)
+    log = out.with_suffix(".log")   # the child's stderr as it runs: kept if this one is killed
+    with log.open("w") as stderr:
+        result = subprocess.run(command, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL,
+                                stderr=stderr, text=True)
     if result.returncode:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
         return None, lines[-1] if lines else f"exit {result.returncode}"
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text()
             .splitlines()]
@@ -112,6 +115,8 @@ def main() -> None:
         write_prompts(prompts, tokenizer, Run(PROMPTS, GROUP, NEW_TOKENS, MAX_PROMPT,
                                               args.iterations, 1, FORWARD))
         bandwidth, _ = measured_rates(args.device)
+        if args.device != "cpu":
+            torch.cuda.empty_cache()   # the children get the whole card
         table = []
         for preset in args.presets:
             for algorithm in ("grpo", "ppo") if args.ppo else ("grpo",):

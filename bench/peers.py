@@ -139,6 +139,23 @@ def train_env() -> dict[str, str]:
         filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+def run_child(command: list[str], out: Path, env) -> dict | None:
+    """Run one system's child with its stderr in out/stderr.txt, written as it runs: None
+    when it succeeded, else a row naming the failure (the other systems still run)."""
+    print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "stderr.txt"
+    with log.open("w") as stderr:
+        result = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=stderr)
+    if not result.returncode:
+        return None
+    lines = [line for line in log.read_text().splitlines() if line.strip()]
+    print(f"{command[1]} failed ({result.returncode}), stderr in {log}:\n"
+          + "\n".join(lines[:3] + ["..."] + lines[-12:]), file=sys.stderr, flush=True)
+    return {"failed": lines[-1] if lines else f"exit {result.returncode}"}
+
+
 def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str,
              profile: bool = False) -> dict:
     """Step 3 alone through train.py (GRPO, the rule reward, no reward model), then its
@@ -156,10 +173,8 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
         f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
         *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 2}]"] * profile)]
-    print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, env=train_env(), capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"train.py failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    if failed := run_child(command, out, train_env()):
+        return failed
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "time/iteration" in r][run.warmup:]
     median = {k: statistics.median(r[k] for r in timed)
@@ -194,7 +209,8 @@ def trl_worker(model: Path, prompts: Path, run: Run, gc: bool, device: str, out:
         max_steps=run.iterations, gradient_checkpointing=gc, bf16=cuda, use_cpu=not cuda,
         logging_steps=1, report_to=[], save_strategy="no", temperature=1.0, top_p=1.0,
         seed=0, shuffle_dataset=True, disable_dropout=True)
-    trainer = GRPOTrainer(model=str(model), reward_funcs=trl_reward, args=args,
+    import peers  # the reward by reference: dill would pickle __main__'s by value, globals too
+    trainer = GRPOTrainer(model=str(model), reward_funcs=peers.trl_reward, args=args,
                           train_dataset=dataset)
 
     phases = {"generate": [], "generate_and_score": [], "step": []}
@@ -251,10 +267,8 @@ def run_trl(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: s
     command = [sys.executable, __file__, "--worker", "--model", str(model),
                "--prompts", str(prompts), "--out", str(out), "--device", device,
                "--gc", "on" if gc else "off", *run_args(run)]
-    print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"TRL worker failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    if failed := run_child(command, out, os.environ):
+        return failed
     return json.loads((out / "row.json").read_text())
 
 
@@ -380,6 +394,9 @@ def main() -> None:
         print("-" * len(header))
         weight_bytes = params * 2
         for system, gc, r in table:
+            if "failed" in r:
+                print(f"{system:<6} {gc:<3} failed: {r['failed'][:160]}")
+                continue
             b = bound(params, weight_bytes, run, prompt_tokens, gc == "on", bandwidth, flops)
             print(f"{system:<6} {gc:<3} {r['s_per_iteration']:>7.3f} {r['generate']:>9.3f} "
                   f"{r['experience']:>10.3f} {r['train']:>7.3f} {r['peak_gib']:>9.1f} "
@@ -392,6 +409,8 @@ def main() -> None:
         if args.profile:
             for gc in args.gc:
                 ops = out / f"ours-gc-{gc}" / "step3" / "profile" / "ops.txt"
+                if not ops.exists():
+                    continue
                 print(f"\nours, GC {gc}: {ops}")
                 print("\n".join(ops.read_text().splitlines()[:20]))
 
