@@ -5,8 +5,10 @@ For each matrix of a Llama decoder layer (QKV, output, gate+up, down; Llama 2 7B
 shapes) and each row count (1, 8 and 128 rows: decode steps at batch 1, 8 and step 3's
 128; 512: a prefill), it times, on one GPU:
   - bf16: F.linear on the bf16 weight (cuBLAS), the path of a full-precision copy;
-  - int8 / int4: the Triton kernel on the INT8 / INT4 payload and its bf16 scales (block
-    64);
+  - int8 / int4: engine.kernels.quantized_linear on the INT8 / INT4 payload and its bf16
+    scales (block 64): at up to 16 rows the Triton kernel that dequantizes in registers
+    (split along K where the output tiles are few), past that this one matrix dequantized
+    by a kernel, then cuBLAS;
 and prints microseconds per call and the share of the bound: the bytes the call must read
 (weight, scales and x) and write over the card's measured copy bandwidth. Every kernel
 result is checked against x @ dequantize(W)^T first (bf16 rounding).

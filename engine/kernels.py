@@ -9,7 +9,8 @@ and writes the hidden state once instead of three or four times:
              tensor and a 64-bit hash tensor of [B, V] through some twenty ops
   quantized_linear  x @ W^T + b with W an INT8/INT4 payload and its block scales
              (engine/quantized_base.py's layout), dequantized in registers: decoding
-             streams the integers, not a full-precision copy
+             streams the integers, not a full-precision copy (a prefill dequantizes the
+             one matrix and runs cuBLAS)
 
 Both round where the Hugging Face modules round (the residual sum and the activation to
 the model's dtype) and compute the rest in fp32. The kernels are compiled on first use;
@@ -19,8 +20,10 @@ with TRITON_INTERPRET=1 set before that, Triton's interpreter runs them on CPU t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -104,25 +107,88 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
     return tokens, bad.any()
 
 
+DECODE_ROWS = 16   # up to here the fused kernel; past it (a prefill) cuBLAS on a dequantized matrix
+
+
 def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused `quantized_linear_reference`: one kernel, the weight read once as integers.
-    Tiles: narrow ones for decoding (a few rows: many programs stream the weight), wider
-    for a prefill's many rows."""
+    """`quantized_linear_reference` on the GPU. Decoding (<= DECODE_ROWS rows, bound by
+    the weight's bytes): one kernel that reads the integers once and dequantizes them in
+    registers, split along K where the output tiles alone would leave SMs idle. A prefill
+    (bound by its matmul): this one matrix dequantized by a kernel, then cuBLAS."""
     from engine import triton_kernels as tk
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     (rows, k), n = flat.shape, payload.shape[0]
-    bits, block = 8 if payload.dtype == torch.int8 else 4, k // scales.shape[-1]
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_n = (16, 32) if rows <= 16 else (64, 64)
-    # a tile of one scale group where that is a power of two that makes a dot of 16 to 128
-    # bytes a row; else tiles of 64 values gather their scales value by value
-    one_group = block & (block - 1) == 0 and (16 if bits == 8 else 32) <= block <= 128
-    block_k = block if one_group else 64
-    grid = (tk.triton.cdiv(rows, block_m), tk.triton.cdiv(n, block_n))
-    tk.quantized_matmul_kernel[grid](
-        flat, payload, scales, payload if bias is None else bias, out, rows, n, k, block,
-        HAS_BIAS=bias is not None, BITS=bits,
+    if rows > DECODE_ROWS:
+        return F.linear(x, dequantize(payload, scales, x.dtype), bias)
+    tiles = _tiles(payload, scales, wide=False)
+    n_tiles = tk.triton.cdiv(n, tiles.block_n)
+    splits, k_per_split = split_k(n_tiles, k, tiles.block_k, x.device)
+    out = (torch.empty(rows, n, dtype=x.dtype, device=x.device) if splits == 1 else
+           torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
+    tk.quantized_matmul_kernel[(1, n_tiles, splits)](
+        flat, payload, scales, payload if bias is None else bias, out, rows, n, k,
+        payload.shape[1], scales.shape[1], tiles.block, k_per_split, BITS=tiles.bits,
         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-        ONE_GROUP=one_group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        POW2_GROUP=tiles.pow2, CHUNK=tiles.chunk, FINAL=splits == 1,
+        HAS_BIAS=bias is not None, BLOCK_M=DECODE_ROWS, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=4, num_stages=3)
+    if splits > 1:
+        out = out.sum(0) if bias is None else out.sum(0) + bias.float()
+        out = out.to(x.dtype)
     return out.view(*x.shape[:-1], n)
+
+
+def split_k(n_tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """(ranges, values a range) of K for n_tiles output tiles: about 4 programs an SM
+    keep enough loads in flight, and a range is at least 4 tiles long."""
+    k_tiles = -(-k // block_k)
+    splits = max(1, min(4 * _sm_count(device) // n_tiles, k_tiles // 4))
+    k_per_split = -(-k_tiles // splits) * block_k
+    return -(-k // k_per_split), k_per_split
+
+
+def dequantize(payload: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """engine.quantized_base.dequantize_weight as one kernel: [N, K] of `dtype`, each
+    integer read once and each value written once."""
+    from engine import triton_kernels as tk
+    n, k = payload.shape[0], scales.shape[1] * _block(payload, scales)
+    tiles = _tiles(payload, scales, wide=True)
+    out = torch.empty(n, k, dtype=dtype, device=payload.device)
+    grid = (tk.triton.cdiv(n, tiles.block_n), tk.triton.cdiv(k, tiles.block_k))
+    tk.dequantize_kernel[grid](
+        payload, scales, out, n, k, payload.shape[1], scales.shape[1], tiles.block,
+        BITS=tiles.bits, POW2_GROUP=tiles.pow2, CHUNK=tiles.chunk, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k)
+    return out
+
+
+class _Tiles(NamedTuple):
+    bits: int
+    block: int       # values per scale
+    pow2: bool       # block a power of two: scales broadcast per CHUNK, not gathered
+    chunk: int       # min(block, block_k) where pow2
+    block_n: int
+    block_k: int     # values: 128 bytes of a row per tile, INT8 or INT4
+
+
+def _block(payload: torch.Tensor, scales: torch.Tensor) -> int:
+    per_byte = 1 if payload.dtype == torch.int8 else 2
+    return payload.shape[1] * per_byte // scales.shape[1]
+
+
+def _tiles(payload: torch.Tensor, scales: torch.Tensor, wide: bool) -> _Tiles:
+    bits, block = (8 if payload.dtype == torch.int8 else 4), _block(payload, scales)
+    block_k = 128 if bits == 8 else 256
+    pow2 = block & (block - 1) == 0
+    return _Tiles(bits, block, pow2, min(block, block_k) if pow2 else 1,
+                  64 if wide else 32, block_k)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; an H100's 132 elsewhere (the
+    interpreter), so that the CPU checks take the split-K path a GPU would."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -111,49 +111,81 @@ def _dot_dequantized(acc, x, w, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _dequantized_tile(payload_ptr, scales_ptr, outs, k0, N, K, row_bytes, groups, block,
+                      BITS: tl.constexpr, POW2_GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[outs, k0:k0 + BLOCK_K] in fp32: one contiguous load of the tile's bytes (INT4:
+    value 2i in byte i's low nibble, 2i+1 in its high one, each + 8, interleaved back by
+    a join), times its scales: one per CHUNK values (min(block, BLOCK_K), a power of two
+    with POW2_GROUP), broadcast over a [N, G, CHUNK] view; else (a block that is not a
+    power of two) gathered value by value."""
+    PER_BYTE: tl.constexpr = 2 if BITS == 4 else 1
+    nbytes = k0 // PER_BYTE + tl.arange(0, BLOCK_K // PER_BYTE)
+    q = tl.load(payload_ptr + outs[:, None] * row_bytes + nbytes[None, :],
+                mask=(outs[:, None] < N) & (nbytes[None, :] < row_bytes), other=0)
+    if BITS == 4:
+        low, high = (q & 15).to(tl.int32) - 8, (q >> 4).to(tl.int32) - 8
+        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(tl.float32)
+    else:
+        w = q.to(tl.float32)
+    if POW2_GROUP:
+        G: tl.constexpr = BLOCK_K // CHUNK
+        tile_groups = (k0 + tl.arange(0, G) * CHUNK) // block
+        scale = tl.load(scales_ptr + outs[:, None] * groups + tile_groups[None, :],
+                        mask=(outs[:, None] < N) & (tile_groups[None, :] < groups), other=0.0)
+        w = tl.reshape(tl.reshape(w, (BLOCK_N, G, CHUNK)) * scale.to(tl.float32)[:, :, None],
+                       (BLOCK_N, BLOCK_K))
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w *= tl.load(scales_ptr + outs[:, None] * groups + cols[None, :] // block,
+                     mask=(outs[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
 def quantized_matmul_kernel(x_ptr, payload_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K,
-                            block, HAS_BIAS: tl.constexpr, BITS: tl.constexpr,
-                            FP32_DOT: tl.constexpr, ONE_GROUP: tl.constexpr,
+                            row_bytes, groups, block, k_per_split, BITS: tl.constexpr,
+                            FP32_DOT: tl.constexpr, POW2_GROUP: tl.constexpr,
+                            CHUNK: tl.constexpr, FINAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
-    """out [M, N] = x [M, K] @ (q * scale) [N, K]^T (+ bias), the weight dequantized in
-    registers one [BLOCK_N, BLOCK_K] tile at a time. INT4 bytes hold values 2i (low nibble)
-    and 2i+1 (high), each + 8: the tile is two half-width tiles, against x's even and odd
-    columns, so nothing is interleaved. FP32_DOT: the tiles meet in fp32 (IEEE, not TF32):
-    for fp32 inputs, and under the interpreter, whose bf16 dot is wrong; the weight is
-    rounded to x's dtype first either way, as the reference's dequantized copy is.
-    ONE_GROUP: BLOCK_K is the scale block, so a tile's scales are one per output row (no
-    per-value gather of them)."""
+    """x [M, K] @ (q * scale) [N, K]^T over K's range number program_id(2), of
+    k_per_split values (split-K: a decode step's few output tiles still fill every SM),
+    the weight dequantized in registers one [BLOCK_N, BLOCK_K] tile at a time. FINAL (one
+    range): out [M, N] = that (+ bias) in out's dtype; else out [splits, M, N] fp32 holds
+    the parts. FP32_DOT: the tiles meet in fp32 (IEEE, not TF32): for fp32 inputs, and
+    under the interpreter, whose bf16 dot is wrong; the weight is rounded to x's dtype
+    first either way, as the reference's dequantized copy is."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    PER_BYTE: tl.constexpr = 2 if BITS == 4 else 1
-    BYTES: tl.constexpr = BLOCK_K // PER_BYTE
-    row_bytes, groups = K // PER_BYTE, K // block
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BYTES) * PER_BYTE   # the (first) value of each byte
-        w_mask = (outs[:, None] < N) & (cols[None, :] < K)
-        x_mask = (rows[:, None] < M) & (cols[None, :] < K)
-        q = tl.load(payload_ptr + outs[:, None] * row_bytes + cols[None, :] // PER_BYTE,
-                    mask=w_mask, other=0)
-        if ONE_GROUP:   # the tile is one scale group: one scale per output row
-            scale = tl.load(scales_ptr + outs * groups + k0 // block, mask=outs < N,
-                            other=0.0).to(tl.float32)[:, None]
-        else:
-            scale = tl.load(scales_ptr + outs[:, None] * groups + cols[None, :] // block,
-                            mask=w_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=x_mask, other=0.0)
-        if BITS == 8:
-            acc = _dot_dequantized(acc, x, q.to(tl.float32) * scale, FP32_DOT)
-        else:
-            x_odd = tl.load(x_ptr + rows[:, None] * K + cols[None, :] + 1, mask=x_mask,
-                            other=0.0)
-            low = ((q & 15).to(tl.int32) - 8).to(tl.float32) * scale
-            high = ((q >> 4).to(tl.int32) - 8).to(tl.float32) * scale
-            acc = _dot_dequantized(acc, x, low, FP32_DOT)
-            acc = _dot_dequantized(acc, x_odd, high, FP32_DOT)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)[None, :]
-    out_mask = (rows[:, None] < M) & (outs[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * N + outs[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=out_mask)
+    for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :],
+                    mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+        w = _dequantized_tile(payload_ptr, scales_ptr, outs, k0, N, K, row_bytes, groups,
+                              block, BITS, POW2_GROUP, CHUNK, BLOCK_N, BLOCK_K)
+        acc = _dot_dequantized(acc, x, w, FP32_DOT)
+    mask = (rows[:, None] < M) & (outs[None, :] < N)
+    if FINAL:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + outs[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (split * M + rows[:, None]) * N + outs[None, :], acc, mask=mask)
+
+
+@triton.jit
+def dequantize_kernel(payload_ptr, scales_ptr, out_ptr, N, K, row_bytes, groups, block,
+                      BITS: tl.constexpr, POW2_GROUP: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] = q * scale in out's dtype, one [BLOCK_N, BLOCK_K] tile a program."""
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    w = _dequantized_tile(payload_ptr, scales_ptr, outs, k0, N, K, row_bytes, groups, block,
+                          BITS, POW2_GROUP, CHUNK, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + outs[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(outs[:, None] < N) & (cols[None, :] < K))

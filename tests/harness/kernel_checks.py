@@ -174,6 +174,52 @@ def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_boun
     assert (flat[0].cpu().float() - (want - bias.float())).abs().max() <= tolerance
 
 
+@pytest.mark.parametrize("bits,block", [(4, 64), (8, 64), (4, 96), (8, 96)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_decode_step_split_along_k_is_the_dequantized_matmul(bits, block, rows):
+    """Decode shapes with few output tiles and a long K: the kernel splits K into ranges
+    (parts summed in fp32, then the bias) and still equals x @ dequantize(W)^T + b; scales
+    broadcast per group (64) or gathered per value (96, not a power of two)."""
+    import torch.nn.functional as F
+
+    from engine.quantized_base import dequantize_weight, quantize_weight
+
+    gen = torch.Generator().manual_seed(bits + block + rows)
+    n, k = 100, 3072
+    tiles = kernels._tiles(*quantize_weight(torch.zeros(1, k), bits, block, torch.bfloat16),
+                           wide=False)
+    splits, _ = kernels.split_k(-(-n // tiles.block_n), k, tiles.block_k, DEVICE)
+    assert splits > 1 or DEVICE.type == "cuda"   # on a GPU, as its SM count decides
+    payload, scales = quantize_weight(torch.randn(n, k, generator=gen), bits, block,
+                                      torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = kernels.quantized_linear(x.to(DEVICE), payload.to(DEVICE), scales.to(DEVICE),
+                                   bias.to(DEVICE)).cpu()
+    want = F.linear(x.float(), dequantize_weight(payload, scales, torch.bfloat16).float(),
+                    bias.float())
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+@pytest.mark.parametrize("bits,block", [(4, 64), (8, 16), (4, 96)])
+def test_the_dequantize_kernel_is_dequantize_weight_exactly(bits, block):
+    """The prefill's matrix: the same bf16 values as engine.quantized_base's formula (the
+    fp32 product rounded once; the interpreter rounds to bf16 toward zero, a GPU to
+    nearest even as PyTorch does)."""
+    from engine.quantized_base import dequantize_weight, quantize_weight
+
+    w = torch.randn(70, 384, generator=torch.Generator().manual_seed(bits))
+    payload, scales = quantize_weight(w, bits, block, torch.bfloat16)
+    got = kernels.dequantize(payload.to(DEVICE), scales.to(DEVICE), torch.bfloat16).cpu()
+    product = dequantize_weight(payload, scales, torch.float32)
+    if DEVICE.type == "cuda":
+        assert torch.equal(got, dequantize_weight(payload, scales, torch.bfloat16))
+    else:
+        toward_zero = (product.view(torch.int32) & ~0xFFFF).view(torch.float32)
+        assert torch.equal(got, toward_zero.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("preset,bits,in_place", [("tiny-llama", 4, True), ("tiny-llama", 4, False),
                                                   ("tiny-opt", 8, True)])
 def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantized_path(
