@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
+import hashlib
 import json
 import os
 import resource
@@ -193,13 +194,19 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
 
 def trl_worker(model: Path, prompts: Path, run: Run, gc: bool, device: str, out: Path) -> None:
     from datasets import Dataset
+    from datasets.table import InMemoryTable
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     cuda = device != "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    dataset = Dataset.from_list([{"prompt": json.loads(line)["prompt"]}
-                                 for line in prompts.read_text().splitlines()])
+    # With a fingerprint given, datasets does not hash the table: that hash dill-pickles a
+    # helper whose globals hold pyarrow, by value (all of pyarrow, MonthDayNano fails) when
+    # pyarrow sits outside sys.prefix and outside any site-packages, as on PYTHONPATH.
+    text = prompts.read_text()
+    dataset = Dataset(InMemoryTable.from_pylist([{"prompt": json.loads(line)["prompt"]}
+                                                 for line in text.splitlines()]),
+                      fingerprint=hashlib.sha256(text.encode()).hexdigest()[:16])
     batch = run.prompts * run.group
     micro = min(batch, run.forward)
     args = GRPOConfig(
@@ -209,8 +216,7 @@ def trl_worker(model: Path, prompts: Path, run: Run, gc: bool, device: str, out:
         max_steps=run.iterations, gradient_checkpointing=gc, bf16=cuda, use_cpu=not cuda,
         logging_steps=1, report_to=[], save_strategy="no", temperature=1.0, top_p=1.0,
         seed=0, shuffle_dataset=True, disable_dropout=True)
-    import peers  # the reward by reference: dill would pickle __main__'s by value, globals too
-    trainer = GRPOTrainer(model=str(model), reward_funcs=peers.trl_reward, args=args,
+    trainer = GRPOTrainer(model=str(model), reward_funcs=trl_reward, args=args,
                           train_dataset=dataset)
 
     phases = {"generate": [], "generate_and_score": [], "step": []}
