@@ -107,31 +107,34 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
     return tokens, bad.any()
 
 
-DECODE_ROWS = 16   # up to here the fused kernel; past it (a prefill) cuBLAS on a dequantized matrix
+FUSED_ROWS = 256   # up to here the fused kernel (decode steps, RL batches of up to 256
+                  # rows); past it (a prefill) cuBLAS on a dequantized copy of the matrix
 
 
 def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`quantized_linear_reference` on the GPU. Decoding (<= DECODE_ROWS rows, bound by
-    the weight's bytes): one kernel that reads the integers once and dequantizes them in
-    registers, split along K where the output tiles alone would leave SMs idle. A prefill
-    (bound by its matmul): this one matrix dequantized by a kernel, then cuBLAS."""
+    """`quantized_linear_reference` on the GPU. Decoding (<= FUSED_ROWS rows, bound by
+    the weight's bytes): one kernel that reads the integers once per 16-64 rows and
+    dequantizes them in registers, split along K where the output tiles alone would
+    leave SMs idle. A prefill (bound by its matmul): this one matrix dequantized by a
+    kernel, then cuBLAS."""
     from engine import triton_kernels as tk
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     (rows, k), n = flat.shape, payload.shape[0]
-    if rows > DECODE_ROWS:
+    if rows > FUSED_ROWS:
         return F.linear(x, dequantize(payload, scales, x.dtype), bias)
     tiles = _tiles(payload, scales, wide=False)
-    n_tiles = tk.triton.cdiv(n, tiles.block_n)
-    splits, k_per_split = split_k(n_tiles, k, tiles.block_k, x.device)
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    grid = (tk.triton.cdiv(rows, block_m), tk.triton.cdiv(n, tiles.block_n))
+    splits, k_per_split = split_k(grid[0] * grid[1], k, tiles.block_k, x.device)
     out = (torch.empty(rows, n, dtype=x.dtype, device=x.device) if splits == 1 else
            torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
-    tk.quantized_matmul_kernel[(1, n_tiles, splits)](
+    tk.quantized_matmul_kernel[(*grid, splits)](
         flat, payload, scales, payload if bias is None else bias, out, rows, n, k,
         payload.shape[1], scales.shape[1], tiles.block, k_per_split, BITS=tiles.bits,
         FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         POW2_GROUP=tiles.pow2, CHUNK=tiles.chunk, FINAL=splits == 1,
-        HAS_BIAS=bias is not None, BLOCK_M=DECODE_ROWS, BLOCK_N=tiles.block_n,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, num_warps=4, num_stages=3)
     if splits > 1:
         out = out.sum(0) if bias is None else out.sum(0) + bias.float()
@@ -140,7 +143,8 @@ def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tenso
 
 
 def split_k(n_tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
-    """(ranges, values a range) of K for n_tiles output tiles: about 4 programs an SM
+    """(ranges, values a range) of K for n_tiles output tiles (row tiles x column
+    tiles): about 4 programs an SM
     keep enough loads in flight, and a range is at least 4 tiles long."""
     k_tiles = -(-k // block_k)
     splits = max(1, min(4 * _sm_count(device) // n_tiles, k_tiles // 4))

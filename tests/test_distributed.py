@@ -105,8 +105,9 @@ def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_
                 # a gradient norm sums the squares of every shard's gradients, in an order
                 # that depends on the sharding: it rounds differently by a few 1e-5
                 # (so, since step 2 reads every answer at EOS, does the critic's value mean
-                # after a few updates: 4.5e-5 at iteration 3 of the two-rank run)
-                loose = 10 if key.endswith(("grad_norm", "value/mean")) else 1
+                # after a few updates: 4.5e-5 at iteration 3 of the two-rank run); the
+                # critic's after 4-5 updates differed by 1.1e-4 on another CPU's MKL
+                loose = 30 if key.endswith(("grad_norm", "value/mean")) else 1
                 assert row_got[key] == pytest.approx(value, rel=rtol * loose, abs=atol), \
                     f"step {step} row {row_want['step']} {key}"
     for name in models:

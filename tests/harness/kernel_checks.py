@@ -138,7 +138,7 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [7, 70])   # a decode tile (<= 16 rows, part used), a prefill one
+@pytest.mark.parametrize("rows", [7, 70, 300])   # fused: 16 rows a tile, 64 (2 tiles); cuBLAS
 @pytest.mark.parametrize("block", [16, 64, 256])   # tiles of one scale group, or gathered
 def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_bound(
         bits, dtype, rows, block):
