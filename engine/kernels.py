@@ -144,8 +144,8 @@ def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tenso
 
 def split_k(n_tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
     """(ranges, values a range) of K for n_tiles output tiles (row tiles x column
-    tiles): about 4 programs an SM
-    keep enough loads in flight, and a range is at least 4 tiles long."""
+    tiles): about 4 programs an SM keep enough loads in flight, and a range is at least
+    4 tiles long."""
     k_tiles = -(-k // block_k)
     splits = max(1, min(4 * _sm_count(device) // n_tiles, k_tiles // 4))
     k_per_split = -(-k_tiles // splits) * block_k
