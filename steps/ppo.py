@@ -485,7 +485,9 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
     if iteration % s.ppo.log_every == 0:
         lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
                                                             ("critic", models.critic)) if engine}
-        tracker.log({**metrics, **lrs, **times}, iteration)
+        # the running peak, so that a run cut off early still tells its memory
+        peak = {"memory/peak_mib": memory_peak(dp.device) / 2**20}
+        tracker.log({**metrics, **lrs, **times, **peak}, iteration)
         if not bars:   # else the progress bar shows the pace
             log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
     state = next_kl_coef(state, metrics.get("reward/kl_vocab", 0.0), answers, s)

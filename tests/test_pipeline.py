@@ -246,6 +246,11 @@ def test_three_steps_write_models_configs_and_metrics(pipeline):
         # the time breakdown adds up to the iteration (each figure rounded to 1e-6)
         assert sum(row[f"time/{p}"] for p in PHASES) == pytest.approx(
             row["time/iteration"], abs=1e-5)
+    # the running memory peak on every iteration (a run cut off early still has it),
+    # never falling, and the summary's the last of it or above
+    peaks = [row["memory/peak_mib"] for row in iterations]
+    assert 0 < peaks[0] and peaks == sorted(peaks)
+    assert peaks[-1] <= ppo_rows[-1]["memory/peak_mib"]
     assert {"eval/reward_before", "eval/reward_after"} <= ppo_rows[-1].keys()
     assert "step 3 (PPO) done" in run.stdout
     assert "step 3 iteration 1: " in run.stdout and "step 3 mean iteration: " in run.stdout
