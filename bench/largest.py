@@ -90,7 +90,7 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
     losses = [r[k] for r in rows for k in ("train/policy_loss", "train/kl_loss") if k in r]
     row = {k: statistics.median(r[f"time/{k}"] for r in timed)
            for k in ("iteration", "generate", "experience", "train")}
-    row.update(peak_gib=rows[-1]["memory/peak_mib"] / 1024, rounds=len(timed),
+    row.update(peak_gib=max(r.get("memory/peak_mib", 0) for r in rows) / 1024, rounds=len(timed),
                finite=all(math.isfinite(x) for x in losses)
                and max(r.get("train/skipped_steps", 0) for r in rows) == 0)
     return row, "ok"
@@ -117,16 +117,19 @@ def main() -> None:
         bandwidth, _ = measured_rates(args.device)
         if args.device != "cpu":
             torch.cuda.empty_cache()   # the children get the whole card
-        table = []
-        for preset in args.presets:
+        print_header(args, bandwidth)
+        for preset in args.presets:   # a row as each run ends: a cut-off bench keeps them
             for algorithm in ("grpo", "ppo") if args.ppo else ("grpo",):
                 row, status = run_step3(preset, prompts, out / f"{preset}-{algorithm}",
                                         args.iterations, args.device, args.dequantized,
                                         algorithm)
-                table.append((f"{preset} {algorithm}", *sizes(preset), row, status))
+                print_row(args, bandwidth, f"{preset} {algorithm}", *sizes(preset), row,
+                          status)
             if row is None:
                 break
 
+
+def print_header(args: argparse.Namespace, bandwidth: float) -> None:
     name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s")
@@ -141,24 +144,28 @@ def main() -> None:
               f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'int4 bound':>10} "
               f"{'bf16 bound':>10} {'of bound':>8}  status")
     print(header)
-    print("-" * len(header))
-    for preset, params, bf16_bytes, int4_bytes, row, status in table:
-        streamed = bf16_bytes if args.dequantized else int4_bytes
-        bounds = (f"{int4_bytes / bandwidth * 1e3:>10.2f} {bf16_bytes / bandwidth * 1e3:>10.2f}"
-                  if args.device != "cpu" else f"{'-':>10} {'-':>10}")
-        if row is None:
-            print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
-                  f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds} "
-                  f"{'-':>8}  {status}")
-            continue
-        per_token = row["generate"] / NEW_TOKENS
-        share = (f"{streamed / bandwidth / per_token:>8.0%}" if args.device != "cpu"
-                 else f"{'-':>8}")
+    print("-" * len(header), flush=True)
+
+
+def print_row(args: argparse.Namespace, bandwidth: float, preset: str, params: int,
+              bf16_bytes: int, int4_bytes: int, row: dict | None, status: str) -> None:
+    streamed = bf16_bytes if args.dequantized else int4_bytes
+    bounds = (f"{int4_bytes / bandwidth * 1e3:>10.2f} {bf16_bytes / bandwidth * 1e3:>10.2f}"
+              if args.device != "cpu" else f"{'-':>10} {'-':>10}")
+    if row is None:
         print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
-              f"{row['peak_gib']:>9.1f} {row['iteration']:>7.2f} {row['generate']:>9.2f} "
-              f"{row['experience']:>7.2f} {row['train']:>7.2f} {per_token * 1e3:>9.2f} "
-              f"{bounds} {share}  "
-              f"{'finite, none skipped' if row['finite'] else 'NON-FINITE or skipped'}")
+              f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds} "
+              f"{'-':>8}  {status}", flush=True)
+        return
+    per_token = row["generate"] / NEW_TOKENS
+    share = (f"{streamed / bandwidth / per_token:>8.0%}" if args.device != "cpu"
+             else f"{'-':>8}")
+    print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
+          f"{row['peak_gib']:>9.1f} {row['iteration']:>7.2f} {row['generate']:>9.2f} "
+          f"{row['experience']:>7.2f} {row['train']:>7.2f} {per_token * 1e3:>9.2f} "
+          f"{bounds} {share}  "
+          f"{'finite, none skipped' if row['finite'] else 'NON-FINITE or skipped'}",
+          flush=True)
 
 
 if __name__ == "__main__":
