@@ -138,8 +138,9 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [7, 70, 300])   # fused: 16 rows a tile, 64 (2 tiles); cuBLAS
-@pytest.mark.parametrize("block", [16, 64, 256])   # tiles of one scale group, or gathered
+# rows: the fused kernel at 16 rows a tile, at 64 (two tiles); cuBLAS past 256. Blocks:
+# several scale groups a tile (16, 64), one a tile or (INT8) one over two tiles (256)
+@pytest.mark.parametrize("rows,block", [(7, 16), (7, 256), (70, 64), (300, 64)])
 def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_bound(
         bits, dtype, rows, block):
     """The kernel equals x @ dequantize(W)^T + b (to the dtype's rounding), and so differs
@@ -174,8 +175,7 @@ def test_quantized_linear_is_the_dequantized_matmul_within_the_quantization_boun
     assert (flat[0].cpu().float() - (want - bias.float())).abs().max() <= tolerance
 
 
-@pytest.mark.parametrize("bits,block", [(4, 64), (8, 64), (4, 96), (8, 96)])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bits,block,rows", [(4, 64, 1), (8, 64, 3), (4, 96, 3), (8, 96, 1)])
 def test_a_decode_step_split_along_k_is_the_dequantized_matmul(bits, block, rows):
     """Decode shapes with few output tiles and a long K: the kernel splits K into ranges
     (parts summed in fp32, then the bias) and still equals x @ dequantize(W)^T + b; scales
