@@ -34,6 +34,7 @@ from steps.config import (
     as_yaml,
     listing,
     register,
+    step_dir,
     validate,
 )
 
@@ -193,7 +194,7 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
     if 2 in steps and not cfg.reward_model:
         raise UserError("step 2 needs --reward-model (a local HF dir, hub name or preset)")
-    from engine.models import check_model_arg
+    from engine.model_source import check_model_arg
     from steps.demo import TASKS
 
     if 1 in steps:
@@ -208,7 +209,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.data.demo_task not in TASKS:
         raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
     if 3 in steps:
-        from steps.ppo import check_settings
+        from steps.algorithms import check_settings
 
         check_settings(cfg.ppo)
     plan_steps(cfg)
@@ -241,8 +242,7 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     a step directory holds a complete checkpoint: checkpoints are dropped once a step
     has written its model."""
     from engine.checkpoint import complete_checkpoints
-    from steps.common import step_dir
-    from steps.ppo import CRITIC_FREE
+    from steps.algorithms import CRITIC_FREE
 
     out = Path(cfg.output_dir)
     resumable = [] if cfg.resume == "false" else [
@@ -270,7 +270,7 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
 
 
 def needs_launcher(cfg: DictConfig) -> bool:
-    from engine.runtime import launched_by_torchrun
+    from engine.launch import launched_by_torchrun
 
     multi = cfg.deployment_type != "single_gpu" or cfg.engine.procs > 1
     return multi and not launched_by_torchrun()
@@ -282,7 +282,6 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     import torch
 
     from engine.launch import Launch, from_hostfile, run_torchrun
-    from steps.common import log
 
     lc = cfg.launch
     gpus = torch.cuda.device_count() if cfg.engine.device in ("auto", "cuda") else 0
@@ -297,9 +296,10 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     else:
         where = Launch(nproc_per_node=procs, nnodes=lc.nnodes, node_rank=lc.node_rank or 0,
                        master_addr=lc.master_addr, master_port=lc.master_port, standalone=False)
-    log(f"launching {where.nproc_per_node} processes on this node"
-        + (f" (node {where.node_rank} of {where.nnodes}, master {where.master_addr}:"
-           f"{where.master_port})" if not where.standalone else "") + " through torchrun")
+    print(f"launching {where.nproc_per_node} processes on this node"
+          + (f" (node {where.node_rank} of {where.nnodes}, master {where.master_addr}:"
+             f"{where.master_port})" if not where.standalone else "") + " through torchrun",
+          flush=True)
     return run_torchrun(where, script, argv)
 
 
@@ -309,7 +309,7 @@ def run(cfg: DictConfig) -> dict[int, float]:
     from engine.errors import NonFiniteError
     from engine.runtime import seed_everything, setup_runtime
     from steps import demo, ppo, reward, sft
-    from steps.common import log, step_dir
+    from steps.common import log
     from steps.data import DataError, load_blend
 
     rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed, cfg.engine.timeout_s,
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     (this file; a test harness passes its own wrapper)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from engine.runtime import launched_by_torchrun
+    from engine.launch import launched_by_torchrun
     from steps.data import DataError
 
     rank = int(os.environ.get("RANK", 0)) if launched_by_torchrun() else None

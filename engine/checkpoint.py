@@ -15,13 +15,17 @@ import shutil
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from engine.errors import NonFiniteError
-from engine.runtime import Runtime, rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from engine.runtime import Runtime
+
+# DCP and engine.runtime (DTensor, FSDP: about 1 s to import) are imported where a
+# checkpoint is written or read: the launcher's process only looks for complete ones.
 
 _PREFIX = "step-"
 
@@ -45,6 +49,10 @@ class Checkpointer:
         """Write models/optimizers (`stateful`: objects with state_dict/load_state_dict)
         and the plain `state`; collective: every rank calls it. Refuses (NonFiniteError)
         state holding NaN or inf, before anything is written."""
+        import torch.distributed.checkpoint as dcp
+
+        from engine.runtime import rng_state
+
         final = self.directory / f"{_PREFIX}{tag:08d}"
         require_finite(_tensors([obj.state_dict() for obj in stateful.values()]), self.rt,
                        f"checkpoint {final}")
@@ -73,6 +81,10 @@ class Checkpointer:
     def load(self, stateful: dict[str, Any]) -> dict | None:
         """Load the latest checkpoint into `stateful` in place; returns its plain state, or
         None when there is none. Collective."""
+        import torch.distributed.checkpoint as dcp
+
+        from engine.runtime import set_rng_state
+
         path = self.latest()
         if path is None:
             return None

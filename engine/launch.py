@@ -20,6 +20,11 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed ou
               "timed out", "Broken pipe")
 
 
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def lost_peer(err: BaseException) -> bool:
     """Whether `err` is a collective failing because another rank died or hung."""
     import torch.distributed as dist

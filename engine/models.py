@@ -5,18 +5,16 @@ A model argument (`--actor-model`, `--reward-model`) is one of
     from a config with random weights, for demos and tests;
   * a local Hugging Face directory (config.json + weights);
   * a hub name, which works when online or cached and otherwise fails in one line.
+engine/model_source.py tells which (without importing transformers); this file loads.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from functools import partial
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
-from huggingface_hub import snapshot_download, try_to_load_from_cache
+from huggingface_hub import snapshot_download
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tokenizer_models
@@ -36,10 +34,16 @@ from transformers import (
 )
 
 from engine.errors import UserError
+from engine.model_source import (
+    PRESET_NAMES,
+    SHAPES,
+    hub_error,
+    hub_local_only,
+    is_preset,
+    model_source,
+    require_tokenizer_files,
+)
 from engine.quantized_base import build_quantized
-
-# what a directory must hold for AutoTokenizer to load from it (any one of them)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 # Small enough to train on two CPU cores in seconds, big enough to learn the demo task.
 _TINY = dict(hidden=128, layers=2, heads=4, ffn=512, positions=1024)
@@ -76,16 +80,7 @@ def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
         tie_word_embeddings=False, **ids)
 
 
-PRESETS = {"tiny-llama": _llama, "tiny-opt": _opt, "tiny-gpt2": _gpt2, "tiny-gpt-neox": _gpt_neox}
-
-# Real model shapes with random weights, for memory and speed probes without a checkpoint:
-# Llama 2 7B and 13B, Code Llama 34B and Llama 2 70B (the last two with GQA, 8 KV heads).
-# (hidden, layers, heads, kv heads, intermediate, rope theta); vocabulary 32,000 (or the
-# tokenizer's, if larger). They are built straight into the quantized base, one module at
-# a time (engine.quantized_base); in full precision they are refused.
-SHAPES = {"llama-7b": (4096, 32, 32, 32, 11008, 1e4), "llama-13b": (5120, 40, 40, 40, 13824, 1e4),
-          "llama-34b": (8192, 48, 64, 8, 22016, 1e6), "llama-70b": (8192, 80, 64, 8, 28672, 1e4)}
-
+PRESETS = dict(zip(PRESET_NAMES, (_llama, _opt, _gpt2, _gpt_neox), strict=True))
 
 def _shape_preset(spec: str, vocab_size: int, **overrides) -> PretrainedConfig:
     hidden, layers, heads, kv_heads, ffn, theta = SHAPES[spec]
@@ -112,86 +107,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                    model_max_length=_TINY["positions"])
 
 
-def is_preset(spec: str) -> bool:
-    return spec in PRESETS or spec in SHAPES
-
-
-def _source(spec: str, flag: str, tokenizer: bool = False) -> str:
-    """Classify a model (or tokenizer) argument as 'preset', 'local' or 'hub'; fail early on
-    a bad path. A tokenizer directory holds no config.json, only tokenizer files."""
-    if is_preset(spec):
-        return "preset"
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        files = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
-        if not any((path / name).exists() for name in files):
-            what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
-            raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "
-                            f"Hugging Face {what}")
-        return "local"
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise UserError(f"{flag} {spec}: no such directory; pass a Hugging Face model "
-                        "directory (e.g. output/step3/actor), a hub name or a preset "
-                        f"({', '.join([*PRESETS, *SHAPES])})")
-    return "hub"
-
-
-def _hub_offline() -> bool:
-    """True when the hub cannot be reached: offline mode, or no connection within 3 s.
-    Checked up front because the hub client retries for most of a minute otherwise."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
-        return True
-    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
-        return False   # a direct probe says nothing behind a proxy: let the download try
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-        return False
-    except OSError:
-        return True
-
-
-def _hub_error(spec: str, flag: str, why: str) -> UserError:
-    return UserError(f"{flag} {spec}: not a local directory or preset, and the Hugging Face hub "
-                     f"could not provide it ({why}); download it and pass the local directory")
-
-
-def _hub_local_only(spec: str, flag: str) -> bool:
-    """For a hub name: True when it must be read from the local cache (hub unreachable);
-    raises when it is neither reachable nor cached."""
-    if not _hub_offline():
-        return False
-    if all(try_to_load_from_cache(spec, name) is None
-           for name in ("config.json", "tokenizer_config.json")):
-        raise _hub_error(spec, flag, "unreachable or offline, and not in the local cache")
-    return True
-
-
-def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
-                    own_tokenizer: bool = False) -> None:
-    """Fail fast, in one line and before train.py reads or writes anything, on a model (or
-    tokenizer) argument that cannot load: a bad path, an unreachable hub name not cached, a
-    model directory without the tokenizer it must bring (`own_tokenizer`)."""
-    kind = _source(spec, flag, tokenizer=tokenizer)
-    if kind == "hub":
-        _hub_local_only(spec, flag)
-    elif kind == "local" and own_tokenizer:
-        _require_tokenizer_files(spec, flag)
-
-
-def _require_tokenizer_files(directory: str, flag: str) -> None:
-    """Refuse a local directory that holds none of the files a tokenizer loads from."""
-    if not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
-        raise UserError(f"{flag} {directory}: the directory has no tokenizer files (one of "
-                        f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
-                        "tokenizer=DIR")
-
-
 def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs):
     """`load(spec, local_files_only=..., **kwargs)`, with hub/IO failures and unreadable
     files (truncated or corrupt weights, a broken config.json, an unknown architecture) as
     one-line errors."""
-    local_only = kind == "hub" and _hub_local_only(spec, flag)
+    local_only = kind == "hub" and hub_local_only(spec, flag)
     try:
         return load(spec, local_files_only=local_only, **kwargs)
     except (OSError, ValueError, SafetensorError) as err:
@@ -199,7 +119,7 @@ def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs)
         if isinstance(err, SafetensorError):
             why = f"a weights file is truncated or not safetensors: {why}"
         if kind == "hub":
-            raise _hub_error(spec, flag, why) from None
+            raise hub_error(spec, flag, why) from None
         raise UserError(f"{flag} {spec}: cannot load the {what} ({why})") from None
 
 
@@ -212,9 +132,9 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
         tok = byte_tokenizer()
     else:
         flag = "tokenizer=" if tokenizer else flag
-        kind = _source(source, flag, tokenizer=bool(tokenizer))
+        kind = model_source(source, flag, tokenizer=bool(tokenizer))
         if kind == "local":
-            _require_tokenizer_files(source, flag)
+            require_tokenizer_files(source, flag)
         tok = _from_hub_or_dir(AutoTokenizer.from_pretrained, source, kind, flag, "tokenizer",
                                trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
@@ -237,7 +157,7 @@ def preset_config(spec: str, tok: PreTrainedTokenizerBase, **overrides) -> Pretr
 
 def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype: torch.dtype,
           trust_remote_code: bool, seed: int, **kwargs) -> PreTrainedModel:
-    kind = _source(spec, flag)
+    kind = model_source(spec, flag)
     if spec in SHAPES:
         raise UserError(f"{flag} {spec}: a shape preset is built straight into a quantized "
                         "base (--zero-quantized-nontrainable-weights, with LoRA); in full "
@@ -268,7 +188,7 @@ def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings,
     auto_cls, extra = ((AutoModelForCausalLM, {}) if kind == "causal_lm"
                        else (AutoModelForSequenceClassification, {"num_labels": 1}))
     flag = flag or ("--actor-model" if kind == "causal_lm" else "--reward-model")
-    source, checkpoint = _source(spec, flag), None
+    source, checkpoint = model_source(spec, flag), None
     if source == "preset":
         config = preset_config(spec, tok, **extra)
     else:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import UserError
+from engine.launch import launched_by_torchrun
 from engine.precision import Precision
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -66,11 +67,6 @@ class Runtime:
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
             dist.barrier()
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,

@@ -19,13 +19,9 @@ from engine.runtime import Runtime
 from engine.tracking import Tracker
 from engine.trainer import TrainEngine
 from steps import demo
+from steps.config import step_dir
 from steps.data import DataError, permutation, train_eval_split
 from steps.tokenize import TokenizeStats
-
-
-def step_dir(cfg: DictConfig, step: int) -> Path:
-    """Where step `step` writes its resolved config and metrics.jsonl."""
-    return Path(cfg.output_dir) / f"step{step}"
 
 
 def start_step(cfg: DictConfig, step: int, dp: DataParallel, *, resume: bool) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Optional  # noqa: UP035 - OmegaConf's schema needs Optional
 
 from hydra.core.config_store import ConfigStore
@@ -281,6 +282,11 @@ def listing() -> str:
         line += "" if is_dataclass(value) else f" {as_yaml(value)}"
         lines.append(f"{line:<30}  # {note}" if note else line)
     return "\n".join(lines)
+
+
+def step_dir(cfg, step: int) -> Path:
+    """Where step `step` writes its resolved config, metrics.jsonl and checkpoints."""
+    return Path(cfg.output_dir) / f"step{step}"
 
 
 def register() -> None:

@@ -40,7 +40,6 @@ import contextlib
 import math
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,6 +58,7 @@ from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
 from engine.tracking import Tracker
 from engine.trainer import TrainEngine
+from steps.algorithms import ALGORITHMS, Algorithm
 from steps.common import (
     StepCheckpoints,
     batches,
@@ -99,7 +99,6 @@ from steps.scoring import (
     Rewards,
     RewardScorer,
     decode_rollouts,
-    load_reward_fn,
 )
 from steps.sft import batch_loss
 from steps.tokenize import SFTExample, collate_prompts, collate_sft, tokenize_prompts, tokenize_sft
@@ -175,23 +174,6 @@ def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
                     ppo.greedy_floor and gold is not None)
 
 
-def check_settings(ppo: DictConfig) -> None:
-    """Refuse step-3 settings that cannot work together, naming the keys (each key's own
-    range is the schema's: steps/config.py)."""
-    if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
-        raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
-                        "compares the answers to one prompt; give 2 or more (e.g. 4)")
-    if ppo.reward_fn:
-        load_reward_fn(ppo.reward_fn)
-    elif ppo.reward_model_weight == 0:
-        raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
-    if ppo.eval_reward_fn:
-        load_reward_fn(ppo.eval_reward_fn, "ppo.eval_reward_fn")
-    if ppo.micro_batch_size > ppo.rollout_batch_size * ppo.samples_per_prompt:
-        raise UserError("ppo.micro_batch_size must not exceed the answers of a round "
-                        "(ppo.rollout_batch_size x ppo.samples_per_prompt)")
-
-
 # Advantage estimators: (ppo settings, rewards [B, N], scores [B], kl [B, N], values [B, N],
 # actions [B, N], the reward's KL weight, group size, dp) -> (advantages, returns) [B, N]
 def _gae(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
@@ -216,23 +198,14 @@ def _per_answer(baseline):
     return estimate
 
 
-class Algorithm(NamedTuple):
-    name: str                     # as the log writes it
-    critic: bool                  # trains a critic (PPO's value model)
-    groups: bool                  # compares the answers to one prompt: samples_per_prompt >= 2
-    kl_in_loss: bool              # where ppo.kl_penalty=auto puts the KL: a loss term
-    advantages: Callable          # the estimator (above)
-
-
-ALGORITHMS = {
-    "ppo": Algorithm("PPO", True, False, False, _gae),
-    "grpo": Algorithm("GRPO", False, True, True, _per_answer(
-        lambda r, g, ppo: group_normalized_advantages(r, g, ppo.grpo_scale_rewards))),
-    "rloo": Algorithm("RLOO", False, True, False, _per_answer(
-        lambda r, g, ppo: leave_one_out_advantages(r, g))),
-    "reinforce_pp": Algorithm("REINFORCE++", False, False, False, _returns_to_go),
+# by ppo.algorithm (what each one is: steps/algorithms.py)
+ESTIMATORS = {
+    "ppo": _gae,
+    "grpo": _per_answer(lambda r, g, ppo: group_normalized_advantages(r, g,
+                                                                      ppo.grpo_scale_rewards)),
+    "rloo": _per_answer(lambda r, g, ppo: leave_one_out_advantages(r, g)),
+    "reinforce_pp": _returns_to_go,
 }
-CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorithm.critic)
 
 
 def _paths(cfg: DictConfig) -> tuple[str, str | None]:
@@ -620,7 +593,7 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
                                        s.ppo.score_clip, s.kl.estimator)
-    advantages, returns = s.algorithm.advantages(s.ppo, rewards, scores, kl, values, actions,
+    advantages, returns = ESTIMATORS[s.ppo.algorithm](s.ppo, rewards, scores, kl, values, actions,
                                                  reward_kl_coef, s.group, dp)
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,

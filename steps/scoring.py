@@ -4,35 +4,16 @@ test, a format rule), or a weighted sum of both."""
 
 from __future__ import annotations
 
-import importlib
 import math
-from collections.abc import Callable
 from numbers import Real
 
 import torch
 
 from engine.errors import NonFiniteError, UserError
 from engine.models import sequence_scores
+from steps.algorithms import RewardFn, load_reward_fn
 from steps.common import to_device
 from steps.tokenize import collate_prompts
-
-RewardFn = Callable[[str, str], float]
-
-
-def load_reward_fn(spec: str, key: str = "ppo.reward_fn") -> RewardFn:
-    """The callable that `spec` ("package.module:function") names."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise UserError(f"{key}={spec}: give package.module:function, e.g. steps.demo:score")
-    try:
-        source = importlib.import_module(module_name)
-    except Exception as why:   # a broken module raises anything at import
-        raise UserError(f"{key}={spec}: cannot import {module_name} ({type(why).__name__}: "
-                        f"{why}); is it on PYTHONPATH?") from None
-    fn = getattr(source, attribute, None)
-    if not callable(fn):
-        raise UserError(f"{key}={spec}: {module_name} has no function {attribute}")
-    return fn
 
 
 class RewardScorer:

@@ -13,7 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.errors import UserError
-from steps import demo, ppo
+from steps import algorithms, demo, ppo
+from steps.algorithms import load_reward_fn
 from steps.config import PPOConfig, RunConfig, validate
 from steps.rlhf import (
     adaptive_kl_coef,
@@ -30,7 +31,7 @@ from steps.rlhf import (
     tilted_kl,
     token_kl,
 )
-from steps.scoring import RewardFunction, Rewards, load_reward_fn
+from steps.scoring import RewardFunction, Rewards
 
 
 def close(got, want, tol=1e-6):
@@ -265,19 +266,20 @@ def test_bad_settings_are_refused_naming_the_key(changes, said):
     with pytest.raises((UserError, ValueError), match=said.replace(".", r"\.")
                        .replace("(", r"\(")) as error:
         validate(cfg)
-        ppo.check_settings(cfg.ppo)
+        algorithms.check_settings(cfg.ppo)
     assert "\n" not in str(error.value)
 
 
 def test_the_schema_accepts_every_algorithm_of_the_table():
     rule = next(f for f in fields(PPOConfig) if f.name == "algorithm").metadata["ok"]
-    assert all(rule.test(name) for name in ppo.ALGORITHMS) and not rule.test("dpo")
-    assert ppo.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp")
+    assert all(rule.test(name) for name in algorithms.ALGORITHMS) and not rule.test("dpo")
+    assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp")
+    assert ppo.ESTIMATORS.keys() == algorithms.ALGORITHMS.keys()   # each has its estimator
 
 
 def test_the_group_algorithms_accept_their_settings():
-    for algorithm in ppo.ALGORITHMS:
-        ppo.check_settings(settings(algorithm=algorithm, samples_per_prompt=4,
+    for algorithm in algorithms.ALGORITHMS:
+        algorithms.check_settings(settings(algorithm=algorithm, samples_per_prompt=4,
                                     reward_fn="steps.demo:score", reward_model_weight=0.0))
 
 

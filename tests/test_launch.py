@@ -4,12 +4,17 @@ nodes, DeepSpeed-style hostfiles, and when train.py starts torchrun at all."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import train
 from engine.errors import UserError
 from engine.launch import Launch, from_hostfile, read_hostfile, torchrun_args
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cfg_of(*argv: str):
@@ -72,3 +77,25 @@ def test_torchrun_starts_only_for_several_processes(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")   # inside torchrun: run, do not launch again
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not train.needs_launcher(cfg_of("engine.procs=2"))
+
+
+def test_the_launchers_process_checks_a_run_without_the_training_stack(tmp_path):
+    """Before torchrun starts the ranks, train.py checks and plans the run, and says so, (every step, a
+    reward function, a resumable directory) without importing transformers, peft or DCP:
+    the ranks import them anyway, and the launcher would add their ~5 s to every start."""
+    code = ("import sys, train\n"
+            f"cfg = train.build_config(train.parse_args(['--output-dir', {str(tmp_path)!r}, "
+            "'engine.procs=2', 'engine.device=cpu', 'ppo.reward_fn=steps.demo:score']))\n"
+            "train.check_config(cfg)\n"
+            "assert train.needs_launcher(cfg)\n"
+            "import engine.launch\n"
+            "engine.launch.run_torchrun = lambda where, script, argv: 0   # no ranks here\n"
+            "assert train.launch(cfg, [], 'train.py') == 0\n"
+            "heavy = [m for m in ('transformers', 'peft', 'torch.distributed.checkpoint', "
+            "'torch.distributed.tensor') if m in sys.modules]\n"
+            "print(heavy)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "launching 2 processes on this node through torchrun", "[]"], done.stdout

@@ -1,0 +1,103 @@
+"""Where a model argument comes from, checked before anything heavy is imported (the
+launcher's process plans and checks a run without transformers): a built-in preset, a
+local Hugging Face directory, or a hub name, which works when online or cached and
+otherwise fails in one line. engine/models.py loads from what this decides."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from huggingface_hub import try_to_load_from_cache
+
+from engine.errors import UserError
+
+PRESET_NAMES = ("tiny-llama", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")   # engine/models.py
+
+# what a directory must hold for AutoTokenizer to load from it (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+# Real model shapes with random weights, for memory and speed probes without a checkpoint:
+# Llama 2 7B and 13B, Code Llama 34B and Llama 2 70B (the last two with GQA, 8 KV heads).
+# (hidden, layers, heads, kv heads, intermediate, rope theta); vocabulary 32,000 (or the
+# tokenizer's, if larger). They are built straight into the quantized base, one module at
+# a time (engine.quantized_base); in full precision they are refused.
+SHAPES = {"llama-7b": (4096, 32, 32, 32, 11008, 1e4), "llama-13b": (5120, 40, 40, 40, 13824, 1e4),
+          "llama-34b": (8192, 48, 64, 8, 22016, 1e6), "llama-70b": (8192, 80, 64, 8, 28672, 1e4)}
+
+
+def is_preset(spec: str) -> bool:
+    return spec in PRESET_NAMES or spec in SHAPES
+
+
+def model_source(spec: str, flag: str, tokenizer: bool = False) -> str:
+    """Classify a model (or tokenizer) argument as 'preset', 'local' or 'hub'; fail early on
+    a bad path. A tokenizer directory holds no config.json, only tokenizer files."""
+    if is_preset(spec):
+        return "preset"
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        files = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
+        if not any((path / name).exists() for name in files):
+            what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
+            raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "
+                            f"Hugging Face {what}")
+        return "local"
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise UserError(f"{flag} {spec}: no such directory; pass a Hugging Face model "
+                        "directory (e.g. output/step3/actor), a hub name or a preset "
+                        f"({', '.join([*PRESET_NAMES, *SHAPES])})")
+    return "hub"
+
+
+def hub_offline() -> bool:
+    """True when the hub cannot be reached: offline mode, or no connection within 3 s.
+    Checked up front because the hub client retries for most of a minute otherwise."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
+        return True
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return False   # a direct probe says nothing behind a proxy: let the download try
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+        return False
+    except OSError:
+        return True
+
+
+def hub_error(spec: str, flag: str, why: str) -> UserError:
+    return UserError(f"{flag} {spec}: not a local directory or preset, and the Hugging Face hub "
+                     f"could not provide it ({why}); download it and pass the local directory")
+
+
+def hub_local_only(spec: str, flag: str) -> bool:
+    """For a hub name: True when it must be read from the local cache (hub unreachable);
+    raises when it is neither reachable nor cached."""
+    if not hub_offline():
+        return False
+    if all(try_to_load_from_cache(spec, name) is None
+           for name in ("config.json", "tokenizer_config.json")):
+        raise hub_error(spec, flag, "unreachable or offline, and not in the local cache")
+    return True
+
+
+def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
+                    own_tokenizer: bool = False) -> None:
+    """Fail fast, in one line and before train.py reads or writes anything, on a model (or
+    tokenizer) argument that cannot load: a bad path, an unreachable hub name not cached, a
+    model directory without the tokenizer it must bring (`own_tokenizer`)."""
+    kind = model_source(spec, flag, tokenizer=tokenizer)
+    if kind == "hub":
+        hub_local_only(spec, flag)
+    elif kind == "local" and own_tokenizer:
+        require_tokenizer_files(spec, flag)
+
+
+def require_tokenizer_files(directory: str, flag: str) -> None:
+    """Refuse a local directory that holds none of the files a tokenizer loads from."""
+    if not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(f"{flag} {directory}: the directory has no tokenizer files (one of "
+                        f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
+                        "tokenizer=DIR")

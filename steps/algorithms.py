@@ -1,0 +1,62 @@
+"""Step 3's algorithms, what each one is (its estimator is steps/ppo.py's), and the rules
+between step-3 keys. Light to import, without torch or transformers: train.py checks a run
+here before it starts its processes."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+from engine.errors import UserError
+
+RewardFn = Callable[[str, str], float]
+
+
+class Algorithm(NamedTuple):
+    name: str                     # as the log writes it
+    critic: bool                  # trains a critic (PPO's value model)
+    groups: bool                  # compares the answers to one prompt: samples_per_prompt >= 2
+    kl_in_loss: bool              # where ppo.kl_penalty=auto puts the KL: a loss term
+
+
+ALGORITHMS = {
+    "ppo": Algorithm("PPO", critic=True, groups=False, kl_in_loss=False),
+    "grpo": Algorithm("GRPO", critic=False, groups=True, kl_in_loss=True),
+    "rloo": Algorithm("RLOO", critic=False, groups=True, kl_in_loss=False),
+    "reinforce_pp": Algorithm("REINFORCE++", critic=False, groups=False, kl_in_loss=False),
+}
+CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorithm.critic)
+
+
+def load_reward_fn(spec: str, key: str = "ppo.reward_fn") -> RewardFn:
+    """The callable that `spec` ("package.module:function") names."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise UserError(f"{key}={spec}: give package.module:function, e.g. steps.demo:score")
+    try:
+        source = importlib.import_module(module_name)
+    except Exception as why:   # a broken module raises anything at import
+        raise UserError(f"{key}={spec}: cannot import {module_name} ({type(why).__name__}: "
+                        f"{why}); is it on PYTHONPATH?") from None
+    fn = getattr(source, attribute, None)
+    if not callable(fn):
+        raise UserError(f"{key}={spec}: {module_name} has no function {attribute}")
+    return fn
+
+
+def check_settings(ppo) -> None:
+    """Refuse step-3 settings that cannot work together, naming the keys (each key's own
+    range is the schema's: steps/config.py)."""
+    if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
+        raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
+                        "compares the answers to one prompt; give 2 or more (e.g. 4)")
+    if ppo.reward_fn:
+        load_reward_fn(ppo.reward_fn)
+    elif ppo.reward_model_weight == 0:
+        raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
+    if ppo.eval_reward_fn:
+        load_reward_fn(ppo.eval_reward_fn, "ppo.eval_reward_fn")
+    if ppo.micro_batch_size > ppo.rollout_batch_size * ppo.samples_per_prompt:
+        raise UserError("ppo.micro_batch_size must not exceed the answers of a round "
+                        "(ppo.rollout_batch_size x ppo.samples_per_prompt)")
