@@ -1,9 +1,9 @@
 """Under torchrun: how many gradient reductions (reduce-scatters, all-reduces) the backward
 of each micro-step of a TrainEngine with gradient accumulation issues.
 
-    count_collectives.py GRAD_ACCUM ZERO_STAGE
+    count_collectives.py GRAD_ACCUM:ZERO_STAGE [...]
 
-Prints one JSON line (rank 0): a list, one count a micro-step."""
+Prints one JSON line (rank 0): {"GRAD_ACCUM:ZERO_STAGE": [one count a micro-step]}."""
 
 from __future__ import annotations
 
@@ -35,18 +35,23 @@ class CountGradientReductions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main() -> None:
-    rt = setup_runtime("cpu", "float32", seed=0, timeout_s=60)
+def micro_step_counts(rt, grad_accum: int, stage: int) -> list[int]:
     model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=0)
-    engine = TrainEngine(model, OptimConfig(), 10, rt, ShardSettings(zero_stage=int(sys.argv[2])),
-                         lr=1e-3, grad_accum=int(sys.argv[1]))
+    engine = TrainEngine(model, OptimConfig(), 10, rt, ShardSettings(zero_stage=stage),
+                         lr=1e-3, grad_accum=grad_accum)
     counts = []
-    for micro in range(2 * int(sys.argv[1])):
+    for micro in range(2 * grad_accum):
         ids = torch.randint(4, 200, (2, 8), generator=torch.Generator().manual_seed(micro))
         with CountGradientReductions() as counter:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         counts.append(counter.count)
+    return counts
+
+
+def main() -> None:
+    rt = setup_runtime("cpu", "float32", seed=0, timeout_s=60)
+    counts = {case: micro_step_counts(rt, *map(int, case.split(":"))) for case in sys.argv[1:]}
     if rt.is_main:
         print(json.dumps(counts), flush=True)
     torch.distributed.destroy_process_group()
