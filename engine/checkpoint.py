@@ -21,11 +21,10 @@ import torch
 
 from engine.errors import NonFiniteError
 
-if TYPE_CHECKING:
-    from engine.runtime import Runtime
-
 # DCP and engine.runtime (DTensor, FSDP: about 1 s to import) are imported where a
 # checkpoint is written or read: the launcher's process only looks for complete ones.
+if TYPE_CHECKING:
+    from engine.runtime import Runtime
 
 _PREFIX = "step-"
 

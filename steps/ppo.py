@@ -593,8 +593,8 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
                                        s.ppo.score_clip, s.kl.estimator)
-    advantages, returns = ESTIMATORS[s.ppo.algorithm](s.ppo, rewards, scores, kl, values, actions,
-                                                 reward_kl_coef, s.group, dp)
+    advantages, returns = ESTIMATORS[s.ppo.algorithm](
+        s.ppo, rewards, scores, kl, values, actions, reward_kl_coef, s.group, dp)
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl, vocab_kl)
