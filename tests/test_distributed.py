@@ -242,10 +242,10 @@ ACCUMULATION_CASES = [(3, 3), (2, 0)]   # (micro-steps a window, ZeRO stage)
 def collective_counts() -> dict[str, list[int]]:
     """Both cases in one launch: {"ACCUM:STAGE": [count per micro-step]}."""
     result = _ok(subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests" / "harness" / "count_collectives.py"),
+        [sys.executable, str(ROOT / "tests" / "harness" / "count_collectives.py"),
          *(f"{accum}:{stage}" for accum, stage in ACCUMULATION_CASES)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT))
+        cwd=ROOT, env={**_env(), "TEST_RANKS": "2"}, capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT))
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -31,11 +31,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 @functools.cache    # both tests compare with the same one-process INT8 run
 def run(model_dir: Path, bits: int, world: int, *extra: str) -> dict:
-    launch = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                    f"--nproc-per-node={world}"]
     result = subprocess.run(
-        [sys.executable, *launch, str(HARNESS), str(model_dir), str(bits), *extra], cwd=ROOT,
-        env=child_env(OMP_NUM_THREADS="1"),
+        [sys.executable, str(HARNESS), str(model_dir), str(bits), *extra], cwd=ROOT,
+        env=child_env(OMP_NUM_THREADS="1", TEST_RANKS=str(world)),
         capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """ZeRO++ on FSDP2 (engine/zeropp.py) and the collective byte meter (engine/comm_meter.py),
 on CPU gloo ranks: world 2 (each rank its own node) and world 4 (2 nodes x 2 ranks). One
-torchrun per world size runs every check (tests/harness/zeropp_checks.py) and reports
+launch per world size runs every check (tests/harness/zeropp_checks.py) and reports
 numbers; each test asserts on a part of them.
 
 Expectations: with quantization off the hooks reproduce plain ZeRO-3 (bit for bit at world
@@ -37,9 +37,8 @@ TIMEOUT = 150   # seconds: a deadlock fails the test instead of hanging the suit
 
 def _run(world: int) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={world}", str(HARNESS)],
-        cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"),
+        [sys.executable, str(HARNESS)],
+        cwd=ROOT, env=child_env(OMP_NUM_THREADS="1", TEST_RANKS=str(world)),
         capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
-"""Under torchrun: how many gradient reductions (reduce-scatters, all-reduces) the backward
+"""On 2 ranks (tests/harness/ranks.py, or torchrun): how many gradient reductions (reduce-scatters, all-reduces) the backward
 of each micro-step of a TrainEngine with gradient accumulation issues.
 
-    count_collectives.py GRAD_ACCUM:ZERO_STAGE [...]
+    TEST_RANKS=2 count_collectives.py GRAD_ACCUM:ZERO_STAGE [...]
 
 Prints one JSON line (rank 0): {"GRAD_ACCUM:ZERO_STAGE": [one count a micro-step]}."""
 
@@ -22,6 +22,7 @@ from engine.models import byte_tokenizer, load_causal_lm  # noqa: E402
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
 from engine.trainer import TrainEngine  # noqa: E402
+from tests.harness.ranks import run_ranks  # noqa: E402
 
 
 class CountGradientReductions(TorchDispatchMode):
@@ -59,4 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(main)

@@ -1,8 +1,8 @@
 """The hybrid engine against Hugging Face `generate` on an unsharded copy of the same model,
-one process or under torchrun (each rank generating its own rows of a batch).
+one process or on several ranks (each rank generating its own rows of a batch).
 
     hybrid_check.py            # one process
-    torchrun --nproc-per-node 2 hybrid_check.py
+    TEST_RANKS=2 hybrid_check.py   # 2 ranks forked (tests/harness/ranks.py), or torchrun
 
 For every case (architecture, LoRA, ZeRO stage, hybrid settings) it checks, on every rank:
 greedy and row-seeded sampled answers token-identical to HF generate; answers that end at
@@ -32,6 +32,7 @@ from engine.models import byte_tokenizer, load_causal_lm, preset_config  # noqa:
 from engine.parallel import ShardSettings  # noqa: E402
 from engine.runtime import Runtime, setup_runtime  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
+from tests.harness.ranks import run_ranks  # noqa: E402
 
 PROMPTS = ["hello there", "a", "The quick brown fox jumps over", "12+34=", "Why is the sky",
            "ok", "Once upon a time, in a land", "x y z"]
@@ -141,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(main)

@@ -2,7 +2,8 @@
 safetensors directory one module at a time, sharded (ZeRO-3, FSDP2), three optimizer steps
 on a fixed global batch, the reference log-probs with the adapters off, a greedy rollout
 through the hybrid engine and the merged export. Run plainly it is the single-process
-reference; under torchrun (gloo, CPU) at world 2 or 4 the same numbers must come out.
+reference; on 2 or 4 ranks (gloo, CPU; TEST_RANKS=N forks them, tests/harness/ranks.py)
+the same numbers must come out.
 
     quantized_base_checks.py MODEL_DIR BITS [--zeropp | --zeropp-exact]
 
@@ -36,6 +37,7 @@ from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
+from tests.harness.ranks import run_ranks  # noqa: E402
 
 ROWS, LENGTH, STEPS = 4, 24, 3
 
@@ -111,4 +113,4 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(main)

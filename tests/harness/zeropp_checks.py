@@ -1,9 +1,9 @@
-"""Under torchrun (gloo, CPU), world 2 or 4 seen as nodes of 2 ranks: ZeRO++'s pieces
+"""On 2 or 4 ranks (gloo, CPU; TEST_RANKS=N, tests/harness/ranks.py) seen as nodes of 2 ranks: ZeRO++'s pieces
 against plain collectives and plain ZeRO-3 on a tiny Llama (2 layers, hidden 64); at world
 4 also the hybrid engine (engine/hybrid.py) over ZeRO++ units, whose rollout gather goes
 through the qwZ hook.
 
-    zeropp_checks.py
+    TEST_RANKS=4 zeropp_checks.py
 
 Prints one JSON line (rank 0) of measured numbers; tests/test_zeropp.py asserts on them."""
 
@@ -37,6 +37,7 @@ from engine.zeropp import (  # noqa: E402
     hpz_kwargs,
 )
 from steps.tokenize import collate_prompts  # noqa: E402
+from tests.harness.ranks import run_ranks  # noqa: E402
 
 PER_NODE = 2    # ranks per node at world 4; at world 2 each rank is a node of its own
 BLOCK = 64
@@ -310,4 +311,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_ranks(main)
