@@ -2,7 +2,7 @@
 and PPO raises the ground-truth score of the SFT model's answers; so does GRPO, critic-free,
 from the same step-1 and step-2 models.
 
-One full default run (`python train.py`, the demo recipe), under two minutes on 2 cores,
+One full default run (`python train.py`, the demo recipe), about three minutes on 2 cores,
 then GRPO's step 3 on a quarter of the prompts (about 20 s). Thresholds were measured on this machine over seeds
 1234, 99, 7 and 5 (GRPO: 1, 2, 3) and set with margin: see the README's demo tables.
 """
@@ -32,12 +32,19 @@ def test_reward_model_ranks_held_out_pairs(demo_run):
     assert summary["eval/chosen_score"] > summary["eval/rejected_score"]
 
 
-def test_ppo_beats_sft_on_ground_truth(demo_run):
-    summary = _last(demo_run / "step3" / "metrics.jsonl")
+def test_ppo_beats_sft_on_ground_truth_within_best_of_16s_kl(demo_run):
+    metrics = (demo_run / "step3" / "metrics.jsonl").read_text().splitlines()
+    baseline, summary = json.loads(metrics[0]), json.loads(metrics[-1])
     before, after = summary["eval/ground_truth_before"], summary["eval/ground_truth_after"]
-    # measured: SFT 0.74-0.76 -> PPO 0.96-0.98 on the same held-out prompts and seed
-    assert after >= before + 0.12, (before, after)
+    # measured on the same held-out prompts and sampling seeds, seeds 1234, 99, 7: SFT
+    # 0.728-0.752 -> 0.982-0.989 at the end, 0.984-0.991 exported, at 1.52-1.79 nats,
+    # against best-of-16's 0.987-0.992 at 1.835 (bench/results/step3-defaults-digits-*)
+    assert after >= before + 0.2, (before, after)
     assert summary["eval/reward_after"] > summary["eval/reward_before"]
+    exported = summary["eval/ground_truth_exported"]
+    assert exported >= 0.975, exported
+    assert exported >= baseline["baseline/best_of_16_ground_truth"] - 0.02
+    assert summary["eval/kl_exported"] <= baseline["baseline/best_of_16_kl"]
 
 
 def test_sft_learned_the_answer_format(demo_run):
