@@ -9,8 +9,9 @@ Python and the libraries) and the bytes of trained state (parameters + AdamW sta
 actor and, for PPO, the critic).
 
 Budgets: PPO and REINFORCE++ sample one answer per prompt, 32 prompts a round, 2 epochs
-over the step-3 prompts (the demo recipe); GRPO and RLOO 4 answers per prompt, 16 prompts
-a round, 1 epoch: twice the answers, in about the same number of iterations.
+over the step-3 prompts (the demo recipe until 2026-11-27, which now gives PPO GRPO's
+layout); GRPO and RLOO 4 answers per prompt, 16 prompts a round, 1 epoch: twice the
+answers, in about the same number of iterations.
 
 --part hacking: reward over-optimisation on the `distinct` demo task (data.demo_task=
 distinct: "Give me 4 different even digits.", whose preference pairs hold no repeated
@@ -37,13 +38,14 @@ from pathlib import Path
 
 from quantized_base import rows, train
 
+ONE_ANSWER = ["ppo.samples_per_prompt=1", "ppo.rollout_batch_size=32"]
 SETTINGS = {
-    "ppo": [],
+    "ppo": [*ONE_ANSWER, "ppo.epochs=2"],
     "grpo": ["ppo.algorithm=grpo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
              "ppo.epochs=1"],
     "rloo": ["ppo.algorithm=rloo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
              "ppo.epochs=1"],
-    "reinforce_pp": ["ppo.algorithm=reinforce_pp"],
+    "reinforce_pp": ["ppo.algorithm=reinforce_pp", *ONE_ANSWER, "ppo.epochs=2"],
 }
 REWARDS = {"rm": [], "fn": ["ppo.reward_fn=steps.demo:score", "ppo.reward_model_weight=0"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
@@ -76,7 +78,7 @@ def hacking(root: Path, seeds: list[int]) -> None:
         for name, flags in GUARDS.items():
             out = root / f"distinct-{name.replace(' ', '-')}-{seed}"
             train(out, "--step", "3", f"seed={seed}", "data.demo_task=distinct",
-                  "ppo.epochs=4", f"ppo.actor_path={base / 'actor'}",
+                  *ONE_ANSWER, "ppo.epochs=4", f"ppo.actor_path={base / 'actor'}",
                   f"ppo.reward_path={base / 'reward'}", *flags)
             metrics = rows(out / "step3" / "metrics.jsonl")
             final, last = metrics[-1], [r for r in metrics if "kl_coef" in r][-10:]
