@@ -296,7 +296,8 @@ def test_finished_model_is_not_overwritten_unless_asked(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, names", [
-    (("ppo.algorithm=grpo",), ["ppo.samples_per_prompt=1", "grpo", "2 or more"]),
+    (("ppo.algorithm=grpo", "ppo.samples_per_prompt=1"),   # the demo recipe's 4 pinned off
+     ["ppo.samples_per_prompt=1", "grpo", "2 or more"]),
     (("ppo.reward_fn=nowhere_xyz:score",), ["ppo.reward_fn=nowhere_xyz:score", "cannot import"]),
     (("data.demo_task=sums",), ["data.demo_task=sums", "digits, distinct"]),
 ], ids=["grpo-group", "reward-fn", "demo-task"])

@@ -57,7 +57,7 @@ BASE = {
     "sft.lr": 2e-3, "sft.warmup_steps": 0,
     "rm.lr": 1e-3, "rm.warmup_steps": 0,
     "ppo.epochs": 1, "ppo.ppo_epochs": 1, "ppo.actor_lr": 2e-4, "ppo.critic_lr": 5e-4,
-    "ppo.warmup_steps": 0,
+    "ppo.warmup_steps": 0, "ppo.samples_per_prompt": 1, "ppo.best_of_n": 8,
     # these tests check what training did to the last policy; export=best has its own tests
     "ppo.export": "last",
 }
