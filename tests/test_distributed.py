@@ -1,7 +1,8 @@
 """Sharded runs on CPU processes (torchrun + gloo, FSDP2) against one process: the same
 losses, metrics and exported weights at world size 2 and 4 under different ZeRO stages; a
 run killed after a checkpoint (inside step 3 on 2 ranks, inside step 1 under ZeRO++ on 4)
-and resumed ends where an uninterrupted one does; a rank that raises stops the whole job, naming the rank.
+and resumed ends where an uninterrupted one does; a rank that raises stops the whole job,
+naming the rank.
 
 Tolerance: fp32 with dropout 0, so the only differences are summation orders (a batch
 split over ranks, reduce-scatter vs a local sum), ~1e-7 relative per step. Every logged
@@ -21,7 +22,6 @@ process); being deterministic, its kill-and-resume is still exact to 1e-6.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 import train
 from engine.models import byte_tokenizer, load_causal_lm
-from tests.harness.environment import child_env
+from tests.harness.environment import child_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -196,19 +196,13 @@ def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_two_ranks,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_rendezvous_like_a_cluster_in_bf16_over_fp32_masters(single, tmp_path):
     """--deployment-type multi_node, run once per "node" (here both on this machine, one
     process each): torchrun's static rendezvous joins them into one job of 2 ranks. It runs
     in FSDP2's mixed precision (bf16 forward/backward, fp32 master weights and reductions):
     losses track the fp32 run to bf16 precision; the exported weights are the fp32 master.
     (Two ranks in fp32 equal one process: test_two_ranks_match_one_process.)"""
-    port = str(_free_port())
+    port = str(free_port())
     nodes = [subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), "--output-dir", str(tmp_path), "--step", "1",
          *ARGS, "engine.dtype=bfloat16", "--deployment-type", "multi_node", "--nnodes", "2",

@@ -80,9 +80,10 @@ def test_torchrun_starts_only_for_several_processes(monkeypatch):
 
 
 def test_the_launchers_process_checks_a_run_without_the_training_stack(tmp_path):
-    """Before torchrun starts the ranks, train.py checks and plans the run, and says so, (every step, a
-    reward function, a resumable directory) without importing transformers, peft or DCP:
-    the ranks import them anyway, and the launcher would add their ~5 s to every start."""
+    """Before torchrun starts the ranks, train.py checks and plans the run, and says so
+    (every step, a reward function, a resumable directory) without importing transformers,
+    peft or DCP: the ranks import them anyway, and the launcher would add their ~5 s to
+    every start."""
     code = ("import sys, train\n"
             f"cfg = train.build_config(train.parse_args(['--output-dir', {str(tmp_path)!r}, "
             "'engine.procs=2', 'engine.device=cpu', 'ppo.reward_fn=steps.demo:score']))\n"

@@ -1,5 +1,6 @@
-"""On 2 ranks (tests/harness/ranks.py, or torchrun): how many gradient reductions (reduce-scatters, all-reduces) the backward
-of each micro-step of a TrainEngine with gradient accumulation issues.
+"""On 2 ranks (tests/harness/ranks.py, or torchrun): how many gradient reductions
+(reduce-scatters, all-reduces) the backward of each micro-step of a TrainEngine with gradient
+accumulation issues.
 
     TEST_RANKS=2 count_collectives.py GRAD_ACCUM:ZERO_STAGE [...]
 

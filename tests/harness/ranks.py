@@ -14,10 +14,11 @@ import ctypes
 import importlib
 import os
 import signal
-import socket
 import sys
 import traceback
 from collections.abc import Callable
+
+from tests.harness.environment import free_port
 
 # transformers imports a model family on first use: import them once, before the fork
 LAZY_MODULES = ("transformers.models.llama.modeling_llama", "transformers.models.opt.modeling_opt")
@@ -33,7 +34,7 @@ def run_ranks(main: Callable[[], None]) -> None:
         return
     for name in LAZY_MODULES:
         importlib.import_module(name)
-    port = _free_port()
+    port = free_port()
     ranks = {_fork(rank, world, port, main): rank for rank in range(world)}
     while ranks:
         pid, status = os.wait()
@@ -67,8 +68,3 @@ def _fork(rank: int, world: int, port: int, main: Callable[[], None]) -> int:
         sys.stderr.flush()
         os._exit(code)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,7 +1,7 @@
-"""On 2 or 4 ranks (gloo, CPU; TEST_RANKS=N, tests/harness/ranks.py) seen as nodes of 2 ranks: ZeRO++'s pieces
-against plain collectives and plain ZeRO-3 on a tiny Llama (2 layers, hidden 64); at world
-4 also the hybrid engine (engine/hybrid.py) over ZeRO++ units, whose rollout gather goes
-through the qwZ hook.
+"""On 2 or 4 ranks (gloo, CPU; TEST_RANKS=N, tests/harness/ranks.py), seen as nodes of 2
+ranks: ZeRO++'s pieces against plain collectives and plain ZeRO-3 on a tiny Llama (2 layers,
+hidden 64); at world 4 also the hybrid engine (engine/hybrid.py) over ZeRO++ units, whose
+rollout gather goes through the qwZ hook.
 
     TEST_RANKS=4 zeropp_checks.py
 
