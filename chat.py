@@ -12,23 +12,25 @@ Type `clear` to start a new conversation, `quit`/`exit` or EOF (Ctrl-D) to leave
 piped, one user turn is read per line and each reply is printed as "Assistant: <reply>".
 """
 
+from __future__ import annotations
+
 import argparse
 import contextlib
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import set_seed
-from transformers.utils import logging as hf_logging
-
+# torch, transformers and the engine are imported once the arguments and the model path are
+# checked: a mistyped flag or path fails at once, not after seconds of imports
 from engine.errors import UserError
-from engine.generation import SamplingSettings
-from engine.inference_form import inference_form
-from engine.models import load_causal_lm, load_tokenizer
+from engine.model_source import model_source
+
+if TYPE_CHECKING:
+    import torch
 
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
 STOP = HUMAN  # the model starting the next human turn means its reply is over
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 # -----------------------------------------------------------------------------
@@ -135,6 +137,10 @@ class ReplyStreamer:
 def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
     """Generate (and stream to `out`) the assistant's reply with `model`, an inference form
     (engine.inference_form); returns its raw text."""
+    import torch
+
+    from engine.generation import SamplingSettings
+
     input_ids = torch.tensor([prompt_ids], device=model.device)
     if args.greedy:  # no sampling knobs: unused, they would still be validated (--temperature 0)
         sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -154,6 +160,8 @@ def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
 
 
 def pick_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
@@ -162,8 +170,10 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if name != "auto":
-        return DTYPES[name]
+        return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32  # half precision on CPU is slow and, for some ops, unsupported
@@ -197,9 +207,19 @@ def parse_args(argv=None):
     return args
 
 
-def load(args: argparse.Namespace):
+def load(args: argparse.Namespace, progress: bool = True):
     """(tokenizer, model in its inference form, device, dtype, prompt budget in tokens)
-    for the parsed arguments; a UserError for anything that cannot load."""
+    for the parsed arguments; a UserError for anything that cannot load. `progress`: show
+    transformers' loading bars."""
+    model_source(args.path, "--path")   # a bad path fails before the imports below
+    from transformers.utils import logging as hf_logging
+
+    from engine.inference_form import inference_form
+    from engine.models import load_causal_lm, load_tokenizer
+
+    if not progress:
+        hf_logging.disable_progress_bar()
+
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     # loaded as train.py loads them, so bad paths and an unreachable hub fail in one line
@@ -219,15 +239,16 @@ def load(args: argparse.Namespace):
 
 def main(argv=None) -> int:
     interactive = sys.stdin.isatty()
-    if not interactive:  # scripted use: keep stderr for real problems
-        hf_logging.disable_progress_bar()
     try:
         args = parse_args(argv)
-        tokenizer, model, device, dtype, budget = load(args)
+        # scripted use: keep stderr for real problems
+        tokenizer, model, device, dtype, budget = load(args, progress=interactive)
     except UserError as e:
         print(f"chat.py: {e}", file=sys.stderr)
         return 2
     if args.seed is not None:
+        from transformers import set_seed
+
         set_seed(args.seed)
     if interactive:
         with contextlib.suppress(ImportError):  # line editing for input(), where available

@@ -396,10 +396,16 @@ def test_error_missing_path_in_process(tmp_path, capsys):
 
 
 def test_error_missing_path_cli(tmp_path):
+    """A bad path fails in one line before torch and transformers are imported."""
     proc = run_chat(["--path", str(tmp_path / "nope")], "")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "--path" in proc.stderr
     assert "Traceback" not in proc.stderr
+    check = ("import sys, chat; rc = chat.main(['--path', sys.argv[1]]); "
+             "print(rc, [m for m in ('torch', 'transformers') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", check, str(tmp_path / "nope")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr
 
 
 def test_error_dir_without_config(tmp_path, capsys):
