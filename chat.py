@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     interactive = sys.stdin.isatty()
     try:
         args = parse_args(argv)
-        # scripted use: keep stderr for real problems
+        # no loading bars when piped: stderr is kept for real problems
         tokenizer, model, device, dtype, budget = load(args, progress=interactive)
     except UserError as e:
         print(f"chat.py: {e}", file=sys.stderr)
