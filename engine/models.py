@@ -1,8 +1,8 @@
 """Where models and tokenizers come from: built-in presets, local directories, the hub.
 
 A model argument (`--actor-model`, `--reward-model`) is one of
-  * a built-in tiny preset (`tiny-llama`, `tiny-opt`, `tiny-gpt2`, `tiny-gpt-neox`), built
-    from a config with random weights, for demos and tests;
+  * a built-in tiny preset (`tiny-llama`, `tiny-llama-4l`, `tiny-opt`, `tiny-gpt2`,
+    `tiny-gpt-neox`), built from a config with random weights, for demos and tests;
   * a local Hugging Face directory (config.json + weights);
   * a hub name, which works when online or cached and otherwise fails in one line.
 engine/model_source.py tells which (without importing transformers); this file loads.
@@ -49,10 +49,10 @@ from engine.quantized_base import build_quantized
 _TINY = dict(hidden=128, layers=2, heads=4, ffn=512, positions=1024)
 
 
-def _llama(vocab_size: int, **ids: int) -> PretrainedConfig:
+def _llama(vocab_size: int, layers: int = _TINY["layers"], **ids: int) -> PretrainedConfig:
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=_TINY["hidden"], intermediate_size=_TINY["ffn"],
-        num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
+        num_hidden_layers=layers, num_attention_heads=_TINY["heads"],
         num_key_value_heads=_TINY["heads"] // 2, max_position_embeddings=_TINY["positions"],
         tie_word_embeddings=False, **ids)
 
@@ -80,7 +80,10 @@ def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
         tie_word_embeddings=False, **ids)
 
 
-PRESETS = dict(zip(PRESET_NAMES, (_llama, _opt, _gpt2, _gpt_neox), strict=True))
+# tiny-llama-4l: tiny-llama at 4 layers, a deeper reward model for the demo tasks (README,
+# "Step 3 against best-of-n")
+PRESETS = dict(zip(PRESET_NAMES, (_llama, partial(_llama, layers=4), _opt, _gpt2, _gpt_neox),
+                   strict=True))
 
 def _shape_preset(spec: str, vocab_size: int, **overrides) -> PretrainedConfig:
     hidden, layers, heads, kv_heads, ffn, theta = SHAPES[spec]
