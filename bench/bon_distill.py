@@ -42,8 +42,9 @@ from engine.generation import SamplingSettings  # noqa: E402
 from engine.models import load_reward_model  # noqa: E402
 from steps import demo  # noqa: E402
 from steps.ppo import answer_logprobs  # noqa: E402
+from steps.rlhf import masked_mean  # noqa: E402
 from steps.scoring import RewardScorer  # noqa: E402
-from steps.tokenize import collate_prompts, tokenize_prompts  # noqa: E402
+from steps.tokenize import collate_prompts  # noqa: E402
 
 TRAIN_SEED_OFFSET, SAMPLE_SEED_OFFSET = 30_000, 40_000   # apart from step3_quality's draws
 
@@ -95,11 +96,10 @@ def main() -> None:
     sft, tokenizer = load_actor(args.steps12 / "actor")
     scorer = RewardScorer(load_reward_model(str(args.steps12 / "reward"), tokenizer).eval(),
                           tokenizer, tokenizer, torch.device("cpu"))
-    pairs = demo.make_pairs(args.prompts, args.seed + TRAIN_SEED_OFFSET, args.task)
-    train_ids, _ = tokenize_prompts(pairs, tokenizer, 64)
-    train_texts = tokenizer.batch_decode(train_ids, skip_special_tokens=True)
-    test_ids, test_texts, max_len = test_prompts(args.seed, [f"data.demo_task={args.task}"],
-                                                 args.steps12 / "actor", 128)
+    task = [f"data.demo_task={args.task}"]
+    train_ids, train_texts, _ = test_prompts(args.seed, task, args.steps12 / "actor",
+                                             args.prompts, offset=TRAIN_SEED_OFFSET)
+    test_ids, test_texts, max_len = test_prompts(args.seed, task, args.steps12 / "actor", 128)
     sequences, masks, picked = favourites(sft, tokenizer, scorer, train_ids, train_texts,
                                           max_len, args.seed + SAMPLE_SEED_OFFSET, args.n)
     prompt_len = collate_prompts(train_ids, tokenizer.pad_token_id)["input_ids"].shape[1]
@@ -114,8 +114,7 @@ def main() -> None:
         policy.train()
         for rows in torch.randperm(len(train_ids)).split(32):
             logprobs = answer_logprobs(policy, sequences[rows], masks[rows], prompt_len)
-            answer_mask = masks[rows, prompt_len:].float()
-            loss = -(logprobs * answer_mask).sum() / answer_mask.sum()
+            loss = -masked_mean(logprobs, masks[rows, prompt_len:])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

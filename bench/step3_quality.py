@@ -73,15 +73,15 @@ FRESH_SEED_OFFSET = 10_000   # sample seeds for the exported policy, apart from 
 TEST_SEED_OFFSET = 20_000    # the test prompts' draw, apart from the run's own data
 
 
-def test_prompts(seed: int, overrides: list[str], actor_dir: Path, count: int
-                 ) -> tuple[list[list[int]], list[str], int]:
+def test_prompts(seed: int, overrides: list[str], actor_dir: Path, count: int,
+                 offset: int = TEST_SEED_OFFSET) -> tuple[list[list[int]], list[str], int]:
     """`count` fresh prompts of the run's task (token ids, texts as step 3 decodes its
-    own), drawn with a seed of their own, and the answer length limit."""
+    own), drawn with a seed of their own (`seed + offset`), and the answer length limit."""
     import train as cli
     from steps.tokenize import tokenize_prompts
 
     cfg = cli.build_config(cli.parse_args([f"seed={seed}", *overrides]))
-    pairs = demo.make_pairs(count, seed + TEST_SEED_OFFSET, cfg.data.demo_task)
+    pairs = demo.make_pairs(count, seed + offset, cfg.data.demo_task)
     tokenizer = load_tokenizer(str(actor_dir))
     ids, _ = tokenize_prompts(pairs, tokenizer, cfg.data.max_prompt_len)
     return ids, tokenizer.batch_decode(ids, skip_special_tokens=True), cfg.data.max_answer_len
