@@ -13,8 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# pytest-xdist runs two test files at once (pyproject's addopts): one thread each, for the
-# workers and every process they start. Two spinning OpenMP pools on 2 cores run 10x slower.
+# Under pytest-xdist (the README's test command runs two files at once, `-n 2`): one thread
+# for each worker and every process it starts. Two spinning OpenMP pools on 2 cores run 10x
+# slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
