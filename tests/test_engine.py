@@ -95,6 +95,13 @@ def test_preset_builds_as_lm_and_classifier_seeded(tok, preset):
     assert not same_weights(weights(rm), weights(load_reward_model(preset, tok, seed=1)))
 
 
+def test_tiny_llama_4l_is_tiny_llama_at_four_layers(tok):
+    two, four = (load_causal_lm(name, tok, seed=0).config.to_dict()
+                 for name in ("tiny-llama", "tiny-llama-4l"))
+    assert (two["num_hidden_layers"], four["num_hidden_layers"]) == (2, 4)
+    assert {**four, "num_hidden_layers": 2} == two
+
+
 # parameter counts of the released checkpoints these shapes copy (untied embeddings)
 RELEASED = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320,
             "llama-34b": 33_743_970_304, "llama-70b": 68_976_648_192}
