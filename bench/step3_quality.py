@@ -39,7 +39,9 @@ Run:  python bench/step3_quality.py --task pick --seeds 1234 99 7 \\
       1-2 min per setting. To run seeds side by side, one process each, set
       OMP_NUM_THREADS=1: two processes of 2 threads each on 2 cores ran step 1 in 325 s
       against 27 s alone, and one thread each in 44 s.)
-Runs already finished under --root are read, not run again.
+Runs already finished under --root are read, not run again. Seeds run side by side, one
+process each (`--out` per seed), give one table with
+      python bench/step3_quality.py --merge seed-1234.txt seed-99.txt seed-7.txt --out FILE
 """
 
 from __future__ import annotations
@@ -243,10 +245,11 @@ def one_seed(root: Path, seed: int, task: str, settings: dict[str, list[str]],
     return result, len(prompts[0])
 
 
-def table(results: dict[int, dict[str, float]], n: int) -> str:
-    """One row per measure, one column per seed, then mean ± sd over the seeds."""
+def table(results: dict[int, dict[str, float]], n: int | None = None) -> str:
+    """One row per measure, one column per seed, then mean ± sd over the seeds (best-of-n
+    named for its n where given)."""
     seeds = list(results)
-    labels = {key: key.replace("-of-n", f"-of-{n}") for key in results[seeds[0]]}
+    labels = {key: key.replace("-of-n", f"-of-{n}") if n else key for key in results[seeds[0]]}
     width = max(map(len, labels.values())) + 2
     head = f"{'measure':<{width}}" + "".join(f"{f'seed {s}':>11}" for s in seeds) + "   mean ± sd"
     lines = [head, "-" * len(head)]
@@ -256,6 +259,43 @@ def table(results: dict[int, dict[str, float]], n: int) -> str:
         lines.append(f"{label:<{width}}" + "".join(f"{v:>11.3f}" for v in values)
                      + f"   {statistics.fmean(values):.3f} ± {sd:.3f}")
     return "\n".join(lines)
+
+
+def read_table(path: Path) -> tuple[list[str], dict[int, dict[str, float]]]:
+    """A table written by --out: its command lines, and each seed's figures by measure."""
+    lines = path.read_text().splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("measure ")), None)
+    if head is None:
+        raise SystemExit(f"--merge {path}: no table in it (a file written by --out?)")
+    seeds = [int(s) for s in lines[head].split()[2:-3:2]]
+    results: dict[int, dict[str, float]] = {s: {} for s in seeds}
+    for line in lines[head + 2:]:
+        if not line.strip():
+            break
+        words = line.split()
+        values = words[-3 - len(seeds):-3]
+        label = " ".join(words[:-3 - len(seeds)])
+        for seed, value in zip(seeds, values, strict=True):
+            results[seed][label] = float(value)
+    return [line for line in lines[:head] if line.strip()], results
+
+
+def merge(paths: list[Path]) -> str:
+    """One table over the seeds of several --out files (one process per seed): each file's
+    command, the first file's description, the table."""
+    commands, described, results = [], [], {}
+    for path in paths:
+        preamble, figures = read_table(path)
+        commands += [line for line in preamble if line.startswith("command: ")]
+        described = described or [line for line in preamble if not line.startswith("command: ")]
+        for seed, measures in figures.items():
+            results.setdefault(seed, {}).update(measures)
+    measures = {key for figures in results.values() for key in figures}
+    for seed, figures in results.items():
+        if missing := sorted(measures - figures.keys()):
+            raise SystemExit(f"--merge: seed {seed} lacks {missing[0]!r} (and {len(missing) - 1}"
+                             " more): give every seed's file the same settings")
+    return "\n".join([*commands, *described]) + "\n\n" + table(results)
 
 
 def main() -> None:
@@ -273,7 +313,15 @@ def main() -> None:
                         help="fresh prompts of the task every figure is measured on")
     parser.add_argument("--root", type=Path, help="run directory (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="FILE",
+                        help="print (and --out) one table from per-seed --out files; runs nothing")
     args = parser.parse_args()
+    if args.merge:
+        report = merge(args.merge)
+        print(report)
+        if args.out:
+            args.out.write_text(report + "\n")
+        return
     transformers.logging.disable_progress_bar()
     settings = {s[0]: s[1:] for s in args.setting} if args.setting else SETTINGS
     root = args.root or Path(tempfile.mkdtemp(prefix="step3-quality-"))
