@@ -211,7 +211,7 @@ def check_config(cfg: DictConfig) -> None:
     if 3 in steps:
         from steps.algorithms import check_settings
 
-        check_settings(cfg.ppo)
+        check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
     plan_steps(cfg)
 
 

@@ -10,10 +10,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from peft import PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.lora import merged
@@ -92,6 +94,32 @@ def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
     if plain is not None:
         def write(tmp: Path) -> None:
             plain.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+
+        atomic_directory(out_dir, write)
+    rt.barrier()
+    return Path(out_dir)
+
+
+def save_adapter(model: PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
+                 rt: Runtime) -> Path:
+    """Save `model`'s LoRA adapter alone (peft's adapter_model.safetensors and
+    adapter_config.json, for `PeftModel.from_pretrained` over the base it names) and
+    `tokenizer`: for a frozen base too big to write out merged (a 70B merged is 140 GB of
+    bf16, and its fp32 merge would not fit the host). Collective: every rank gathers the
+    adapter's parameters (a few MB); rank 0 writes."""
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    adapter = get_peft_model_state_dict(model, state_dict=trained,
+                                        adapter_name=model.active_adapter)
+    if len(adapter) != len(trained):   # check_settings refuses such runs before step 1
+        raise RuntimeError("an adapter export would drop trained base weights")
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+            for k, v in adapter.items()}
+    if rt.is_main:
+        def write(tmp: Path) -> None:
+            save_file({k: v.contiguous() for k, v in full.items()},
+                      str(tmp / "adapter_model.safetensors"))
+            model.peft_config[model.active_adapter].save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
 
         atomic_directory(out_dir, write)

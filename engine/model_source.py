@@ -5,6 +5,7 @@ otherwise fails in one line. engine/models.py loads from what this decides."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -41,6 +42,14 @@ def model_source(spec: str, flag: str, tokenizer: bool = False) -> str:
     path = Path(spec).expanduser()
     if path.is_dir():
         files = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
+        if not tokenizer and (path / "adapter_config.json").exists() \
+                and not (path / "config.json").exists():
+            base = json.loads((path / "adapter_config.json").read_text()).get(
+                "base_model_name_or_path")
+            raise UserError(f"{flag} {spec}: a LoRA adapter over {base} (ppo.export_weights="
+                            "adapter), not a whole model; load it with peft's PeftModel."
+                            "from_pretrained over its base, or export with "
+                            "ppo.export_weights=merged")
         if not any((path / name).exists() for name in files):
             what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
             raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -81,6 +82,8 @@ class Placement:
             model = load(spec, tokenizer, dtype=rt.precision.load_dtype(trained), **kwargs)
         if not trained:
             return model
+        # an adapter export names its base (peft's base_model_name_or_path) by this
+        model.name_or_path = str(Path(spec).resolve()) if Path(spec).is_dir() else str(spec)
         model = apply_lora(model, lora)
         if frozen_base(model):   # no master copy for weights that never update
             for param in model.parameters():

@@ -27,7 +27,7 @@ from transformers import get_scheduler
 from engine.checkpoint import Tensors, require_finite
 from engine.config import OptimConfig
 from engine.errors import NonFiniteError
-from engine.export import save_hf
+from engine.export import save_adapter, save_hf
 from engine.lora import is_lora_param
 from engine.models import sequence_scores, token_values
 from engine.parallel import ShardSettings, resharded, set_gradient_sync, shard
@@ -187,21 +187,25 @@ class TrainEngine:
                         for name, p in resharded(self.module).named_parameters()
                         if p.requires_grad or not trainable_only})
 
-    def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None) -> Path:
-        """Write the model (LoRA merged) as a plain Hugging Face directory; with `weights`
-        (a `copy_weights` of it, e.g. its EMA) those weights instead of the live ones, which
-        are left as they were. Collective: every process calls it. Refuses (NonFiniteError)
-        weights that are not all finite, before anything is written."""
+    def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None,
+               adapter: bool = False) -> Path:
+        """Write the model (LoRA merged) as a plain Hugging Face directory, or with `adapter`
+        LoRA's weights alone (a peft adapter directory); with `weights` (a `copy_weights` of
+        it, e.g. its EMA) those weights instead of the live ones, which are left as they
+        were. Collective: every process calls it. Refuses (NonFiniteError) weights that are
+        not all finite, before anything is written."""
         what = f"{self.name} export to {out_dir}"
+        save = save_adapter if adapter else save_hf
         if weights is None:
             require_finite(self.module.parameters(), self.runtime, what)
-            return save_hf(self.module, tokenizer, out_dir, self.runtime)
+            return save(self.module, tokenizer, out_dir, self.runtime)
         require_finite(weights.tensors.values(), self.runtime, what)
-        live = self.copy_weights()
         params = Tensors(dict(resharded(self.module).named_parameters()))
+        # only what `weights` replaces (LoRA's factors alone for export=best over a LoRA)
+        live = Tensors({name: params.tensors[name].detach().clone() for name in weights.tensors})
         params.load_state_dict(weights.tensors)   # copied in place, by name
         try:
-            return save_hf(self.module, tokenizer, out_dir, self.runtime)
+            return save(self.module, tokenizer, out_dir, self.runtime)
         finally:
             params.load_state_dict(live.tensors)
 

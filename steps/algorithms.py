@@ -45,9 +45,15 @@ def load_reward_fn(spec: str, key: str = "ppo.reward_fn") -> RewardFn:
     return fn
 
 
-def check_settings(ppo) -> None:
+def check_settings(ppo, quantized_base: bool = False) -> None:
     """Refuse step-3 settings that cannot work together, naming the keys (each key's own
-    range is the schema's: steps/config.py)."""
+    range is the schema's: steps/config.py). `quantized_base`: the actor's base is frozen
+    integers (engine.quantized_base.enabled)."""
+    if ppo.export_weights == "adapter" and not (
+            ppo.actor_lora.dim > 0 and (quantized_base or ppo.actor_lora.only_optimize_lora)):
+        raise UserError("ppo.export_weights=adapter writes LoRA's weights alone: give the actor "
+                        "a LoRA over a frozen base (ppo.actor_lora.dim=8 and "
+                        "ppo.actor_lora.only_optimize_lora=true, or a quantized base)")
     if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
         raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
                         "compares the answers to one prompt; give 2 or more (e.g. 4)")

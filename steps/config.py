@@ -169,6 +169,11 @@ class PPOConfig(OptimConfig):
     export: str = val("auto", "best: the evaluated policy with the highest gold score (else "
                       "reward) within kl_budget | last | auto (best with a gold score)",
                       one_of("auto", "best", "last"))
+    export_weights: str = val("merged", "merged: the actor with LoRA folded in, a plain HF "
+                              "directory | adapter: LoRA's weights alone, a peft adapter "
+                              "over the actor's base (for a base too big to write merged, "
+                              "e.g. 70B INT4); adapter needs a LoRA actor whose base is frozen",
+                              one_of("merged", "adapter"))
     greedy_floor: bool = val(True, "export=best with a gold score: never export a policy "
                              "whose greedy answers score below the SFT model's greedy "
                              "answers on it (false: rank by the sampled answers alone)")

@@ -979,14 +979,16 @@ def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tr
 
 
 def export(cfg: DictConfig, models: Models, kept: Kept, best: bool, dp: DataParallel) -> Path:
-    step3 = Path(cfg.output_dir) / "step3"
-    models.actor.export(models.tokenizer, step3 / "actor", weights=kept.best if best else None)
+    step3, adapter = Path(cfg.output_dir) / "step3", cfg.ppo.export_weights == "adapter"
+    models.actor.export(models.tokenizer, step3 / "actor", weights=kept.best if best else None,
+                        adapter=adapter)
     if models.critic is not None:
         models.critic.export(models.critic_tokenizer, step3 / "critic")
     else:   # an earlier run's critic (overwrite=true) must not pass for this run's
         dp.write_once(lambda: shutil.rmtree(step3 / "critic", ignore_errors=True))
     if kept.ema is not None:
-        models.actor.export(models.tokenizer, step3 / "actor_ema", weights=kept.ema)
+        models.actor.export(models.tokenizer, step3 / "actor_ema", weights=kept.ema,
+                            adapter=adapter)
     return step3
 
 

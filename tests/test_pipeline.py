@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train
+from engine.errors import UserError
+from engine.model_source import model_source
 from engine.models import (
     byte_tokenizer,
     load_causal_lm,
@@ -502,10 +504,17 @@ def test_step3_from_a_preset_over_a_quantized_base(tmp_path):
                     "--zero-quantized-nontrainable-weights", settings=SMALL, **{
                         "ppo.actor_path": "tiny-llama", "ppo.critic_path": "tiny-opt",
                         "ppo.actor_lora.dim": 4, "ppo.reward_fn": "steps.demo:score",
-                        "ppo.reward_model_weight": 0}).check()
+                        "ppo.reward_model_weight": 0, "ppo.export_weights": "adapter"}).check()
     assert "step 3 (PPO) done" in ppo.stdout
     critic = json.loads((tmp_path / "ppo" / "step3" / "critic" / "config.json").read_text())
     assert critic["model_type"] == "opt"
+    # the actor as its LoRA adapter alone (a 70B probe cannot write its merged weights)
+    adapter = tmp_path / "ppo" / "step3" / "actor"
+    assert json.loads((adapter / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] == "tiny-llama"
+    assert (adapter / "adapter_model.safetensors").exists()
+    with pytest.raises(UserError, match="a LoRA adapter over tiny-llama"):
+        model_source(str(adapter), "--path")
     other = tmp_path / "other-tokenizer"
     opt_tokenizer = load_tokenizer("tiny-opt", tokenizer=str(OPT_TOKENIZER))
     load_causal_lm("tiny-opt", opt_tokenizer).save_pretrained(other)
@@ -522,6 +531,11 @@ def test_step3_from_a_preset_over_a_quantized_base(tmp_path):
         "ppo.reward_model_weight": 0})
     assert refused.rc == 2 and "llama-7b: a shape preset is built straight into a " \
         "quantized base" in refused.stderr
+    refused = run_train("--step", "3", "--output-dir", tmp_path / "full", settings=SMALL, **{
+        "ppo.actor_path": "tiny-llama", "ppo.reward_fn": "steps.demo:score",
+        "ppo.reward_model_weight": 0, "ppo.export_weights": "adapter"})
+    assert refused.rc == 2 and "ppo.export_weights=adapter writes LoRA's weights alone" \
+        in refused.stderr
 
 
 def test_ppo_lora_over_an_int8_base_with_its_own_reference(llama_run, tmp_path):

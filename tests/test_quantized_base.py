@@ -5,6 +5,7 @@ the hybrid engine's answers and the export. Sharded runs: tests/test_quantized_b
 
 from __future__ import annotations
 
+import json
 import weakref
 
 import pytest
@@ -280,6 +281,39 @@ def test_export_merges_lora_into_the_dequantized_base(tok, tmp_path):
     # the live model still has its integer base and its adapters
     assert any(isinstance(m, qb.QuantizedLinear) for m in model.modules())
     assert any("lora_" in n for n, _ in model.named_parameters())
+
+
+def test_adapter_export_is_lora_alone_and_reloads_over_its_base(tok, tmp_path):
+    """ppo.export_weights=adapter: peft's adapter directory holds LoRA's weights alone; over
+    the dequantized base it gives the live model's logits. With `weights` (export=best's
+    copy) those are written and the live adapters are left as they were."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    model = quantized_lora_model(tok, 4)
+    engine = TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
+    untrained = engine.copy_weights(trainable_only=True)   # LoRA B zero: the base alone
+    perturb_adapters(model)
+    engine.export(tok, tmp_path / "actor", adapter=True)
+    engine.export(tok, tmp_path / "first", weights=untrained, adapter=True)
+    written = {p.name for p in (tmp_path / "actor").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= written
+    assert not written & {"config.json", "model.safetensors"}
+    config = json.loads((tmp_path / "actor" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "tiny-llama" and config["r"] == LORA.dim
+    saved = load_file(tmp_path / "actor" / "adapter_model.safetensors")
+    lora = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(saved) == len(lora) == 2 * 7 * 2   # A and B of 7 matrices in each of 2 layers
+    assert all("lora_" in k for k in saved)
+    ids = torch.randint(4, 250, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        live = model(input_ids=ids).logits
+        for directory, want in (("actor", live), ("first", plain_twin(model, tok)(ids).logits)):
+            reloaded = PeftModel.from_pretrained(plain_twin(model, tok), tmp_path / directory)
+            got = reloaded.eval()(input_ids=ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(live, plain_twin(model, tok)(ids).logits, atol=1e-3)
+        torch.testing.assert_close(model(input_ids=ids).logits, live, rtol=0, atol=0)
 
 
 def _resident_bytes() -> int:
