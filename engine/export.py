@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.lora import merged
 from engine.parallel import hf_model
-from engine.quantized_base import dequantize_state_dict
+from engine.quantized_base import QUANTIZED, dequantize_state_dict, effective_shape
 from engine.runtime import Runtime
 
 
@@ -125,3 +125,25 @@ def save_adapter(model: PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
         atomic_directory(out_dir, write)
     rt.barrier()
     return Path(out_dir)
+
+
+def merged_export_size(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """(host bytes, disk bytes) that writing `model` merged (save_hf) takes at the least:
+    every weight on the CPU in fp32 (where LoRA merges; a quantized base is dequantized to
+    take it), then written in `dtype`. Counted from full shapes: sharded or quantized alike."""
+    values, seen = 0, set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:   # tied weights are written once
+                continue
+            seen.add(id(param))
+            if isinstance(module, QUANTIZED) and name in ("weight", "weight_scale"):
+                values += effective_shape(module).numel() if name == "weight" else 0
+            else:
+                values += param.numel()
+    return values * 4, values * dtype.itemsize
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -27,7 +27,7 @@ from transformers import get_scheduler
 from engine.checkpoint import Tensors, require_finite
 from engine.config import OptimConfig
 from engine.errors import NonFiniteError
-from engine.export import save_adapter, save_hf
+from engine.export import merged_export_size, save_adapter, save_hf
 from engine.lora import is_lora_param
 from engine.models import sequence_scores, token_values
 from engine.parallel import ShardSettings, resharded, set_gradient_sync, shard
@@ -208,6 +208,10 @@ class TrainEngine:
             return save(self.module, tokenizer, out_dir, self.runtime)
         finally:
             params.load_state_dict(live.tensors)
+
+    def merged_size(self) -> tuple[int, int]:
+        """(host bytes, disk bytes) that `export` without `adapter` takes at the least."""
+        return merged_export_size(self.module, self.runtime.dtype)
 
     def eval(self) -> None:
         self.module.eval()

@@ -50,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel, Share
 from engine.errors import NonFiniteError, UserError
+from engine.export import host_memory_bytes
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
 from engine.models import disable_dropout, is_preset, load_tokenizer, position_ids
@@ -310,6 +311,26 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                   critic_tokenizer if critic is not None else None)
 
 
+def check_merged_export(models: Models, ema: bool, output_dir: Path) -> None:
+    """Refuse, before training, a merged export that cannot be written: the actor's fp32
+    copy larger than this machine's memory (a 70B INT4 probe trained, then its export was
+    killed), or the exports larger than the disk's free space."""
+    host, disk = models.actor.merged_size()
+    disk *= 2 if ema else 1
+    if models.critic is not None:
+        disk += models.critic.merged_size()[1]
+    have, free = host_memory_bytes(), shutil.disk_usage(output_dir).free
+    gib = 2 ** 30
+    if host > have:
+        raise UserError(f"ppo.export_weights=merged: merging LoRA into the actor takes "
+                        f"{host / gib:.0f} GiB of fp32 on the host, which has {have / gib:.0f} "
+                        "GiB; pass ppo.export_weights=adapter (LoRA's weights alone)")
+    if disk > free:
+        raise UserError(f"ppo.export_weights=merged: the exports take {disk / gib:.0f} GiB, "
+                        f"more than the {free / gib:.0f} GiB free under {output_dir}; free some "
+                        "or pass ppo.export_weights=adapter (LoRA's weights alone)")
+
+
 def _critic_start(path: str, tokenizer, trust_remote_code: bool) -> tuple[dict, object]:
     """The critic's starting model and tokenizer when ppo.critic_path names one: a preset
     built for the actor's tokenizer, or a directory whose tokenizer must be the actor's
@@ -357,6 +378,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
     reset_memory_peak(dp.device)
     models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
+    if s.ppo.export_weights == "merged":
+        check_merged_export(models, s.ppo.ema.enabled, Path(cfg.output_dir))
     kept = Kept(models.actor.copy_weights() if s.ppo.ema.enabled else None,
                 models.actor.copy_weights(trainable_only=True) if s.export_best else None)
     engines = {"actor": models.actor, **({"critic": models.critic} if models.critic else {})}

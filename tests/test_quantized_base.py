@@ -316,6 +316,33 @@ def test_adapter_export_is_lora_alone_and_reloads_over_its_base(tok, tmp_path):
         torch.testing.assert_close(model(input_ids=ids).logits, live, rtol=0, atol=0)
 
 
+def test_a_merged_export_that_cannot_fit_is_refused_before_training(tok, tmp_path,
+                                                                     monkeypatch):
+    """The merged export's size counts the full weights (the dequantized base's and LoRA's)
+    in fp32 on the host and in the run's dtype on disk; step 3 refuses a host or disk too
+    small for it in one line, before training (a 70B probe was killed in its export)."""
+    from types import SimpleNamespace
+
+    import steps.ppo
+
+    model = quantized_lora_model(tok, 4)
+    engine = TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    values = sum(p.numel() for p in plain_twin(model, tok).parameters()) + lora
+    assert engine.merged_size() == (4 * values, 4 * values)   # CPU runs in fp32
+    models = SimpleNamespace(actor=engine, critic=None)
+    steps.ppo.check_merged_export(models, False, tmp_path)   # fits this machine
+    monkeypatch.setattr(steps.ppo, "host_memory_bytes", lambda: 4 * values - 1)
+    with pytest.raises(UserError, match="pass ppo.export_weights=adapter"):
+        steps.ppo.check_merged_export(models, False, tmp_path)
+    monkeypatch.undo()
+    free = SimpleNamespace(free=8 * values - 1)   # the actor and its EMA do not fit
+    monkeypatch.setattr(steps.ppo.shutil, "disk_usage", lambda path: free)
+    steps.ppo.check_merged_export(models, False, tmp_path)
+    with pytest.raises(UserError, match=r"the exports take .* GiB free under"):
+        steps.ppo.check_merged_export(models, True, tmp_path)
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
