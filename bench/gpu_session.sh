@@ -31,9 +31,12 @@ if [ "$part" = a ]; then
   step 45 python3 bench/quantized_matmul.py
   step 290 python3 bench/largest.py --presets llama-70b --iterations 5 --out /tmp/largest
   cp /tmp/largest/llama-70b-grpo/step3/metrics.jsonl "$logs/metrics-llama-70b.jsonl" 2>/dev/null
-  grep -iv warn /tmp/largest/llama-70b-grpo.log | tail -40 > "$logs/train-llama-70b.log" 2>/dev/null
+  tail -c 20000 /tmp/largest/llama-70b-grpo.log > "$logs/train-llama-70b.log" 2>/dev/null
 else
   step 280 python3 bench/peers.py --iterations 8 --warmup 2 --profile --out /tmp/peers
+  for f in /tmp/peers/*/stderr.txt; do   # each system's own log (a failure's whole story)
+    [ -e "$f" ] && tail -c 20000 "$f" > "$logs/peers-$(basename "$(dirname "$f")").txt"
+  done
   step 120 python3 bench/generation.py --gpu --repeats 2
 fi
 echo "## $(date -u +%T) done" | tee -a "$log"

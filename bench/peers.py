@@ -373,17 +373,6 @@ def main() -> None:
             len(tok(json.loads(line)["prompt"]).input_ids)
             for line in prompts.read_text().splitlines())
 
-        table = []
-        for gc in args.gc:
-            for system in args.systems:
-                where = out / f"{system}-gc-{gc}"
-                if system == "ours":
-                    row = run_ours(model, prompts, where, run, gc == "on", args.device,
-                                   args.profile)
-                else:
-                    row = run_trl(model, prompts, where, run, gc == "on", args.device)
-                table.append((system, gc, row))
-
         name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
         print(f"command: python {shlex.join(sys.argv)}")
         print(f"device: {name}; torch {torch.__version__}; "
@@ -395,21 +384,32 @@ def main() -> None:
               f"optimizer step a round over forwards of {run.forward}, KL {run.kl}; median of "
               f"{run.iterations - run.warmup} rounds after {run.warmup}")
         header = (f"{'system':<6} {'GC':<3} {'s/iter':>7} {'generate':>9} {'experience':>10} "
-                  f"{'train':>7} {'peak GiB':>9} {'gen tok/s':>10} {'x bound':>8}  weights")
+                  f"{'train':>7} {'peak GiB':>9} {'gen tok/s':>10} {'x bound':>8} "
+                  f"{'wall s':>7}  weights")
         print(header)
-        print("-" * len(header))
-        weight_bytes = params * 2
-        for system, gc, r in table:
-            if "failed" in r:
-                print(f"{system:<6} {gc:<3} failed: {r['failed'][:160]}")
-                continue
-            b = bound(params, weight_bytes, run, prompt_tokens, gc == "on", bandwidth, flops)
-            print(f"{system:<6} {gc:<3} {r['s_per_iteration']:>7.3f} {r['generate']:>9.3f} "
-                  f"{r['experience']:>10.3f} {r['train']:>7.3f} {r['peak_gib']:>9.1f} "
-                  f"{r['generated_tokens_per_s']:>10.0f} "
-                  f"{r['s_per_iteration'] / b['s_per_iteration']:>8.1f}  {r['weights']}")
+        print("-" * len(header), flush=True)
+        bounds = {gc: bound(params, params * 2, run, prompt_tokens, gc == "on", bandwidth,
+                            flops) for gc in args.gc}
+        # a row as each run ends (ours first): a bench cut off by its limit keeps those done
         for gc in args.gc:
-            b = bound(params, weight_bytes, run, prompt_tokens, gc == "on", bandwidth, flops)
+            for system in sorted(args.systems, key=lambda s: s != "ours"):
+                where, began = out / f"{system}-gc-{gc}", time.perf_counter()
+                if system == "ours":
+                    r = run_ours(model, prompts, where, run, gc == "on", args.device,
+                                 args.profile)
+                else:
+                    r = run_trl(model, prompts, where, run, gc == "on", args.device)
+                wall = time.perf_counter() - began
+                if "failed" in r:
+                    print(f"{system:<6} {gc:<3} failed after {wall:.0f} s: {r['failed'][:160]}",
+                          flush=True)
+                    continue
+                print(f"{system:<6} {gc:<3} {r['s_per_iteration']:>7.3f} {r['generate']:>9.3f} "
+                      f"{r['experience']:>10.3f} {r['train']:>7.3f} {r['peak_gib']:>9.1f} "
+                      f"{r['generated_tokens_per_s']:>10.0f} "
+                      f"{r['s_per_iteration'] / bounds[gc]['s_per_iteration']:>8.1f} "
+                      f"{wall:>7.0f}  {r['weights']}", flush=True)
+        for gc, b in bounds.items():
             print(f"bound  {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
                   f"{b['experience']:>10.3f} {b['train']:>7.3f}")
         if args.profile:
