@@ -382,8 +382,14 @@ def gpu_main(args: argparse.Namespace) -> None:
         config = LlamaConfig(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632,
                              num_attention_heads=32, num_key_value_heads=8, vocab_size=50272,
                              max_position_embeddings=2048, tie_word_embeddings=False, **ids)
+    began = time.perf_counter()
+
+    def note(what: str) -> None:   # where the time goes, for a run cut off by its limit
+        print(f"[{time.perf_counter() - began:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    note("model built")
     rt = Runtime(device, torch.bfloat16, 0, 1, 0)
     engine = HybridEngine(copy.deepcopy(model), OptimConfig(), 1, rt, hybrid=HybridConfig(),
                           lr=1e-5)
@@ -409,17 +415,20 @@ def gpu_main(args: argparse.Namespace) -> None:
                                           max_new_tokens=new, min_new_tokens=new,
                                           do_sample=False, pad_token_id=config.pad_token_id),
                                   args.repeats, sync, float)
+        note(f"batch {batch}: HF generate")
         kwargs = dict(eos_token_id=[], pad_token_id=config.pad_token_id)   # no stop id
         run = partial(engine.generate, ids, mask, sampling, **kwargs)
         torch.cuda.reset_peak_memory_stats()
         engine.take_times()
         ours, out = _median_time(run, args.repeats, sync, float)
         times = engine.take_times()
+        note(f"batch {batch}: hybrid engine")
         peak = torch.cuda.max_memory_allocated() / 2**30
         # the same decode without the CUDA graph, then without the Triton kernels
         settings = engine.hybrid
         engine.hybrid = dataclasses.replace(settings, cuda_graphs=False)
         no_graph, _ = _median_time(run, args.repeats, sync, float)
+        note(f"batch {batch}: without the CUDA graph")
         engine._target.model.use_fused_kernels(False)
         no_kernels, _ = _median_time(run, args.repeats, sync, float)
         engine._target.model.use_fused_kernels(True)
