@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 # torch, transformers and the engine are imported once the arguments and the model path are
 # checked: a mistyped flag or path fails at once, not after seconds of imports
 from engine.errors import UserError
-from engine.model_source import model_source
+from engine.model_source import adapter_base, model_source
 
 if TYPE_CHECKING:
     import torch
@@ -211,11 +211,12 @@ def load(args: argparse.Namespace, progress: bool = True):
     """(tokenizer, model in its inference form, device, dtype, prompt budget in tokens)
     for the parsed arguments; a UserError for anything that cannot load. `progress`: show
     transformers' loading bars."""
-    model_source(args.path, "--path")   # a bad path fails before the imports below
+    base = adapter_base(args.path)     # a LoRA adapter (ppo.export_weights=adapter)
+    model_source(base or args.path, "--path")   # a bad path fails before the imports below
     from transformers.utils import logging as hf_logging
 
     from engine.inference_form import inference_form
-    from engine.models import load_causal_lm, load_tokenizer
+    from engine.models import load_adapter, load_causal_lm, load_tokenizer
 
     if not progress:
         hf_logging.disable_progress_bar()
@@ -224,9 +225,14 @@ def load(args: argparse.Namespace, progress: bool = True):
     dtype = pick_dtype(args.dtype, device)
     # loaded as train.py loads them, so bad paths and an unreachable hub fail in one line
     remote = args.trust_remote_code  # runs Python shipped with the model: only when asked
-    tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote)
-    model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype,
-                           trust_remote_code=remote)
+    tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote,
+                               tokenizer=args.path if base else None)   # the adapter's own
+    if base is not None:
+        model = load_adapter(args.path, base, tokenizer, flag="--path", dtype=dtype,
+                             trust_remote_code=remote)
+    else:
+        model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype,
+                               trust_remote_code=remote)
     # leave room for the reply inside the model's context window
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     budget = max_pos - args.max_new_tokens if max_pos else None

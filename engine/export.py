@@ -109,8 +109,10 @@ def save_adapter(model: PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
     bf16, and its fp32 merge would not fit the host). Collective: every rank gathers the
     adapter's parameters (a few MB); rank 0 writes."""
     trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    # save_embedding_layers off: "auto" asks the hub whether the base's vocabulary changed
     adapter = get_peft_model_state_dict(model, state_dict=trained,
-                                        adapter_name=model.active_adapter)
+                                        adapter_name=model.active_adapter,
+                                        save_embedding_layers=False)
     if len(adapter) != len(trained):   # check_settings refuses such runs before step 1
         raise RuntimeError("an adapter export would drop trained base weights")
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)

@@ -42,14 +42,11 @@ def model_source(spec: str, flag: str, tokenizer: bool = False) -> str:
     path = Path(spec).expanduser()
     if path.is_dir():
         files = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
-        if not tokenizer and (path / "adapter_config.json").exists() \
-                and not (path / "config.json").exists():
-            base = json.loads((path / "adapter_config.json").read_text()).get(
-                "base_model_name_or_path")
+        base = None if tokenizer else adapter_base(spec)
+        if base is not None:
             raise UserError(f"{flag} {spec}: a LoRA adapter over {base} (ppo.export_weights="
-                            "adapter), not a whole model; load it with peft's PeftModel."
-                            "from_pretrained over its base, or export with "
-                            "ppo.export_weights=merged")
+                            "adapter), not a whole model; chat.py --path takes it, or load it "
+                            "with peft's PeftModel.from_pretrained over its base")
         if not any((path / name).exists() for name in files):
             what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
             raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "
@@ -60,6 +57,23 @@ def model_source(spec: str, flag: str, tokenizer: bool = False) -> str:
                         "directory (e.g. output/step3/actor), a hub name or a preset "
                         f"({', '.join([*PRESET_NAMES, *SHAPES])})")
     return "hub"
+
+
+def adapter_base(spec: str) -> str | None:
+    """The base model a LoRA adapter directory names (written by ppo.export_weights=adapter:
+    adapter_config.json, no config.json); None for anything else."""
+    path = Path(spec).expanduser()
+    config = path / "adapter_config.json"
+    if not config.exists() or (path / "config.json").exists():
+        return None
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as why:
+        raise UserError(f"{spec}: cannot read {config.name} ({why})") from None
+    if not base:
+        raise UserError(f"{config}: names no base model (base_model_name_or_path); set it to "
+                        "the directory or hub name the adapter was trained over")
+    return str(base)
 
 
 def hub_offline() -> bool:

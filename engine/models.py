@@ -215,6 +215,21 @@ def load_causal_lm(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--ac
                  trust_remote_code=trust_remote_code, seed=seed)
 
 
+def load_adapter(directory: str, base: str, tok: PreTrainedTokenizerBase, *, flag: str,
+                 dtype: torch.dtype = torch.float32,
+                 trust_remote_code: bool = False) -> PreTrainedModel:
+    """A LoRA adapter directory (ppo.export_weights=adapter) merged into its base `base`,
+    a checkpoint directory or hub name (a preset's weights are random: refused)."""
+    if model_source(base, flag) == "preset":
+        raise UserError(f"{flag} {directory}: an adapter over the preset {base}, whose "
+                        "weights are random (a shape probe): there is no model to load")
+    from peft import PeftModel  # chat.py's path alone needs it
+
+    model = load_causal_lm(base, tok, flag=f"{flag} {directory}'s base", dtype=dtype,
+                           trust_remote_code=trust_remote_code)
+    return PeftModel.from_pretrained(model, directory).merge_and_unload()
+
+
 def load_reward_model(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--reward-model",
                       dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                       seed: int = 0) -> PreTrainedModel:

@@ -414,6 +414,43 @@ def test_error_dir_without_config(tmp_path, capsys):
     assert err.count("\n") == 1 and "config.json" in err
 
 
+def test_an_adapter_directory_loads_merged_into_its_base(tmp_path, capsys, monkeypatch):
+    """ppo.export_weights=adapter writes LoRA alone: chat.py merges it into the base the
+    adapter names (the trained model's logits) and talks; over a preset (random weights,
+    a shape probe) it says so in one line."""
+    from engine.config import LoraConfig, OptimConfig
+    from engine.lora import apply_lora
+    from engine.models import load_adapter, load_causal_lm
+    from engine.runtime import Runtime
+    from engine.trainer import TrainEngine
+
+    base = preset_model_dir("tiny-llama", tmp_path / "base")
+    tokenizer = byte_tokenizer()
+    trained = apply_lora(load_causal_lm(str(base), tokenizer),
+                         LoraConfig(dim=4, only_optimize_lora=True))
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    cpu = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+    engine = TrainEngine(trained, OptimConfig(), 1, cpu, lr=1e-3)
+    engine.export(tokenizer, tmp_path / "adapter", adapter=True)
+    ids = torch.randint(4, 250, (2, 12), generator=torch.Generator().manual_seed(2))
+    merged = load_adapter(str(tmp_path / "adapter"), str(base), tokenizer, flag="--path")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits,
+                                   trained.eval()(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert chat.main(["--path", str(tmp_path / "adapter"), "--max-new-tokens", "4"]) == 0
+    engine.module.name_or_path = "tiny-llama"   # as a probe over the preset writes it
+    engine.module.peft_config["default"].base_model_name_or_path = "tiny-llama"
+    engine.export(tokenizer, tmp_path / "probe", adapter=True)
+    capsys.readouterr()
+    assert chat.main(["--path", str(tmp_path / "probe")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "an adapter over the preset tiny-llama" in err
+
+
 @pytest.mark.parametrize("broken, said", [
     ("weights", "a weights file is truncated or not safetensors"),
     ("tokenizer", "the directory has no tokenizer files"),
