@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.lora import merged
-from engine.parallel import hf_model
+from engine.parallel import hf_model, resharded
 from engine.quantized_base import QUANTIZED, dequantize_state_dict, effective_shape
 from engine.runtime import Runtime
 
@@ -108,7 +108,7 @@ def save_adapter(model: PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
     `tokenizer`: for a frozen base too big to write out merged (a 70B merged is 140 GB of
     bf16, and its fp32 merge would not fit the host). Collective: every rank gathers the
     adapter's parameters (a few MB); rank 0 writes."""
-    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    trained = {name: p for name, p in resharded(model).named_parameters() if p.requires_grad}
     # save_embedding_layers off: "auto" asks the hub whether the base's vocabulary changed
     adapter = get_peft_model_state_dict(model, state_dict=trained,
                                         adapter_name=model.active_adapter,

@@ -9,6 +9,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from engine.config import LoraConfig
+from engine.parallel import resharded
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
@@ -65,6 +66,13 @@ class BaseWithoutAdapters:
         self.model.eval()
         try:
             with self.model.disable_adapter():
-                return self.model(*args, **kwargs)
+                try:
+                    return self.model(*args, **kwargs)
+                finally:
+                    # peft turns requires_grad back on for the parameters registered when the
+                    # context exits; under hpZ a forward leaves FSDP units holding other
+                    # objects than the sharded ones the optimizer steps (LoRA stopped
+                    # training), so the sharded ones are registered first
+                    resharded(self.model)
         finally:
             self.model.train(training)

@@ -43,7 +43,10 @@ def assert_same_run(sharded: dict, single: dict, rel: float) -> None:
     assert sharded["optimized"] == single["optimized"] == 28   # the LoRA A and B matrices
     assert sharded["losses"] == pytest.approx(single["losses"], rel=rel)
     assert sharded["losses"][-1] < sharded["losses"][0] - 0.2, "LoRA did not learn"
-    for key in ("reference_logprob_sum", "logits", "merged_weights"):
+    assert sharded["adapter_weights"][0] == single["adapter_weights"][0] == 28
+    # every LoRA matrix stepped after the reference and the rollout, on some rank
+    assert sharded["moved_after_reference"] >= 28 and single["moved_after_reference"] == 28
+    for key in ("reference_logprob_sum", "logits", "merged_weights", "adapter_weights"):
         assert sharded[key] == pytest.approx(single[key], rel=rel), key
 
 

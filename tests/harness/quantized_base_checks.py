@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from engine.comm_meter import CommMeter  # noqa: E402
 from engine.config import (  # noqa: E402
@@ -31,7 +33,7 @@ from engine.config import (  # noqa: E402
     QuantizedBaseConfig,
     ZeroPPConfig,
 )
-from engine.export import full_copy  # noqa: E402
+from engine.export import full_copy, save_adapter  # noqa: E402
 from engine.generation import SamplingSettings  # noqa: E402
 from engine.models import byte_tokenizer  # noqa: E402
 from engine.placement import Placement  # noqa: E402
@@ -55,7 +57,8 @@ def main() -> None:
                       zeropp_quantize="--zeropp-exact" not in sys.argv)
     model = place.causal_lm(model_dir, tok, trained=True, seed=3,
                             lora=LoraConfig(dim=4, alpha=8, only_optimize_lora=True))
-    actor = place.trainer(model, OptimConfig(grad_clip=0), STEPS, family="policy",
+    # STEPS + 1: the schedule leaves a step with a learning rate after the loop (below)
+    actor = place.trainer(model, OptimConfig(grad_clip=0), STEPS + 1, family="policy",
                           generates=True, lr=2e-2)
     reference = place.frozen_start(actor, model_dir, tok)
 
@@ -94,14 +97,27 @@ def main() -> None:
     pad = tok.pad_token_id   # ranks pad their own prompts to their own widths
     out["answers"] = sorted([t for t in row if t != pad] for rows in everyone for row in rows)
 
+    # a step after the reference's forwards and the rollout: LoRA still trains (under hpZ,
+    # peft's adapter toggle once left the sharded LoRA parameters without gradients)
+    stepped = [p for group in actor.optimizer.param_groups for p in group["params"]]
+    before = [_local(p).detach().clone() for p in stepped]
+    actor.backward(actor(input_ids=mine, labels=mine).loss * (len(mine) / ROWS))
+    actor.step()
+    moved = sum(not torch.equal(_local(p), old) for p, old in zip(stepped, before, strict=True))
+    out["moved_after_reference"] = int(rt.all_sum(torch.tensor(float(moved))))
     with torch.no_grad():
         logits = actor(input_ids=ids).logits
     out["logits"] = [float(logits.sum()), float(logits.abs().sum())]
     merged = full_copy(actor.module, rt)   # the export's merge; collective
+    adapter = save_adapter(actor.module, tok, Path(tempfile.mkdtemp()) / "adapter", rt)
     if rt.is_main:
         weights = [v for v in merged.state_dict().values() if not v.is_meta]
         out["merged_weights"] = [float(sum(v.double().sum() for v in weights)),
                                  float(sum(v.double().abs().sum() for v in weights))]
+        lora = load_file(adapter / "adapter_model.safetensors")   # gathered whole
+        out["adapter_weights"] = [len(lora),   # no signed sum: it cancels to ~1e-4 of these
+                                  float(sum(v.double().abs().sum() for v in lora.values())),
+                                  float(sum(v.double().square().sum() for v in lora.values()))]
         print(json.dumps(out), flush=True)
     if rt.distributed:
         dist.barrier()
