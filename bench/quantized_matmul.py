@@ -2,13 +2,16 @@
 bandwidth bound, beside bf16 cuBLAS on the same shapes, in one run.
 
 For each matrix of a Llama decoder layer (QKV, output, gate+up, down; Llama 2 7B and 70B
-shapes) and each row count (1, 8 and 128 rows: decode steps at batch 1, 8 and step 3's
-128; 512: a prefill), it times, on one GPU:
+shapes) and each row count (1, 8 and 16 rows: decode steps at batch 1, 8 and 16, the
+largest presets' rollouts; 128: step 3's batch; 512: a prefill), it times, on one GPU:
   - bf16: F.linear on the bf16 weight (cuBLAS), the path of a full-precision copy;
   - int8 / int4: engine.kernels.quantized_linear on the INT8 / INT4 payload and its bf16
-    scales (block 64): at up to 16 rows the Triton kernel that dequantizes in registers
-    (split along K where the output tiles are few), past that this one matrix dequantized
-    by a kernel, then cuBLAS;
+    scales (block 64): up to 256 rows a Triton kernel that dequantizes in registers
+    (split along K where the output tiles are few; INT4 at up to 16 rows the decode
+    kernel, W the wide operand), past that this one matrix dequantized by a kernel, then
+    cuBLAS;
+  - int4 tiled: the tiled kernel alone (what INT4 used at up to 16 rows before the
+    decode kernel), up to 256 rows;
 and prints microseconds per call and the share of the bound: the bytes the call must read
 (weight, scales and x) and write over the card's measured copy bandwidth. Every kernel
 result is checked against x @ dequantize(W)^T first (bf16 rounding).
@@ -70,34 +73,39 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def one_shape(n_in: int, n_out: int, rows: int, device: torch.device, repeats: int,
               bandwidth: float) -> list[str]:
+    """One row of the table: each column's us per call and share of the bound, each
+    result checked first against x @ (its weight)^T."""
     gen = torch.Generator().manual_seed(n_in + n_out)
     weight = (torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5).to(torch.bfloat16)
     x = torch.randn(rows, n_in, generator=gen).to(device, torch.bfloat16)
-    cells = []
     dense = weight.to(device)
-    seconds = timed(lambda: F.linear(x, dense), device, repeats)
-    cells.append((seconds, dense.numel() * 2))
+    calls = [(lambda: F.linear(x, dense), dense.numel() * 2, dense)]   # (call, bytes, weight)
     for bits in (8, 4):
         payload, scales = (t.to(device) for t in quantize_weight(weight, bits, BLOCK,
                                                                  torch.bfloat16))
-        got = kernels.quantized_linear(x, payload, scales).float()
-        want = F.linear(x.float(), dequantize_weight(payload, scales).float())
-        error = (got - want).abs().max() / want.abs().max()
+        calls.append((lambda p=payload, s=scales: kernels.quantized_linear(x, p, s),
+                      payload.numel() + scales.numel() * 2, dequantize_weight(payload, scales)))
+    if rows <= kernels.FUSED_ROWS:   # INT4 through the tiled kernel (the decode kernel's
+        calls.append((lambda p=payload, s=scales: kernels.tiled_quantized_matmul(x, p, s, None),
+                      *calls[-1][1:]))   # predecessor at <= 16 rows)
+    cells = []
+    for call, weight_bytes, used in calls:
+        want = F.linear(x.float(), used.float())
+        error = (call().float() - want).abs().max() / want.abs().max()
         if error > 2 ** -6:
-            raise SystemExit(f"int{bits} {n_in}x{n_out}, {rows} rows: off by {error:.2e}")
-        seconds = timed(lambda p=payload, s=scales: kernels.quantized_linear(x, p, s), device,
-                        repeats)
-        cells.append((seconds, payload.numel() + scales.numel() * 2))
-    streamed = [w + 2 * rows * (n_in + n_out) for _, w in cells]   # weights, x, y
-    return [f"{s * 1e6:>8.1f} {b / bandwidth / s:>5.0%}" for (s, _), b in zip(cells, streamed,
-                                                                            strict=True)]
+            raise SystemExit(f"{n_in}x{n_out}, {rows} rows, column {len(cells) + 1}: "
+                             f"off by {error:.2e}")
+        seconds = timed(call, device, repeats)
+        streamed = weight_bytes + 2 * rows * (n_in + n_out)   # weights, x, y
+        cells.append(f"{seconds * 1e6:>8.1f} {streamed / bandwidth / seconds:>5.0%}")
+    return cells
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", nargs="+", default=["llama-7b", "llama-70b"])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128, 512])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 128, 512])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU harness check)")
     args = p.parse_args()
@@ -109,7 +117,7 @@ def main() -> None:
     print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s; "
           f"bf16 x, scales per {BLOCK}; us per call and share of the bandwidth bound")
     header = (f"{'model':<10} {'matrix':<8} {'in x out':>12} {'rows':>5} "
-              f"{'bf16 cuBLAS':>14} {'int8 kernel':>14} {'int4 kernel':>14}")
+              f"{'bf16 cuBLAS':>14} {'int8':>14} {'int4':>14} {'int4 tiled':>14}")
     print(header)
     print("-" * len(header))
     for model in models:

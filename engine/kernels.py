@@ -10,7 +10,8 @@ and writes the hidden state once instead of three or four times:
   quantized_linear  x @ W^T + b with W an INT8/INT4 payload and its block scales
              (engine/quantized_base.py's layout), dequantized in registers: decoding
              streams the integers, not a full-precision copy (a prefill dequantizes the
-             one matrix and runs cuBLAS)
+             one matrix and runs cuBLAS). INT4 at up to 16 rows of a 16-bit x:
+             int4_decode, W the wide operand and each nibble made a float by bits
 
 Both round where the Hugging Face modules round (the residual sum and the activation to
 the model's dtype) and compute the rest in fp32. The kernels are compiled on first use;
@@ -107,8 +108,10 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
     return tokens, bad.any()
 
 
-FUSED_ROWS = 256   # up to here the fused kernel (decode steps, RL batches of up to 256
+FUSED_ROWS = 256   # up to here the fused kernels (decode steps, RL batches of up to 256
                   # rows); past it (a prefill) cuBLAS on a dequantized copy of the matrix
+DECODE_ROWS = 16   # up to here (a decode step at batch <= 16) INT4 of a 16-bit x goes
+                   # through int4_decode_kernel, the rest through quantized_matmul_kernel
 
 
 def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
@@ -118,28 +121,91 @@ def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tenso
     dequantizes them in registers, split along K where the output tiles alone would
     leave SMs idle. A prefill (bound by its matmul): this one matrix dequantized by a
     kernel, then cuBLAS."""
-    from engine import triton_kernels as tk
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    (rows, k), n = flat.shape, payload.shape[0]
-    if rows > FUSED_ROWS:
+    if flat.shape[0] > FUSED_ROWS:
         return F.linear(x, dequantize(payload, scales, x.dtype), bias)
+    fused = (int4_decode if flat.shape[0] <= DECODE_ROWS and int4_decode_fits(flat, payload, scales)
+             else tiled_quantized_matmul)
+    return fused(flat, payload, scales, bias).view(*x.shape[:-1], payload.shape[0])
+
+
+def tiled_quantized_matmul(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows <= FUSED_ROWS, K] @ dequantize(payload, scales)^T + bias through
+    quantized_matmul_kernel (INT8 or INT4, any block, any dtype): x the left operand,
+    16-64 rows a tile, each tile of W dequantized in registers."""
+    from engine import triton_kernels as tk
+    (rows, k), n = flat.shape, payload.shape[0]
     tiles = _tiles(payload, scales, wide=False)
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     grid = (tk.triton.cdiv(rows, block_m), tk.triton.cdiv(n, tiles.block_n))
-    splits, k_per_split = split_k(grid[0] * grid[1], k, tiles.block_k, x.device)
-    out = (torch.empty(rows, n, dtype=x.dtype, device=x.device) if splits == 1 else
-           torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
+    splits, k_per_split = split_k(grid[0] * grid[1], k, tiles.block_k, flat.device)
+    out = _output(rows, n, splits, flat)
     tk.quantized_matmul_kernel[(*grid, splits)](
         flat, payload, scales, payload if bias is None else bias, out, rows, n, k,
         payload.shape[1], scales.shape[1], tiles.block, k_per_split, BITS=tiles.bits,
-        FP32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        FP32_DOT=flat.dtype == torch.float32 or _interpreted(),
         POW2_GROUP=tiles.pow2, CHUNK=tiles.chunk, FINAL=splits == 1,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, num_warps=4, num_stages=3)
-    if splits > 1:
-        out = out.sum(0) if bias is None else out.sum(0) + bias.float()
-        out = out.to(x.dtype)
-    return out.view(*x.shape[:-1], n)
+    return _summed(out, bias, flat.dtype)
+
+
+_MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}  # 128+n, 1024+n
+_WORDS = 32   # 32-bit words of a row a tile of int4_decode_kernel: 256 values
+
+
+def int4_decode_fits(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor) -> bool:
+    """int4_decode_kernel's conditions: a 16-bit float x, INT4 rows of whole 32-bit words
+    (4-byte aligned), a power-of-two block of at least 8 values (a word is in one block)."""
+    block = _block(payload, scales)
+    return (flat.dtype in _MAGIC and payload.dtype == torch.uint8 and payload.is_contiguous()
+            and payload.shape[1] % 4 == 0 and payload.storage_offset() % 4 == 0
+            and block >= 8 and block & (block - 1) == 0)
+
+
+def int4_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows <= DECODE_ROWS, K] @ dequantize(payload, scales)^T + bias through
+    int4_decode_kernel: x zero-padded to whole tiles and permuted within each (nibble s
+    of every word together), 64 outputs x 16 rows a program, split along K."""
+    from engine import triton_kernels as tk
+    (rows, k), n = flat.shape, payload.shape[0]
+    tile = 8 * _WORDS
+    padded = -(-k // tile) * tile
+    xp = (F.pad(flat, (0, padded - k)).view(rows, padded // tile, _WORDS, 8)
+          .transpose(2, 3).contiguous().view(rows, padded))
+    block, block_n = _block(payload, scales), 64
+    grid = (1, tk.triton.cdiv(n, block_n))
+    splits, k_per_split = split_k(grid[1], k, tile, flat.device)
+    out = _output(rows, n, splits, flat)
+    magic, offset = _MAGIC[flat.dtype]
+    tk.int4_decode_kernel[(*grid, splits)](
+        xp, payload.view(torch.int32), scales, payload if bias is None else bias, out, rows, n,
+        k, padded, payload.shape[1] // 4, scales.shape[1], block, k_per_split, MAGIC=magic,
+        OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1, HAS_BIAS=bias is not None,
+        BLOCK_M=DECODE_ROWS, BLOCK_N=block_n, WORDS=_WORDS, G=max(1, tile // block),
+        num_warps=4, num_stages=3)
+    return _summed(out, bias, flat.dtype)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _output(rows: int, n: int, splits: int, flat: torch.Tensor) -> torch.Tensor:
+    """The kernels' output: [rows, n] in x's dtype, or one fp32 part per K range."""
+    if splits == 1:
+        return torch.empty(rows, n, dtype=flat.dtype, device=flat.device)
+    return torch.empty(splits, rows, n, dtype=torch.float32, device=flat.device)
+
+
+def _summed(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The parts of a split-K output summed in fp32 (+ bias), in x's dtype."""
+    if out.dim() == 2:
+        return out
+    out = out.sum(0) if bias is None else out.sum(0) + bias.float()
+    return out.to(dtype)
 
 
 def split_k(n_tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:

@@ -189,3 +189,58 @@ def dequantize_kernel(payload_ptr, scales_ptr, out_ptr, N, K, row_bytes, groups,
                           BITS, POW2_GROUP, CHUNK, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + outs[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
              mask=(outs[:, None] < N) & (cols[None, :] < K))
+
+
+@triton.jit
+def int4_decode_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, x_stride,
+                       row_words, groups, block, k_per_split, MAGIC: tl.constexpr,
+                       OFFSET: tl.constexpr, FP32_DOT: tl.constexpr, FINAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       WORDS: tl.constexpr, G: tl.constexpr):
+    """A decode step's x [M <= BLOCK_M, K] @ W^T for an INT4 W read as 32-bit words (8
+    values a word: value 8j + s in nibble s of word j), computed transposed, W's tile as
+    the left operand [BLOCK_N, WORDS] per nibble s: the big operand goes straight from
+    registers into the tensor cores and the few rows of x are the narrow one (the other
+    way round, every warp re-reads all of x's tile for its slice of W). x comes permuted
+    per tile of 8 * WORDS values (xp: nibble s's values contiguous), so each of the 8
+    nibbles is one dot with no interleaving. A nibble becomes x's 16-bit float exactly
+    by bits, MAGIC | n = OFFSET - 8 + n, minus OFFSET: two integer ops and a subtraction
+    instead of a conversion per value; times its scale (one per `block` values, G per
+    tile) rounded once, as the dequantized copy rounds it. Split-K over program_id(2)
+    as quantized_matmul_kernel."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    TILE: tl.constexpr = 8 * WORDS
+    j = tl.arange(0, WORDS)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), TILE):
+        words = tl.load(words_ptr + outs[:, None] * row_words + (k0 // 8 + j)[None, :],
+                        mask=(outs[:, None] < N) & ((k0 // 8 + j)[None, :] < row_words),
+                        other=0)
+        tile_groups = (k0 + tl.arange(0, G) * (TILE // G)) // block
+        scale = tl.load(scales_ptr + outs[:, None] * groups + tile_groups[None, :],
+                        mask=(outs[:, None] < N) & (tile_groups[None, :] < groups), other=0.0)
+        for s in tl.static_range(8):
+            bits = ((words >> (4 * s)) & 15).to(tl.uint16) | MAGIC
+            w = bits.to(xp_ptr.dtype.element_ty, bitcast=True)
+            xs = tl.load(xp_ptr + rows[:, None] * x_stride + (k0 + s * WORDS + j)[None, :],
+                         mask=rows[:, None] < M, other=0.0)
+            if FP32_DOT:   # the interpreter: its 16-bit arithmetic and dot are wrong
+                w = tl.reshape(tl.reshape(w.to(tl.float32) - OFFSET, (BLOCK_N, G, WORDS // G))
+                               * scale.to(tl.float32)[:, :, None], (BLOCK_N, WORDS))
+                acc = tl.dot(w.to(xs.dtype).to(tl.float32), tl.trans(xs.to(tl.float32)), acc,
+                             input_precision="ieee")
+            else:
+                w = tl.reshape(tl.reshape(w - OFFSET, (BLOCK_N, G, WORDS // G))
+                               * scale[:, :, None], (BLOCK_N, WORDS))
+                acc = tl.dot(w, tl.trans(xs), acc)
+    out = tl.trans(acc)
+    mask = (rows[:, None] < M) & (outs[None, :] < N)
+    if FINAL:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * N + outs[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (split * M + rows[:, None]) * N + outs[None, :], out, mask=mask)

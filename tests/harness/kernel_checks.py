@@ -205,6 +205,36 @@ def test_a_decode_step_split_along_k_is_the_dequantized_matmul(bits, block, rows
     assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# K: one tile and a part (384: the last tile masked), 4 tiles, or 12 split along K (3072);
+# blocks: 16 groups a tile, 4, and one over two tiles; 150 outputs: a part of a tile
+@pytest.mark.parametrize("rows,k,block", [(1, 3072, 64), (16, 384, 16), (5, 1024, 512)])
+def test_the_int4_decode_kernel_is_the_dequantized_matmul(dtype, rows, k, block):
+    """At up to 16 rows of a 16-bit x, INT4 goes through int4_decode_kernel (W the wide
+    operand, each nibble turned into x's dtype by bits) and equals x @ dequantize(W)^T +
+    b to the dtype's rounding, as the tiled kernel does; with and without bias."""
+    import torch.nn.functional as F
+
+    from engine.quantized_base import dequantize_weight, quantize_weight
+
+    gen = torch.Generator().manual_seed(rows + k + block)
+    n = 150
+    payload, scales = quantize_weight(torch.randn(n, k, generator=gen), 4, block, dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    assert kernels.int4_decode_fits(x, payload, scales)
+    want = F.linear(x.float(), dequantize_weight(payload, scales, dtype).float(), bias.float())
+    args = [t.to(DEVICE) for t in (x, payload, scales)]
+    got = kernels.quantized_linear(*args, bias.to(DEVICE)).cpu()
+    tiled = kernels.tiled_quantized_matmul(*args, bias.to(DEVICE)).cpu()
+    assert got.shape == (rows, n) and got.dtype == dtype
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10   # and the interpreter truncates
+    assert (got.float() - want).abs().max() <= 2 * ulp * want.abs().max()
+    assert (tiled.float() - want).abs().max() <= 2 * ulp * want.abs().max()
+    no_bias = kernels.quantized_linear(*args).cpu()
+    assert (no_bias.float() - (want - bias.float())).abs().max() <= 2 * ulp * want.abs().max()
+
+
 @pytest.mark.parametrize("bits,block", [(4, 64), (8, 16), (4, 96)])
 def test_the_dequantize_kernel_is_dequantize_weight_exactly(bits, block):
     """The prefill's matrix: the same bf16 values as engine.quantized_base's formula (the
