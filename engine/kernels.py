@@ -153,6 +153,7 @@ def tiled_quantized_matmul(flat: torch.Tensor, payload: torch.Tensor, scales: to
 
 _MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}  # 128+n, 1024+n
 _WORDS = 32   # 32-bit words of a row a tile of int4_decode_kernel: 256 values
+_DECODE_OUTPUTS = 64   # rows of W a program: one warpgroup's tensor-core tile (sm_90)
 
 
 def int4_decode_fits(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -175,8 +176,8 @@ def int4_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
     padded = -(-k // tile) * tile
     xp = (F.pad(flat, (0, padded - k)).view(rows, padded // tile, _WORDS, 8)
           .transpose(2, 3).contiguous().view(rows, padded))
-    block, block_n = _block(payload, scales), 64
-    grid = (1, tk.triton.cdiv(n, block_n))
+    block = _block(payload, scales)
+    grid = (1, tk.triton.cdiv(n, _DECODE_OUTPUTS))
     splits, k_per_split = split_k(grid[1], k, tile, flat.device)
     out = _output(rows, n, splits, flat)
     magic, offset = _MAGIC[flat.dtype]
@@ -184,7 +185,7 @@ def int4_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
         xp, payload.view(torch.int32), scales, payload if bias is None else bias, out, rows, n,
         k, padded, payload.shape[1] // 4, scales.shape[1], block, k_per_split, MAGIC=magic,
         OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1, HAS_BIAS=bias is not None,
-        BLOCK_M=DECODE_ROWS, BLOCK_N=block_n, WORDS=_WORDS, G=max(1, tile // block),
+        BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS, WORDS=_WORDS, G=max(1, tile // block),
         num_warps=4, num_stages=3)
     return _summed(out, bias, flat.dtype)
 
