@@ -253,6 +253,35 @@ def test_the_dequantize_kernel_is_dequantize_weight_exactly(bits, block):
         assert torch.equal(got, toward_zero.to(torch.bfloat16))
 
 
+def _quantized_lora_model(preset: str, bits: int, dtype: torch.dtype):
+    """(model, runtime): `preset` with LoRA rank 4 over an INT8/INT4 base (block 64) in
+    `dtype`, its B factors random (so that the adapters change the outputs)."""
+    from engine.config import EngineConfig, LoraConfig, QuantizedBaseConfig
+    from engine.models import byte_tokenizer
+    from engine.placement import Placement
+    from engine.runtime import Runtime
+
+    runtime = Runtime(DEVICE, dtype, 0, 1, 0)
+    placement = Placement(runtime, EngineConfig(quantized_base=QuantizedBaseConfig(True, bits, 64)),
+                          {"policy": 3, "scorer": 3})
+    model = placement.causal_lm(preset, byte_tokenizer(), trained=True,
+                                lora=LoraConfig(dim=4, alpha=8), seed=3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0))
+                            .to(param.device) * 0.05)
+    return model, runtime
+
+
+def _inference_form(model, runtime, quantized: bool):
+    from engine.config import HybridConfig, OptimConfig
+    from engine.hybrid import HybridEngine
+
+    return HybridEngine(model, OptimConfig(), 1, runtime, lr=1e-3, hybrid=HybridConfig(
+        quantized_inference=quantized))._gather().model
+
+
 @pytest.mark.parametrize("preset,bits,in_place", [("tiny-llama", 4, True), ("tiny-llama", 4, False),
                                                   ("tiny-opt", 8, True)])
 def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantized_path(
@@ -263,43 +292,52 @@ def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantize
     from engine import decode, hybrid
     if not in_place:
         monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
-    from engine.config import (
-        EngineConfig,
-        HybridConfig,
-        LoraConfig,
-        OptimConfig,
-        QuantizedBaseConfig,
-    )
     from engine.generation import SamplingSettings
-    from engine.hybrid import HybridEngine
     from engine.models import byte_tokenizer
-    from engine.placement import Placement
-    from engine.runtime import Runtime
     from steps.tokenize import collate_prompts
     from tests.harness.hybrid_check import PROMPTS
 
     tok = byte_tokenizer()
-    runtime = Runtime(DEVICE, torch.float32, 0, 1, 0)
-    placement = Placement(runtime, EngineConfig(quantized_base=QuantizedBaseConfig(True, bits, 64)),
-                          {"policy": 3, "scorer": 3})
-    model = placement.causal_lm(preset, tok, trained=True, lora=LoraConfig(dim=4, alpha=8),
-                                seed=3)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0))
-                            .to(param.device) * 0.05)
+    model, runtime = _quantized_lora_model(preset, bits, torch.float32)
     batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
     sampling = SamplingSettings(max_new_tokens=4, do_sample=False)
     kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     answers = []
     for quantized in (True, False):
-        decoder = HybridEngine(model, OptimConfig(), 1, runtime, lr=1e-3, hybrid=HybridConfig(
-            quantized_inference=quantized))._gather().model
+        decoder = _inference_form(model, runtime, quantized)
         # the reference runs the plain PyTorch formulas: the fused ones give the same tokens
         # (test_decoder_with_fused_kernels_matches_hf_generate), and are slow interpreted
         decoder.use_fused_kernels(quantized or DEVICE.type == "cuda")
         answers.append(decode.generate(decoder, batch["input_ids"], batch["attention_mask"],
                                        sampling, **kwargs))
     assert torch.equal(answers[0], answers[1])
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_bf16_decode_step_from_an_int4_base_goes_through_the_decode_kernel(in_place,
+                                                                            monkeypatch):
+    """In bf16, a decode step's projections of the INT4 inference form (fused Q/K/V and
+    gate/up with LoRA; the base's integers in place, one matmul per source, or a gathered
+    copy) run int4_decode_kernel and give the dequantized formula's outputs to bf16
+    rounding."""
+    from engine import hybrid
+    from engine.quantized_inference import QuantizedProjection
+    if not in_place:
+        monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
+    calls = []
+    decode_kernel = kernels.int4_decode
+    monkeypatch.setattr(kernels, "int4_decode", lambda *a: calls.append(1) or decode_kernel(*a))
+    decoder = _inference_form(*_quantized_lora_model("tiny-llama", 4, torch.bfloat16), True)
+    projections = [m for m in decoder.modules() if isinstance(m, QuantizedProjection)]
+    # in place, a fused projection runs one matmul per source
+    assert any(len(m.integer_parts()) > 1 for m in projections) == in_place
+    gen = torch.Generator().manual_seed(0)
+    for module in projections:
+        in_features = 2 * module.integer_parts()[0][0].shape[1]   # two INT4 values a byte
+        x = torch.randn(5, in_features, generator=gen).to(DEVICE, torch.bfloat16)
+        module.fused = False
+        want = module(x)
+        module.fused = True
+        _assert_close(module(x), want)
+    assert len(calls) >= len(projections)
