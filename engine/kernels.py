@@ -183,10 +183,10 @@ def int4_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
     magic, offset = _MAGIC[flat.dtype]
     tk.int4_decode_kernel[(*grid, splits)](
         xp, payload.view(torch.int32), scales, payload if bias is None else bias, out, rows, n,
-        k, padded, payload.shape[1] // 4, scales.shape[1], block, k_per_split, MAGIC=magic,
-        OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1, HAS_BIAS=bias is not None,
-        BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS, WORDS=_WORDS, G=max(1, tile // block),
-        num_warps=4, num_stages=3)
+        k, padded, payload.shape[1] // 4, scales.shape[1], block.bit_length() - 1, k_per_split,
+        MAGIC=magic, OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1,
+        HAS_BIAS=bias is not None, BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS, WORDS=_WORDS,
+        G=max(1, tile // block), num_warps=4, num_stages=3)
     return _summed(out, bias, flat.dtype)
 
 

@@ -192,8 +192,27 @@ def dequantize_kernel(payload_ptr, scales_ptr, out_ptr, N, K, row_bytes, groups,
 
 
 @triton.jit
+def _nibble_dot(acc, bits, scale, xp_ptr, rows, M, x_stride, x0, j, OFFSET: tl.constexpr,
+                FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                G: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + (bits as x's float - OFFSET, times scale) @ xp[rows,
+    x0:x0 + WORDS]^T."""
+    w = bits.to(xp_ptr.dtype.element_ty, bitcast=True)
+    xs = tl.load(xp_ptr + rows[:, None] * x_stride + (x0 + j)[None, :], mask=rows[:, None] < M,
+                 other=0.0)
+    if FP32_DOT:   # the interpreter: its 16-bit arithmetic and dot are wrong
+        w = tl.reshape(tl.reshape(w.to(tl.float32) - OFFSET, (BLOCK_N, G, WORDS // G))
+                       * scale.to(tl.float32)[:, :, None], (BLOCK_N, WORDS))
+        return tl.dot(w.to(xs.dtype).to(tl.float32), tl.trans(xs.to(tl.float32)), acc,
+                      input_precision="ieee")
+    w = tl.reshape(tl.reshape(w - OFFSET, (BLOCK_N, G, WORDS // G)) * scale[:, :, None],
+                   (BLOCK_N, WORDS))
+    return tl.dot(w, tl.trans(xs), acc)
+
+
+@triton.jit
 def int4_decode_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, x_stride,
-                       row_words, groups, block, k_per_split, MAGIC: tl.constexpr,
+                       row_words, groups, block_shift, k_per_split, MAGIC: tl.constexpr,
                        OFFSET: tl.constexpr, FP32_DOT: tl.constexpr, FINAL: tl.constexpr,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        WORDS: tl.constexpr, G: tl.constexpr):
@@ -204,10 +223,10 @@ def int4_decode_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K
     way round, every warp re-reads all of x's tile for its slice of W). x comes permuted
     per tile of 8 * WORDS values (xp: nibble s's values contiguous), so each of the 8
     nibbles is one dot with no interleaving. A nibble becomes x's 16-bit float exactly
-    by bits, MAGIC | n = OFFSET - 8 + n, minus OFFSET: two integer ops and a subtraction
-    instead of a conversion per value; times its scale (one per `block` values, G per
-    tile) rounded once, as the dequantized copy rounds it. Split-K over program_id(2)
-    as quantized_matmul_kernel."""
+    by bits, MAGIC | n = OFFSET - 8 + n, minus OFFSET, two at once (nibbles s and s + 4
+    are 16 bits apart): no int-to-float conversion; times its scale (one per
+    2^block_shift values, G per tile) rounded once, as the dequantized copy rounds it.
+    Split-K over program_id(2) as quantized_matmul_kernel."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -218,23 +237,17 @@ def int4_decode_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K
         words = tl.load(words_ptr + outs[:, None] * row_words + (k0 // 8 + j)[None, :],
                         mask=(outs[:, None] < N) & ((k0 // 8 + j)[None, :] < row_words),
                         other=0)
-        tile_groups = (k0 + tl.arange(0, G) * (TILE // G)) // block
+        tile_groups = (k0 + tl.arange(0, G) * (TILE // G)) >> block_shift
         scale = tl.load(scales_ptr + outs[:, None] * groups + tile_groups[None, :],
                         mask=(outs[:, None] < N) & (tile_groups[None, :] < groups), other=0.0)
-        for s in tl.static_range(8):
-            bits = ((words >> (4 * s)) & 15).to(tl.uint16) | MAGIC
-            w = bits.to(xp_ptr.dtype.element_ty, bitcast=True)
-            xs = tl.load(xp_ptr + rows[:, None] * x_stride + (k0 + s * WORDS + j)[None, :],
-                         mask=rows[:, None] < M, other=0.0)
-            if FP32_DOT:   # the interpreter: its 16-bit arithmetic and dot are wrong
-                w = tl.reshape(tl.reshape(w.to(tl.float32) - OFFSET, (BLOCK_N, G, WORDS // G))
-                               * scale.to(tl.float32)[:, :, None], (BLOCK_N, WORDS))
-                acc = tl.dot(w.to(xs.dtype).to(tl.float32), tl.trans(xs.to(tl.float32)), acc,
-                             input_precision="ieee")
-            else:
-                w = tl.reshape(tl.reshape(w - OFFSET, (BLOCK_N, G, WORDS // G))
-                               * scale[:, :, None], (BLOCK_N, WORDS))
-                acc = tl.dot(w, tl.trans(xs), acc)
+        for s in tl.static_range(4):
+            # nibbles s and s + 4 at once: bits 16 apart, one 16-bit float each
+            pair = ((words >> (4 * s)) & 0x000F000F) | (MAGIC | (MAGIC << 16))
+            acc = _nibble_dot(acc, pair.to(tl.uint16), scale, xp_ptr, rows, M, x_stride,
+                              k0 + s * WORDS, j, OFFSET, FP32_DOT, BLOCK_N, WORDS, G)
+            acc = _nibble_dot(acc, (pair >> 16).to(tl.uint16), scale, xp_ptr, rows, M,
+                              x_stride, k0 + (s + 4) * WORDS, j, OFFSET, FP32_DOT, BLOCK_N,
+                              WORDS, G)
     out = tl.trans(acc)
     mask = (rows[:, None] < M) & (outs[None, :] < N)
     if FINAL:
