@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 if [ "$part" = a ]; then
   step 80 python3 -m pytest -q -p no:cacheprovider tests/harness/kernel_checks.py
   # the table of sizes (a row as each ends; llama-70b alone took 161 s on 2026-11-28)
-  step 45 python3 bench/quantized_matmul.py --models llama-70b --rows 1 16   # decode vs tiled
+  step 60 python3 bench/quantized_matmul.py --models llama-70b --rows 1 16   # decode vs tiled
   step 340 python3 bench/largest.py --presets llama-13b llama-34b llama-70b --iterations 5 \
     --out /tmp/largest
   for run in /tmp/largest/*-grpo; do   # each size's metrics and log

@@ -7,11 +7,10 @@ largest presets' rollouts; 128: step 3's batch; 512: a prefill), it times, on on
   - bf16: F.linear on the bf16 weight (cuBLAS), the path of a full-precision copy;
   - int8 / int4: engine.kernels.quantized_linear on the INT8 / INT4 payload and its bf16
     scales (block 64): up to 256 rows a Triton kernel that dequantizes in registers
-    (split along K where the output tiles are few; INT4 at up to 16 rows the decode
-    kernel, W the wide operand), past that this one matrix dequantized by a kernel, then
-    cuBLAS;
-  - int4 tiled: the tiled kernel alone (what INT4 used at up to 16 rows before the
-    decode kernel), up to 256 rows;
+    (split along K where the output tiles are few; at up to 16 rows the decode kernel,
+    W the wide operand), past that this one matrix dequantized by a kernel, then cuBLAS;
+  - int8 / int4 tiled: the tiled kernel alone (what up to 16 rows used before the decode
+    kernel), up to 256 rows;
 and prints microseconds per call and the share of the bound: the bytes the call must read
 (weight, scales and x) and write over the card's measured copy bandwidth. Every kernel
 result is checked against x @ dequantize(W)^T first (bf16 rounding).
@@ -85,11 +84,15 @@ def one_shape(n_in: int, n_out: int, rows: int, device: torch.device, repeats: i
                                                                  torch.bfloat16))
         calls.append((lambda p=payload, s=scales: kernels.quantized_linear(x, p, s),
                       payload.numel() + scales.numel() * 2, dequantize_weight(payload, scales)))
-    if rows <= kernels.FUSED_ROWS:   # INT4 through the tiled kernel (the decode kernel's
-        calls.append((lambda p=payload, s=scales: kernels.tiled_quantized_matmul(x, p, s, None),
-                      *calls[-1][1:]))   # predecessor at <= 16 rows)
+        # the tiled kernel alone (the decode kernel's predecessor at <= 16 rows)
+        calls.append((lambda p=payload, s=scales: kernels.tiled_quantized_matmul(
+            x, p, s, None), *calls[-1][1:]) if rows <= kernels.FUSED_ROWS else None)
     cells = []
-    for call, weight_bytes, used in calls:
+    for column in calls:
+        if column is None:
+            cells.append("-")
+            continue
+        call, weight_bytes, used = column
         want = F.linear(x.float(), used.float())
         error = (call().float() - want).abs().max() / want.abs().max()
         if error > 2 ** -6:
@@ -117,7 +120,8 @@ def main() -> None:
     print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s; "
           f"bf16 x, scales per {BLOCK}; us per call and share of the bandwidth bound")
     header = (f"{'model':<10} {'matrix':<8} {'in x out':>12} {'rows':>5} "
-              f"{'bf16 cuBLAS':>14} {'int8':>14} {'int4':>14} {'int4 tiled':>14}")
+              f"{'bf16 cuBLAS':>14} {'int8':>14} {'int8 tiled':>14} {'int4':>14} "
+              f"{'int4 tiled':>14}")
     print(header)
     print("-" * len(header))
     for model in models:

@@ -10,8 +10,8 @@ and writes the hidden state once instead of three or four times:
   quantized_linear  x @ W^T + b with W an INT8/INT4 payload and its block scales
              (engine/quantized_base.py's layout), dequantized in registers: decoding
              streams the integers, not a full-precision copy (a prefill dequantizes the
-             one matrix and runs cuBLAS). INT4 at up to 16 rows of a 16-bit x:
-             int4_decode, W the wide operand and each nibble made a float by bits
+             one matrix and runs cuBLAS). At up to 16 rows of a 16-bit x:
+             quantized_decode, W the wide operand (INT4 nibbles made floats by bits)
 
 Both round where the Hugging Face modules round (the residual sum and the activation to
 the model's dtype) and compute the rest in fp32. The kernels are compiled on first use;
@@ -110,8 +110,8 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
 
 FUSED_ROWS = 256   # up to here the fused kernels (decode steps, RL batches of up to 256
                   # rows); past it (a prefill) cuBLAS on a dequantized copy of the matrix
-DECODE_ROWS = 16   # up to here (a decode step at batch <= 16) INT4 of a 16-bit x goes
-                   # through int4_decode_kernel, the rest through quantized_matmul_kernel
+DECODE_ROWS = 16   # up to here (a decode step at batch <= 16) INT8/INT4 of a 16-bit x go
+                   # through decode_matmul_kernel, the rest through quantized_matmul_kernel
 
 
 def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
@@ -124,8 +124,8 @@ def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tenso
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if flat.shape[0] > FUSED_ROWS:
         return F.linear(x, dequantize(payload, scales, x.dtype), bias)
-    fused = (int4_decode if flat.shape[0] <= DECODE_ROWS and int4_decode_fits(flat, payload, scales)
-             else tiled_quantized_matmul)
+    fused = (quantized_decode if flat.shape[0] <= DECODE_ROWS
+             and decode_fits(flat, payload, scales) else tiled_quantized_matmul)
     return fused(flat, payload, scales, bias).view(*x.shape[:-1], payload.shape[0])
 
 
@@ -152,39 +152,40 @@ def tiled_quantized_matmul(flat: torch.Tensor, payload: torch.Tensor, scales: to
 
 
 _MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0)}  # 128+n, 1024+n
-_WORDS = 32   # 32-bit words of a row a tile of int4_decode_kernel: 256 values
+_WORDS = 32   # 32-bit words of a row a tile of decode_matmul_kernel: 128 (INT8) or 256 values
 _DECODE_OUTPUTS = 64   # rows of W a program: one warpgroup's tensor-core tile (sm_90)
 
 
-def int4_decode_fits(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor) -> bool:
-    """int4_decode_kernel's conditions: a 16-bit float x, INT4 rows of whole 32-bit words
-    (4-byte aligned), a power-of-two block of at least 8 values (a word is in one block)."""
-    block = _block(payload, scales)
-    return (flat.dtype in _MAGIC and payload.dtype == torch.uint8 and payload.is_contiguous()
-            and payload.shape[1] % 4 == 0 and payload.storage_offset() % 4 == 0
-            and block >= 8 and block & (block - 1) == 0)
+def decode_fits(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor) -> bool:
+    """decode_matmul_kernel's conditions: a 16-bit float x, rows of whole 32-bit words
+    (4-byte aligned), a power-of-two block of at least a word's values (4 or 8)."""
+    block, per_word = _block(payload, scales), 4 if payload.dtype == torch.int8 else 8
+    return (flat.dtype in _MAGIC and payload.is_contiguous() and payload.shape[1] % 4 == 0
+            and payload.storage_offset() % 4 == 0 and block >= per_word
+            and block & (block - 1) == 0)
 
 
-def int4_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def quantized_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows <= DECODE_ROWS, K] @ dequantize(payload, scales)^T + bias through
-    int4_decode_kernel: x zero-padded to whole tiles and permuted within each (nibble s
+    decode_matmul_kernel: x zero-padded to whole tiles and permuted within each (value s
     of every word together), 64 outputs x 16 rows a program, split along K."""
     from engine import triton_kernels as tk
     (rows, k), n = flat.shape, payload.shape[0]
-    tile = 8 * _WORDS
+    bits = 8 if payload.dtype == torch.int8 else 4
+    per_word, block = 32 // bits, _block(payload, scales)
+    tile = per_word * _WORDS
     padded = -(-k // tile) * tile
-    xp = (F.pad(flat, (0, padded - k)).view(rows, padded // tile, _WORDS, 8)
+    xp = (F.pad(flat, (0, padded - k)).view(rows, padded // tile, _WORDS, per_word)
           .transpose(2, 3).contiguous().view(rows, padded))
-    block = _block(payload, scales)
     grid = (1, tk.triton.cdiv(n, _DECODE_OUTPUTS))
     splits, k_per_split = split_k(grid[1], k, tile, flat.device)
     out = _output(rows, n, splits, flat)
     magic, offset = _MAGIC[flat.dtype]
-    tk.int4_decode_kernel[(*grid, splits)](
+    tk.decode_matmul_kernel[(*grid, splits)](
         xp, payload.view(torch.int32), scales, payload if bias is None else bias, out, rows, n,
         k, padded, payload.shape[1] // 4, scales.shape[1], block.bit_length() - 1, k_per_split,
-        MAGIC=magic, OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1,
+        BITS=bits, MAGIC=magic, OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1,
         HAS_BIAS=bias is not None, BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS, WORDS=_WORDS,
         G=max(1, tile // block), num_warps=4, num_stages=3)
     return _summed(out, bias, flat.dtype)

@@ -192,62 +192,74 @@ def dequantize_kernel(payload_ptr, scales_ptr, out_ptr, N, K, row_bytes, groups,
 
 
 @triton.jit
-def _nibble_dot(acc, bits, scale, xp_ptr, rows, M, x_stride, x0, j, OFFSET: tl.constexpr,
-                FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                G: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + (bits as x's float - OFFSET, times scale) @ xp[rows,
-    x0:x0 + WORDS]^T."""
-    w = bits.to(xp_ptr.dtype.element_ty, bitcast=True)
+def _scaled_dot(acc, w, scale, xp_ptr, rows, M, x_stride, x0, j, FP32_DOT: tl.constexpr,
+                BLOCK_N: tl.constexpr, WORDS: tl.constexpr, G: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + (w times its scale, rounded to x's dtype) @ xp[rows, x0:x0 +
+    WORDS]^T; w [BLOCK_N, WORDS]: exact integers in x's dtype, or in fp32 under FP32_DOT
+    (the interpreter, whose 16-bit arithmetic and dot are wrong; the dot then in fp32)."""
     xs = tl.load(xp_ptr + rows[:, None] * x_stride + (x0 + j)[None, :], mask=rows[:, None] < M,
                  other=0.0)
-    if FP32_DOT:   # the interpreter: its 16-bit arithmetic and dot are wrong
-        w = tl.reshape(tl.reshape(w.to(tl.float32) - OFFSET, (BLOCK_N, G, WORDS // G))
-                       * scale.to(tl.float32)[:, :, None], (BLOCK_N, WORDS))
+    w = tl.reshape(tl.reshape(w, (BLOCK_N, G, WORDS // G)) * scale.to(w.dtype)[:, :, None],
+                   (BLOCK_N, WORDS))
+    if FP32_DOT:
         return tl.dot(w.to(xs.dtype).to(tl.float32), tl.trans(xs.to(tl.float32)), acc,
                       input_precision="ieee")
-    w = tl.reshape(tl.reshape(w - OFFSET, (BLOCK_N, G, WORDS // G)) * scale[:, :, None],
-                   (BLOCK_N, WORDS))
     return tl.dot(w, tl.trans(xs), acc)
 
 
 @triton.jit
-def int4_decode_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, x_stride,
-                       row_words, groups, block_shift, k_per_split, MAGIC: tl.constexpr,
-                       OFFSET: tl.constexpr, FP32_DOT: tl.constexpr, FINAL: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       WORDS: tl.constexpr, G: tl.constexpr):
-    """A decode step's x [M <= BLOCK_M, K] @ W^T for an INT4 W read as 32-bit words (8
-    values a word: value 8j + s in nibble s of word j), computed transposed, W's tile as
-    the left operand [BLOCK_N, WORDS] per nibble s: the big operand goes straight from
-    registers into the tensor cores and the few rows of x are the narrow one (the other
-    way round, every warp re-reads all of x's tile for its slice of W). x comes permuted
-    per tile of 8 * WORDS values (xp: nibble s's values contiguous), so each of the 8
-    nibbles is one dot with no interleaving. A nibble becomes x's 16-bit float exactly
-    by bits, MAGIC | n = OFFSET - 8 + n, minus OFFSET, two at once (nibbles s and s + 4
-    are 16 bits apart): no int-to-float conversion; times its scale (one per
-    2^block_shift values, G per tile) rounded once, as the dequantized copy rounds it.
-    Split-K over program_id(2) as quantized_matmul_kernel."""
+def _nibbles(bits, OFFSET: tl.constexpr, dtype: tl.constexpr, FP32_DOT: tl.constexpr):
+    """16-bit patterns MAGIC | n -> the integers n - 8, exactly (see decode_matmul_kernel)."""
+    w = bits.to(tl.uint16).to(dtype, bitcast=True)
+    return w.to(tl.float32) - OFFSET if FP32_DOT else w - OFFSET
+
+
+@triton.jit
+def decode_matmul_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, x_stride,
+                         row_words, groups, block_shift, k_per_split, BITS: tl.constexpr,
+                         MAGIC: tl.constexpr, OFFSET: tl.constexpr, FP32_DOT: tl.constexpr,
+                         FINAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, WORDS: tl.constexpr, G: tl.constexpr):
+    """A decode step's x [M <= BLOCK_M, K] @ W^T for an INT8/INT4 W read as 32-bit words
+    (PER = 4 or 8 values a word: value PER * j + s in byte or nibble s of word j),
+    computed transposed, W's tile the left operand [BLOCK_N, WORDS] per s: the big
+    operand goes straight from registers into the tensor cores and the few rows of x are
+    the narrow one (the other way round, every warp re-reads all of x's tile for its
+    slice of W). x comes permuted per tile of PER * WORDS values (xp: value s of every
+    word contiguous), so each s is one dot with no interleaving. INT4: a nibble becomes
+    x's 16-bit float by bits, MAGIC | n = OFFSET - 8 + n, minus OFFSET, two at once
+    (nibbles s and s + 4 are 16 bits apart), no int-to-float conversion; INT8: a byte
+    sign-extended and converted. Times its scale (one per 2^block_shift values, G per
+    tile), rounded once as the dequantized copy rounds it. Split-K over program_id(2) as
+    quantized_matmul_kernel."""
+    PER: tl.constexpr = 32 // BITS
+    TILE: tl.constexpr = PER * WORDS
+    dtype: tl.constexpr = xp_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
-    TILE: tl.constexpr = 8 * WORDS
     j = tl.arange(0, WORDS)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), TILE):
-        words = tl.load(words_ptr + outs[:, None] * row_words + (k0 // 8 + j)[None, :],
-                        mask=(outs[:, None] < N) & ((k0 // 8 + j)[None, :] < row_words),
+        words = tl.load(words_ptr + outs[:, None] * row_words + (k0 // PER + j)[None, :],
+                        mask=(outs[:, None] < N) & ((k0 // PER + j)[None, :] < row_words),
                         other=0)
         tile_groups = (k0 + tl.arange(0, G) * (TILE // G)) >> block_shift
         scale = tl.load(scales_ptr + outs[:, None] * groups + tile_groups[None, :],
                         mask=(outs[:, None] < N) & (tile_groups[None, :] < groups), other=0.0)
         for s in tl.static_range(4):
-            # nibbles s and s + 4 at once: bits 16 apart, one 16-bit float each
-            pair = ((words >> (4 * s)) & 0x000F000F) | (MAGIC | (MAGIC << 16))
-            acc = _nibble_dot(acc, pair.to(tl.uint16), scale, xp_ptr, rows, M, x_stride,
-                              k0 + s * WORDS, j, OFFSET, FP32_DOT, BLOCK_N, WORDS, G)
-            acc = _nibble_dot(acc, (pair >> 16).to(tl.uint16), scale, xp_ptr, rows, M,
-                              x_stride, k0 + (s + 4) * WORDS, j, OFFSET, FP32_DOT, BLOCK_N,
-                              WORDS, G)
+            if BITS == 4:
+                pair = ((words >> (4 * s)) & 0x000F000F) | (MAGIC | (MAGIC << 16))
+                acc = _scaled_dot(acc, _nibbles(pair, OFFSET, dtype, FP32_DOT), scale, xp_ptr,
+                                  rows, M, x_stride, k0 + s * WORDS, j, FP32_DOT, BLOCK_N,
+                                  WORDS, G)
+                acc = _scaled_dot(acc, _nibbles(pair >> 16, OFFSET, dtype, FP32_DOT), scale,
+                                  xp_ptr, rows, M, x_stride, k0 + (s + 4) * WORDS, j, FP32_DOT,
+                                  BLOCK_N, WORDS, G)
+            else:
+                w = ((words << (24 - 8 * s)) >> 24).to(tl.float32)   # byte s, signed
+                acc = _scaled_dot(acc, w if FP32_DOT else w.to(dtype), scale, xp_ptr, rows, M,
+                                  x_stride, k0 + s * WORDS, j, FP32_DOT, BLOCK_N, WORDS, G)
     out = tl.trans(acc)
     mask = (rows[:, None] < M) & (outs[None, :] < N)
     if FINAL:

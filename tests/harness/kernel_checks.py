@@ -205,24 +205,27 @@ def test_a_decode_step_split_along_k_is_the_dequantized_matmul(bits, block, rows
     assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-# K: one tile and a part (384: the last tile masked), 4 tiles, or 12 split along K (3072);
-# blocks: 16 groups a tile, 4, and one over two tiles; 150 outputs: a part of a tile
-@pytest.mark.parametrize("rows,k,block", [(1, 3072, 64), (16, 384, 16), (5, 1024, 512)])
-def test_the_int4_decode_kernel_is_the_dequantized_matmul(dtype, rows, k, block):
-    """At up to 16 rows of a 16-bit x, INT4 goes through int4_decode_kernel (W the wide
-    operand, each nibble turned into x's dtype by bits) and equals x @ dequantize(W)^T +
-    b to the dtype's rounding, as the tiled kernel does; with and without bias."""
+@pytest.mark.parametrize("bits", [8, 4])
+# K: 12-24 tiles split along K (3072), a tile or two and a part (384: the last tile
+# masked), 4-8 tiles; blocks: a group or several a tile, one over two or more tiles; 150
+# outputs: a part of a tile
+@pytest.mark.parametrize("dtype,rows,k,block", [(torch.bfloat16, 1, 3072, 64),
+                                                (torch.float16, 16, 384, 16),
+                                                (torch.bfloat16, 5, 1024, 512)])
+def test_the_decode_kernel_is_the_dequantized_matmul(bits, dtype, rows, k, block):
+    """At up to 16 rows of a 16-bit x, INT8 and INT4 go through decode_matmul_kernel (W
+    the wide operand; INT4 nibbles made floats by bits) and equal x @ dequantize(W)^T + b
+    to the dtype's rounding, as the tiled kernel does; with and without bias."""
     import torch.nn.functional as F
 
     from engine.quantized_base import dequantize_weight, quantize_weight
 
-    gen = torch.Generator().manual_seed(rows + k + block)
+    gen = torch.Generator().manual_seed(bits + rows + k + block)
     n = 150
-    payload, scales = quantize_weight(torch.randn(n, k, generator=gen), 4, block, dtype)
+    payload, scales = quantize_weight(torch.randn(n, k, generator=gen), bits, block, dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    assert kernels.int4_decode_fits(x, payload, scales)
+    assert kernels.decode_fits(x, payload, scales)
     want = F.linear(x.float(), dequantize_weight(payload, scales, dtype).float(), bias.float())
     args = [t.to(DEVICE) for t in (x, payload, scales)]
     got = kernels.quantized_linear(*args, bias.to(DEVICE)).cpu()
@@ -314,27 +317,30 @@ def test_decoder_from_a_quantized_base_with_fused_kernels_matches_the_dequantize
     assert torch.equal(answers[0], answers[1])
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_a_bf16_decode_step_from_an_int4_base_goes_through_the_decode_kernel(in_place,
-                                                                            monkeypatch):
-    """In bf16, a decode step's projections of the INT4 inference form (fused Q/K/V and
-    gate/up with LoRA; the base's integers in place, one matmul per source, or a gathered
-    copy) run int4_decode_kernel and give the dequantized formula's outputs to bf16
-    rounding."""
+@pytest.mark.parametrize("preset,bits,in_place", [("tiny-llama", 4, True), ("tiny-llama", 4, False),
+                                                  ("tiny-opt", 8, True)])
+def test_a_bf16_decode_step_from_a_quantized_base_goes_through_the_decode_kernel(
+        preset, bits, in_place, monkeypatch):
+    """In bf16, a decode step's projections of the INT4/INT8 inference form (fused Q/K/V
+    and gate/up with LoRA; the base's integers in place, one matmul per source, or a
+    gathered copy) run decode_matmul_kernel and give the dequantized formula's outputs to
+    bf16 rounding."""
     from engine import hybrid
     from engine.quantized_inference import QuantizedProjection
     if not in_place:
         monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
     calls = []
-    decode_kernel = kernels.int4_decode
-    monkeypatch.setattr(kernels, "int4_decode", lambda *a: calls.append(1) or decode_kernel(*a))
-    decoder = _inference_form(*_quantized_lora_model("tiny-llama", 4, torch.bfloat16), True)
+    decode_kernel = kernels.quantized_decode
+    monkeypatch.setattr(kernels, "quantized_decode",
+                        lambda *a: calls.append(1) or decode_kernel(*a))
+    decoder = _inference_form(*_quantized_lora_model(preset, bits, torch.bfloat16), True)
     projections = [m for m in decoder.modules() if isinstance(m, QuantizedProjection)]
     # in place, a fused projection runs one matmul per source
     assert any(len(m.integer_parts()) > 1 for m in projections) == in_place
     gen = torch.Generator().manual_seed(0)
     for module in projections:
-        in_features = 2 * module.integer_parts()[0][0].shape[1]   # two INT4 values a byte
+        payload = module.integer_parts()[0][0]
+        in_features = payload.shape[1] * (2 if bits == 4 else 1)   # two INT4 values a byte
         x = torch.randn(5, in_features, generator=gen).to(DEVICE, torch.bfloat16)
         module.fused = False
         want = module(x)
