@@ -35,7 +35,8 @@ from engine import triton_kernels as tk  # noqa: E402
 
 CARDS = {90: ("H200", 132, 1.98e9, 4.8e12), 80: ("A100-80G", 108, 1.41e9, 2.0e12)}
 DIVISIBLE = {"x_ptr", "xp_ptr", "payload_ptr", "words_ptr", "scales_ptr", "bias_ptr", "out_ptr",
-             "N", "K", "x_stride", "row_bytes", "row_words", "groups", "block", "k_per_split"}
+             "u_ptr", "b_ptr", "N", "K", "x_stride", "row_bytes", "row_words", "groups", "block",
+             "k_per_split", "out_stride"}
 
 
 K, BLOCK = 8192, 64   # a Llama-70B row; the quantized base's default block
@@ -58,10 +59,10 @@ def decode(bits: int) -> tuple:
     magic, offset = kernels._MAGIC[torch.bfloat16]
     words, block_n = kernels._WORDS, kernels._DECODE_OUTPUTS
     constexprs = dict(BITS=bits, MAGIC=magic, OFFSET=offset, FP32_DOT=False, FINAL=False,
-                      HAS_BIAS=False, BLOCK_M=kernels.DECODE_ROWS, BLOCK_N=block_n,
+                      HAS_BIAS=False, RANK=0, BLOCK_M=kernels.DECODE_ROWS, BLOCK_N=block_n,
                       WORDS=words, G=max(1, 32 // bits * words // BLOCK))
     pointers = dict(xp_ptr="*bf16", words_ptr="*i32", scales_ptr="*bf16", bias_ptr="*bf16",
-                    out_ptr="*fp32")
+                    u_ptr="*bf16", b_ptr="*bf16", out_ptr="*fp32")
     return tk.decode_matmul_kernel, pointers, constexprs, block_n * words * 4
 
 

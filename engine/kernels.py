@@ -7,11 +7,13 @@ and writes the hidden state once instead of three or four times:
   row_seeded_sample  the next token of each row (temperature, then row-seeded Gumbel-max:
              engine.generation's sampling) in two reads of the logits, instead of a score
              tensor and a 64-bit hash tensor of [B, V] through some twenty ops
-  quantized_linear  x @ W^T + b with W an INT8/INT4 payload and its block scales
-             (engine/quantized_base.py's layout), dequantized in registers: decoding
-             streams the integers, not a full-precision copy (a prefill dequantizes the
-             one matrix and runs cuBLAS). At up to 16 rows of a 16-bit x:
-             quantized_decode, W the wide operand (INT4 nibbles made floats by bits)
+  quantized_projection  x @ W^T + b + LoRA with W an INT8/INT4 payload and its block
+             scales (engine/quantized_base.py's layout) in one or more parts, dequantized
+             in registers: decoding streams the integers, not a full-precision copy (a
+             prefill dequantizes the matrix and runs cuBLAS). A decode step (<= 16 rows of
+             a 16-bit x) is one decode_matmul_kernel per part, W the wide operand (INT4
+             nibbles made floats by bits), the bias and LoRA's B in its epilogue: p + 2
+             kernels for p parts (a permutation of x, x @ A^T), 2p + 2 split along K
 
 Both round where the Hugging Face modules round (the residual sum and the activation to
 the model's dtype) and compute the rest in fp32. The kernels are compiled on first use;
@@ -53,13 +55,43 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+class LowRank(NamedTuple):
+    """LoRA beside a frozen projection: y += (x @ a^T) @ b^T (b times its scaling)."""
+
+    a: torch.Tensor   # [r, K]
+    b: torch.Tensor   # [N, r]
+
+
+IntegerParts = list[tuple[torch.Tensor, torch.Tensor]]   # (payload, scales) per source
+
+
+def quantized_projection_reference(x: torch.Tensor, parts: IntegerParts,
+                                   bias: torch.Tensor | None = None,
+                                   lora: LowRank | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T + bias + (x @ A^T) @ B^T -> [..., N], W the parts' dequantized
+    rows one after the other (payload int8 [n, K] or uint8 [n, K / 2], scales [n, K /
+    block]), each dequantized to x's dtype for the call."""
+    from engine.quantized_base import dequantize_weight
+    return _part_by_part(lambda x, payload, scales, bias: F.linear(
+        x, dequantize_weight(payload, scales, x.dtype), bias), x, parts, bias, lora)
+
+
 def quantized_linear_reference(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
                                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantize(payload, scales)^T + bias -> [..., N], the weight
-    dequantized to x's dtype for the call (payload int8 [N, K] or uint8 [N, K / 2], scales
-    [N, K / block])."""
-    from engine.quantized_base import dequantize_weight
-    return F.linear(x, dequantize_weight(payload, scales, x.dtype), bias)
+    """`quantized_projection_reference` of one part without LoRA."""
+    return quantized_projection_reference(x, [(payload, scales)], bias)
+
+
+def _part_by_part(matmul, x: torch.Tensor, parts: IntegerParts, bias: torch.Tensor | None,
+                  lora: LowRank | None) -> torch.Tensor:
+    """Each part through matmul(x, payload, scales, bias), side by side, then LoRA; one
+    part takes the bias in its matmul (F.linear's rounding, as a dense Linear rounds)."""
+    if len(parts) == 1:
+        y = matmul(x, *parts[0], bias)
+    else:
+        y = torch.cat([matmul(x, *part, None) for part in parts], dim=-1)
+        y = y if bias is None else y + bias
+    return y if lora is None else y + F.linear(F.linear(x, lora.a), lora.b)
 
 
 # -- Triton (engine/triton_kernels.py, imported only when a kernel is first used) -------------
@@ -114,19 +146,32 @@ DECODE_ROWS = 16   # up to here (a decode step at batch <= 16) INT8/INT4 of a 16
                    # through decode_matmul_kernel, the rest through quantized_matmul_kernel
 
 
+def quantized_projection(x: torch.Tensor, parts: IntegerParts,
+                         bias: torch.Tensor | None = None,
+                         lora: LowRank | None = None) -> torch.Tensor:
+    """`quantized_projection_reference` on the GPU. A decode step (<= DECODE_ROWS rows
+    of a 16-bit x, bound by the weight's bytes): decode_matmul_kernel per part, each
+    writing its columns of one output with the bias and LoRA's B added in its epilogue
+    (or in the kernel that sums its split-K parts): x permuted and x @ A^T computed once
+    for all parts. Up to FUSED_ROWS rows: the tiled kernel per part, bias and LoRA as
+    PyTorch ops. A prefill (bound by its matmul): each part dequantized by a kernel,
+    then cuBLAS."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = flat.shape[0]
+    if rows <= DECODE_ROWS and all(decode_fits(flat, *part) for part in parts):
+        y = _decode_projection(flat, parts, bias, lora)
+    elif rows <= FUSED_ROWS:
+        y = _part_by_part(tiled_quantized_matmul, flat, parts, bias, lora)
+    else:
+        y = _part_by_part(lambda x, payload, scales, bias: F.linear(
+            x, dequantize(payload, scales, x.dtype), bias), flat, parts, bias, lora)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def quantized_linear(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`quantized_linear_reference` on the GPU. Decoding (<= FUSED_ROWS rows, bound by
-    the weight's bytes): one kernel that reads the integers once per 16-64 rows and
-    dequantizes them in registers, split along K where the output tiles alone would
-    leave SMs idle. A prefill (bound by its matmul): this one matrix dequantized by a
-    kernel, then cuBLAS."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    if flat.shape[0] > FUSED_ROWS:
-        return F.linear(x, dequantize(payload, scales, x.dtype), bias)
-    fused = (quantized_decode if flat.shape[0] <= DECODE_ROWS
-             and decode_fits(flat, payload, scales) else tiled_quantized_matmul)
-    return fused(flat, payload, scales, bias).view(*x.shape[:-1], payload.shape[0])
+    """`quantized_projection` of one part without LoRA."""
+    return quantized_projection(x, [(payload, scales)], bias)
 
 
 def tiled_quantized_matmul(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
@@ -165,30 +210,80 @@ def decode_fits(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor)
             and block & (block - 1) == 0)
 
 
-def quantized_decode(flat: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows <= DECODE_ROWS, K] @ dequantize(payload, scales)^T + bias through
-    decode_matmul_kernel: x zero-padded to whole tiles and permuted within each (value s
-    of every word together), 64 outputs x 16 rows a program, split along K."""
-    from engine import triton_kernels as tk
-    (rows, k), n = flat.shape, payload.shape[0]
-    bits = 8 if payload.dtype == torch.int8 else 4
-    per_word, block = 32 // bits, _block(payload, scales)
-    tile = per_word * _WORDS
+def _decode_projection(flat: torch.Tensor, parts: IntegerParts, bias: torch.Tensor | None,
+                       lora: LowRank | None) -> torch.Tensor:
+    """The parts through decode_matmul_kernel into one [rows, N] output: x zero-padded to
+    whole tiles and permuted within each (value s of every word together) and x @ A^T
+    computed once; 64 outputs x 16 rows a program, split along K."""
+    (rows, k), bits = flat.shape, 8 if parts[0][0].dtype == torch.int8 else 4
+    tile = 32 // bits * _WORDS
     padded = -(-k // tile) * tile
-    xp = (F.pad(flat, (0, padded - k)).view(rows, padded // tile, _WORDS, per_word)
-          .transpose(2, 3).contiguous().view(rows, padded))
+    xp = flat if padded == k else F.pad(flat, (0, padded - k))
+    xp = xp.view(rows, padded // tile, _WORDS, 32 // bits).transpose(2, 3).contiguous()
+    low_rank = None if lora is None else (F.linear(flat, lora.a), lora.b)
+    out = torch.empty(rows, sum(p.shape[0] for p, _ in parts), dtype=flat.dtype,
+                      device=flat.device)
+    column = 0
+    for payload, scales in parts:
+        n = payload.shape[0]
+        columns = slice(column, column + n)
+        _decode_part(xp.view(rows, padded), k, payload, scales,
+                     None if bias is None else bias[columns],
+                     None if low_rank is None else (low_rank[0], low_rank[1][columns]),
+                     out[:, columns])
+        column += n
+    return out
+
+
+def _decode_part(xp: torch.Tensor, k: int, payload: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None, low_rank: tuple[torch.Tensor, torch.Tensor] | None,
+                 out: torch.Tensor) -> None:
+    """One part's columns `out` [rows, n] (a view, rows `out.stride(0)` apart) = xp's x @
+    dequantize(payload, scales)^T + bias + u @ b^T, low_rank = (u [rows, r], b [n, r]):
+    in the kernel's epilogue, or, split along K, in finish_split_kernel."""
+    from engine import triton_kernels as tk
+    (rows, padded), n = xp.shape, payload.shape[0]
+    bits = 8 if payload.dtype == torch.int8 else 4
+    block, tile = _block(payload, scales), 32 // bits * _WORDS
     grid = (1, tk.triton.cdiv(n, _DECODE_OUTPUTS))
-    splits, k_per_split = split_k(grid[1], k, tile, flat.device)
-    out = _output(rows, n, splits, flat)
-    magic, offset = _MAGIC[flat.dtype]
+    splits, k_per_split = split_k(grid[1], k, tile, xp.device)
+    parts = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32,
+                                                device=xp.device)
+    tail = _Epilogue.of(bias, low_rank, placeholder=payload)
+    magic, offset = _MAGIC[xp.dtype]
     tk.decode_matmul_kernel[(*grid, splits)](
-        xp, payload.view(torch.int32), scales, payload if bias is None else bias, out, rows, n,
-        k, padded, payload.shape[1] // 4, scales.shape[1], block.bit_length() - 1, k_per_split,
-        BITS=bits, MAGIC=magic, OFFSET=offset, FP32_DOT=_interpreted(), FINAL=splits == 1,
-        HAS_BIAS=bias is not None, BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS, WORDS=_WORDS,
+        xp, payload.view(torch.int32), scales, parts, tail.bias, tail.u, tail.b, rows, n, k,
+        padded, payload.shape[1] // 4, scales.shape[1], block.bit_length() - 1, k_per_split,
+        out.stride(0), tail.rank, BITS=bits, MAGIC=magic, OFFSET=offset,
+        FP32_DOT=_interpreted(), FINAL=splits == 1, HAS_BIAS=bias is not None,
+        RANK=tail.padded_rank, BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS, WORDS=_WORDS,
         G=max(1, tile // block), num_warps=4, num_stages=3)
-    return _summed(out, bias, flat.dtype)
+    if splits > 1:
+        tk.finish_split_kernel[(tk.triton.cdiv(rows, DECODE_ROWS),
+                                tk.triton.cdiv(n, _DECODE_OUTPUTS))](
+            parts, out, tail.bias, tail.u, tail.b, rows, n, splits, out.stride(0), tail.rank,
+            FP32_DOT=_interpreted(), HAS_BIAS=bias is not None, RANK=tail.padded_rank,
+            BLOCK_M=DECODE_ROWS, BLOCK_N=_DECODE_OUTPUTS)
+
+
+class _Epilogue(NamedTuple):
+    """The bias and LoRA arguments of the decode kernels' epilogue (unused pointers are
+    a placeholder tensor; padded_rank: a power of two of at least 16, a dot's least K, or
+    0 without LoRA)."""
+
+    bias: torch.Tensor
+    u: torch.Tensor
+    b: torch.Tensor
+    rank: int
+    padded_rank: int
+
+    @classmethod
+    def of(cls, bias: torch.Tensor | None, low_rank: tuple[torch.Tensor, torch.Tensor] | None,
+           placeholder: torch.Tensor) -> _Epilogue:
+        u, b = low_rank if low_rank is not None else (placeholder, placeholder)
+        rank = 0 if low_rank is None else u.shape[1]
+        return cls(placeholder if bias is None else bias, u, b, rank,
+                   0 if rank == 0 else max(16, 1 << (rank - 1).bit_length()))
 
 
 def _interpreted() -> bool:

@@ -9,12 +9,13 @@ Where the base is whole on this device (one process without sharding: the usual 
 run), the inference form uses the training form's own integers in place and adds only
 LoRA's factors; under sharding it holds a gathered copy of them, the quantized base's size
 once more. A copied fused projection (Q, K and V; gate and up) stacks its sources' payload
-and scale rows; a shared one runs one matmul per source and concatenates. LoRA is fused
-either way: A stacks the sources' A matrices and B is block-diagonal, each source's B
-(times its scaling) in its own rows and rank columns, so that every output row sees only
-its own source's adapter. On CUDA each matmul is one Triton kernel that dequantizes in
-registers (engine/kernels.quantized_linear); elsewhere the weight is dequantized for the
-call.
+and scale rows; a shared one runs one matmul per source, each into its columns of the
+output. LoRA is fused either way: A stacks the sources' A matrices and B is
+block-diagonal, each source's B (times its scaling) in its own rows and rank columns, so
+that every output row sees only its own source's adapter. On CUDA each matmul is one
+Triton kernel that dequantizes in registers, a decode step's with the bias and LoRA's B
+in its epilogue (engine/kernels.quantized_projection); elsewhere the weight is
+dequantized for the call.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class _Integers(nn.Module):
 
 class QuantizedProjection(_Integers):
     """A frozen linear [out, in] held as integers and scales, plus a low-rank LoRA path.
-    A shared fused projection runs one matmul per source and concatenates them."""
+    A shared fused projection runs one matmul per source into its columns of the output
+    (engine.kernels.quantized_projection)."""
 
     def __init__(self, out_features: int, in_features: int, slot: QuantizedSlot, bias: bool,
                  dtype: torch.dtype, device: torch.device):
@@ -81,16 +83,10 @@ class QuantizedProjection(_Integers):
         self.fused = False   # the Triton kernel (CUDA; Triton's interpreter in tests)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear = kernels.quantized_linear if self.fused else kernels.quantized_linear_reference
-        parts = self.integer_parts()
-        if len(parts) == 1:
-            y = linear(x, *parts[0], self.bias)
-        else:
-            y = torch.cat([linear(x, payload, scales) for payload, scales in parts], dim=-1)
-            y = y if self.bias is None else y + self.bias
-        if self.lora_A is None:
-            return y
-        return y + F.linear(F.linear(x, self.lora_A), self.lora_B)
+        project = (kernels.quantized_projection if self.fused else
+                   kernels.quantized_projection_reference)
+        lora = None if self.lora_A is None else kernels.LowRank(self.lora_A, self.lora_B)
+        return project(x, self.integer_parts(), self.bias, lora)
 
 
 class QuantizedTable(_Integers):

@@ -215,11 +215,35 @@ def _nibbles(bits, OFFSET: tl.constexpr, dtype: tl.constexpr, FP32_DOT: tl.const
 
 
 @triton.jit
-def decode_matmul_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, x_stride,
-                         row_words, groups, block_shift, k_per_split, BITS: tl.constexpr,
-                         MAGIC: tl.constexpr, OFFSET: tl.constexpr, FP32_DOT: tl.constexpr,
-                         FINAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, WORDS: tl.constexpr, G: tl.constexpr):
+def _bias_and_low_rank_tile(out, rows, outs, M, N, bias_ptr, u_ptr, b_ptr, rank,
+                            HAS_BIAS: tl.constexpr, RANK: tl.constexpr,
+                            FP32_DOT: tl.constexpr):
+    """out [BLOCK_M, BLOCK_N] fp32 + bias[outs] + u[rows] @ b[outs]^T: LoRA's up
+    projection, u = x @ A^T [M, rank] and b [N, rank] (rows `rank` apart), padded to RANK
+    columns (0: no LoRA)."""
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)[None, :]
+    if RANK > 0:
+        r = tl.arange(0, RANK)
+        u = tl.load(u_ptr + rows[:, None] * rank + r[None, :],
+                    mask=(rows[:, None] < M) & (r[None, :] < rank), other=0.0)
+        b = tl.load(b_ptr + outs[:, None] * rank + r[None, :],
+                    mask=(outs[:, None] < N) & (r[None, :] < rank), other=0.0)
+        if FP32_DOT:
+            out = tl.dot(u.to(tl.float32), tl.trans(b.to(tl.float32)), out,
+                         input_precision="ieee")
+        else:
+            out = tl.dot(u, tl.trans(b), out)
+    return out
+
+
+@triton.jit
+def decode_matmul_kernel(xp_ptr, words_ptr, scales_ptr, out_ptr, bias_ptr, u_ptr, b_ptr, M, N,
+                         K, x_stride, row_words, groups, block_shift, k_per_split, out_stride,
+                         rank, BITS: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+                         FP32_DOT: tl.constexpr, FINAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         WORDS: tl.constexpr, G: tl.constexpr):
     """A decode step's x [M <= BLOCK_M, K] @ W^T for an INT8/INT4 W read as 32-bit words
     (PER = 4 or 8 values a word: value PER * j + s in byte or nibble s of word j),
     computed transposed, W's tile the left operand [BLOCK_N, WORDS] per s: the big
@@ -230,8 +254,10 @@ def decode_matmul_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N,
     x's 16-bit float by bits, MAGIC | n = OFFSET - 8 + n, minus OFFSET, two at once
     (nibbles s and s + 4 are 16 bits apart), no int-to-float conversion; INT8: a byte
     sign-extended and converted. Times its scale (one per 2^block_shift values, G per
-    tile), rounded once as the dequantized copy rounds it. Split-K over program_id(2) as
-    quantized_matmul_kernel."""
+    tile), rounded once as the dequantized copy rounds it. FINAL (one K range): out
+    [M, N] (rows out_stride apart) = that + bias + LoRA (_bias_and_low_rank_tile) in
+    out's dtype; else, over K's range number program_id(2), fp32 parts [splits, M, N]
+    for finish_split_kernel."""
     PER: tl.constexpr = 32 // BITS
     TILE: tl.constexpr = PER * WORDS
     dtype: tl.constexpr = xp_ptr.dtype.element_ty
@@ -263,9 +289,29 @@ def decode_matmul_kernel(xp_ptr, words_ptr, scales_ptr, bias_ptr, out_ptr, M, N,
     out = tl.trans(acc)
     mask = (rows[:, None] < M) & (outs[None, :] < N)
     if FINAL:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None] * N + outs[None, :],
+        out = _bias_and_low_rank_tile(out, rows, outs, M, N, bias_ptr, u_ptr, b_ptr, rank,
+                                      HAS_BIAS, RANK, FP32_DOT)
+        tl.store(out_ptr + rows[:, None] * out_stride + outs[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + (split * M + rows[:, None]) * N + outs[None, :], out, mask=mask)
+
+
+@triton.jit
+def finish_split_kernel(parts_ptr, out_ptr, bias_ptr, u_ptr, b_ptr, M, N, splits, out_stride,
+                        rank, FP32_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out [M, N] (rows out_stride apart) = the sum of decode_matmul_kernel's fp32 parts
+    [splits, M, N] + bias + LoRA, in out's dtype: one kernel for what would be a sum, an
+    add or two and a cast."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (outs[None, :] < N)
+    out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in range(splits):
+        out += tl.load(parts_ptr + (split * M + rows[:, None]) * N + outs[None, :], mask=mask,
+                       other=0.0)
+    out = _bias_and_low_rank_tile(out, rows, outs, M, N, bias_ptr, u_ptr, b_ptr, rank,
+                                  HAS_BIAS, RANK, FP32_DOT)
+    tl.store(out_ptr + rows[:, None] * out_stride + outs[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)

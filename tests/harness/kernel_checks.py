@@ -215,7 +215,9 @@ def test_a_decode_step_split_along_k_is_the_dequantized_matmul(bits, block, rows
 def test_the_decode_kernel_is_the_dequantized_matmul(bits, dtype, rows, k, block):
     """At up to 16 rows of a 16-bit x, INT8 and INT4 go through decode_matmul_kernel (W
     the wide operand; INT4 nibbles made floats by bits) and equal x @ dequantize(W)^T + b
-    to the dtype's rounding, as the tiled kernel does; with and without bias."""
+    to the dtype's rounding, as the tiled kernel does; with and without bias, and as two
+    parts writing their columns of one output with LoRA added in the epilogue (or, split
+    along K, in the kernel that sums the parts)."""
     import torch.nn.functional as F
 
     from engine.quantized_base import dequantize_weight, quantize_weight
@@ -236,6 +238,14 @@ def test_the_decode_kernel_is_the_dequantized_matmul(bits, dtype, rows, k, block
     assert (tiled.float() - want).abs().max() <= 2 * ulp * want.abs().max()
     no_bias = kernels.quantized_linear(*args).cpu()
     assert (no_bias.float() - (want - bias.float())).abs().max() <= 2 * ulp * want.abs().max()
+    # two parts into one output (a fused projection's sources), LoRA of rank 6 beside them
+    a, b = (torch.randn(shape, generator=gen).to(dtype) * 0.3 for shape in ((6, k), (n, 6)))
+    parts = [(payload[:100].to(DEVICE), scales[:100].to(DEVICE)),
+             (payload[100:].to(DEVICE), scales[100:].to(DEVICE))]
+    got = kernels.quantized_projection(args[0], parts, bias.to(DEVICE),
+                                       kernels.LowRank(a.to(DEVICE), b.to(DEVICE))).cpu()
+    want = want + (x.float() @ a.float().T).to(dtype).float() @ b.float().T
+    assert (got.float() - want).abs().max() <= 2 * ulp * want.abs().max()
 
 
 @pytest.mark.parametrize("bits,block", [(4, 64), (8, 16), (4, 96)])
@@ -330,9 +340,8 @@ def test_a_bf16_decode_step_from_a_quantized_base_goes_through_the_decode_kernel
     if not in_place:
         monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
     calls = []
-    decode_kernel = kernels.quantized_decode
-    monkeypatch.setattr(kernels, "quantized_decode",
-                        lambda *a: calls.append(1) or decode_kernel(*a))
+    decode_part = kernels._decode_part
+    monkeypatch.setattr(kernels, "_decode_part", lambda *a: calls.append(1) or decode_part(*a))
     decoder = _inference_form(*_quantized_lora_model(preset, bits, torch.bfloat16), True)
     projections = [m for m in decoder.modules() if isinstance(m, QuantizedProjection)]
     # in place, a fused projection runs one matmul per source
