@@ -84,7 +84,7 @@ class _Layer(nn.Module):
         self.down = _linear(spec.ffn, spec.hidden, spec.mlp_bias)
         self.act = ACT2FN[spec.activation]
         self.splits = (q, kv, kv)
-        self.fused_silu = False
+        self.fused_silu = self.fused_rope = False
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
@@ -101,15 +101,12 @@ class _Layer(nn.Module):
         slots (all S when None: static shapes for CUDA graphs)."""
         spec = self.spec
         residual, h = self.attn_norm(delta, residual)
-        q, k, v = self.qkv(h).split(self.splits, dim=-1)
-        if spec.scale_query_first:
-            q = q * spec.head_dim ** -0.5
-        # [B, T, heads * d] -> [B, heads, T, d]
-        q, k, v = (x.unflatten(-1, (-1, spec.head_dim)).transpose(1, 2) for x in (q, k, v))
-        if rope is not None:
-            q, k = _rotate(q, rope, spec.rotary_dim), _rotate(k, rope, spec.rotary_dim)
-        keys.index_copy_(2, write_at, k)
-        values.index_copy_(2, write_at, v)
+        qkv = self.qkv(h)
+        if self.fused_rope and rope is not None and not spec.scale_query_first:
+            q = kernels.rope_into_cache(qkv, *rope, keys, values, write_at, spec.heads,
+                                        spec.kv_heads, spec.head_dim, spec.rotary_dim)
+        else:
+            q = self._queries_into_cache(qkv, rope, keys, values, write_at)
         if kv_len is not None:
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
         attn = _grouped_attention(q, keys, values, mask,
@@ -120,6 +117,23 @@ class _Layer(nn.Module):
             return residual, attn + self._mlp(h)
         residual, h = self.mlp_norm(attn, residual)
         return residual, self._mlp(h)
+
+    def _queries_into_cache(self, qkv: torch.Tensor,
+                            rope: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
+                            values: torch.Tensor, write_at: torch.Tensor) -> torch.Tensor:
+        """Q [B, heads, T, d] from qkv [B, T, ...], Q and K rotated, K and V written into
+        the cache (`kernels.rope_into_cache` fuses this)."""
+        spec = self.spec
+        q, k, v = qkv.split(self.splits, dim=-1)
+        if spec.scale_query_first:
+            q = q * spec.head_dim ** -0.5
+        # [B, T, heads * d] -> [B, heads, T, d]
+        q, k, v = (x.unflatten(-1, (-1, spec.head_dim)).transpose(1, 2) for x in (q, k, v))
+        if rope is not None:
+            q, k = _rotate(q, rope, spec.rotary_dim), _rotate(k, rope, spec.rotary_dim)
+        keys.index_copy_(2, write_at, k)
+        values.index_copy_(2, write_at, v)
+        return q
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         h = self.up(h)
@@ -135,6 +149,7 @@ class _Layer(nn.Module):
     def use_fused_kernels(self, enabled: bool) -> None:
         self.attn_norm.fused = self.mlp_norm.fused = enabled
         self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
+        self.fused_rope = enabled
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -7,6 +7,8 @@ and writes the hidden state once instead of three or four times:
   row_seeded_sample  the next token of each row (temperature, then row-seeded Gumbel-max:
              engine.generation's sampling) in two reads of the logits, instead of a score
              tensor and a 64-bit hash tensor of [B, V] through some twenty ops
+  rope_into_cache  the fused Q/K/V output split into heads, Q and K rotated, K and V
+             written into the KV cache: one kernel for the PyTorch formula's twelve
   quantized_projection  x @ W^T + b + LoRA with W an INT8/INT4 payload and its block
              scales (engine/quantized_base.py's layout) in one or more parts, dequantized
              in registers: decoding streams the integers, not a full-precision copy (a
@@ -138,6 +140,26 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
         logits, row_seeds.to(device=logits.device, dtype=torch.long).contiguous(), step,
         temperature, tokens, bad, n_cols, BLOCK=min(tk.triton.next_power_of_2(n_cols), 2048))
     return tokens, bad.any()
+
+
+def rope_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor,
+                    heads: int, kv_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The fused Q/K/V output [B, T, (heads + 2 kv_heads) * head_dim] split into heads,
+    Q and K rotated (cos, sin [B, 1, T, rotary_dim]), K and V written into cache slots
+    write_at [T] of keys/values [B, kv_heads, S, head_dim]: one kernel for the dozen ops
+    of the PyTorch formula (engine/inference_modules.py). Returns Q [B, heads, T,
+    head_dim]."""
+    from engine import triton_kernels as tk
+    b, t, width = qkv.shape
+    q = torch.empty(b, heads, t, head_dim, dtype=qkv.dtype, device=qkv.device)
+    assert keys.stride(-1) == values.stride(-1) == 1 and keys.stride() == values.stride()
+    tk.rope_cache_kernel[(b * t, heads + kv_heads)](
+        qkv.reshape(b * t, width).contiguous(), cos.reshape(b * t, rotary_dim).contiguous(),
+        sin.reshape(b * t, rotary_dim).contiguous(), q, keys, values, write_at, t, heads,
+        kv_heads, head_dim, rotary_dim, width, *keys.stride()[:3],
+        BLOCK=tk.triton.next_power_of_2(head_dim), enable_fp_fusion=False)
+    return q
 
 
 FUSED_ROWS = 256   # up to here the fused kernels (decode steps, RL batches of up to 256

@@ -315,3 +315,44 @@ def finish_split_kernel(parts_ptr, out_ptr, bias_ptr, u_ptr, b_ptr, M, N, splits
                                   HAS_BIAS, RANK, FP32_DOT)
     tl.store(out_ptr + rows[:, None] * out_stride + outs[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, keys_ptr, values_ptr, write_at_ptr, T,
+                      heads, kv_heads, head_dim, rotary_dim, qkv_stride, key_b, key_h, key_s,
+                      BLOCK: tl.constexpr):
+    """One head of one token (program_id(0) = b * T + t, program_id(1) = head): the
+    fused Q/K/V projection's row [(heads + 2 kv_heads) * head_dim], its first rotary_dim
+    values of a Q or K head rotated (x * cos + rotate_half(x) * sin, each product and the
+    sum rounded to the model's dtype, as the PyTorch formula rounds; compiled without FMA
+    contraction), Q written to q [B, heads, T, head_dim], K and its V into the cache's
+    slot write_at[t] (keys/values [B, kv_heads, S, head_dim] with the given strides)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    b, t = row // T, row % T
+    i = tl.arange(0, BLOCK)
+    src = qkv_ptr + row.to(tl.int64) * qkv_stride + head * head_dim
+    x = tl.load(src + i, mask=i < head_dim, other=0.0)
+    dtype = x.dtype
+    half = rotary_dim // 2
+    rotating = i < rotary_dim
+    # in fp32, rounded to dtype where the formula rounds (the interpreter's 16-bit
+    # arithmetic is wrong)
+    partner = tl.load(src + tl.where(i < half, i + half, i - half), mask=rotating,
+                      other=0.0).to(tl.float32)
+    partner = tl.where(i < half, -partner, partner)
+    cos = tl.load(cos_ptr + row * rotary_dim + i, mask=rotating, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * rotary_dim + i, mask=rotating, other=0.0).to(tl.float32)
+    x32 = x.to(tl.float32)
+    turned = ((x32 * cos).to(dtype).to(tl.float32)
+              + (partner * sin).to(dtype).to(tl.float32)).to(dtype)
+    y = tl.where(rotating, turned.to(tl.float32), x32).to(dtype)
+    if head < heads:
+        tl.store(q_ptr + ((b * heads + head) * T + t).to(tl.int64) * head_dim + i, y,
+                 mask=i < head_dim)
+    else:
+        slot = tl.load(write_at_ptr + t)
+        at = b.to(tl.int64) * key_b + (head - heads) * key_h + slot * key_s + i
+        tl.store(keys_ptr + at, y, mask=i < head_dim)
+        tl.store(values_ptr + at, tl.load(src + kv_heads * head_dim + i, mask=i < head_dim),
+                 mask=i < head_dim)

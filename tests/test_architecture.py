@@ -38,7 +38,7 @@ ROLE_WORDS = {"actor", "critic", "reference"}
 ROLE_NAMES_ALLOWED = {
     *(f.name for f in fields(EngineConfig)),  # the user's keys (offload_reference_model, ...)
     "add_norm_reference", "silu_mul_reference",          # kernels' reference implementations
-    "quantized_linear_reference",
+    "quantized_linear_reference", "quantized_projection_reference",
     "quantize_reference", "dequantize_reference",
 }
 
