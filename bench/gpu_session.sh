@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures the open issues ask for, in priority order, each under its own time limit
 # so that one call of a lent machine (at most 10 minutes) returns whatever finished.
-#   bash bench/gpu_session.sh a [LOG_DIR]   kernels compiled and timed, step 3 at 13B, 34B, 70B (~8 min)
+#   bash bench/gpu_session.sh a [LOG_DIR]   kernels compiled and timed, step 3 at 13B, 34B, 70B (~8.5 min)
 #   bash bench/gpu_session.sh b [LOG_DIR]   ours beside TRL (GC on/off, profile), generation (~8.5 min)
 # LOG_DIR (default $OUT, else ./gpu-logs) gets one log per part and the 70B run's metrics.
 # Packages the machine lacks may sit as wheels in .whl/ (installed onto PYTHONPATH), and
@@ -27,10 +27,10 @@ step() {   # step SECONDS COMMAND...: run it under a limit, its output into the 
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
 if [ "$part" = a ]; then
-  step 80 python3 -m pytest -q -p no:cacheprovider tests/harness/kernel_checks.py
-  # the table of sizes (a row as each ends; llama-70b alone took 161 s on 2026-11-28)
+  step 110 python3 -m pytest -q -p no:cacheprovider tests/harness/kernel_checks.py   # ~55 compiled
   step 60 python3 bench/quantized_matmul.py --models llama-70b --rows 1 16   # decode vs tiled
-  step 340 python3 bench/largest.py --presets llama-13b llama-34b llama-70b --iterations 5 \
+  # the table of sizes (a row as each ends; llama-70b alone took 161 s on 2026-11-28)
+  step 330 python3 bench/largest.py --presets llama-13b llama-34b llama-70b --iterations 5 \
     --out /tmp/largest
   for run in /tmp/largest/*-grpo; do   # each size's metrics and log
     name=$(basename "$run")
