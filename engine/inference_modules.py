@@ -2,8 +2,9 @@
 (as engine/inference_plans.py maps them) into fused modules, with a preallocated static KV
 cache ("kernel injection").
 
-Per layer: one fused QKV projection (one matmul instead of three), attention through
-PyTorch SDPA (flash / memory-efficient kernels on CUDA) over the static cache, a fused
+Per layer: one fused QKV projection (one matmul instead of three), attention over the
+static cache (a prefill's through PyTorch SDPA; with the Triton kernels, a decode step's
+through one kernel that reads only the cache's filled slots), a fused
 gate+up projection for gated MLPs, and the model's own norm formula, applied together with
 the residual add before it (Triton kernels on CUDA, engine/kernels.py). How tokens are
 decoded with it is engine/decode.py.
@@ -84,7 +85,7 @@ class _Layer(nn.Module):
         self.down = _linear(spec.ffn, spec.hidden, spec.mlp_bias)
         self.act = ACT2FN[spec.activation]
         self.splits = (q, kv, kv)
-        self.fused_silu = self.fused_rope = False
+        self.fused_silu = self.fused_rope = self.fused_attention = False
 
     def forward(self, residual: torch.Tensor, delta: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
@@ -107,10 +108,13 @@ class _Layer(nn.Module):
                                         spec.kv_heads, spec.head_dim, spec.rotary_dim)
         else:
             q = self._queries_into_cache(qkv, rope, keys, values, write_at)
-        if kv_len is not None:
-            keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        attn = _grouped_attention(q, keys, values, mask,
-                                  1.0 if spec.scale_query_first else spec.head_dim ** -0.5)
+        scale = 1.0 if spec.scale_query_first else spec.head_dim ** -0.5
+        if self.fused_attention and q.shape[2] == 1:   # a decode step
+            attn = kernels.decode_attention(q, keys, values, mask[:, 0, 0], write_at, scale)
+        else:
+            if kv_len is not None:
+                keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+            attn = _grouped_attention(q, keys, values, mask, scale)
         attn = self.out(attn)
         if spec.parallel_residual:   # the MLP reads the block's input, not attention's output
             _, h = self.mlp_norm(None, residual)
@@ -149,7 +153,7 @@ class _Layer(nn.Module):
     def use_fused_kernels(self, enabled: bool) -> None:
         self.attn_norm.fused = self.mlp_norm.fused = enabled
         self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
-        self.fused_rope = enabled
+        self.fused_rope = self.fused_attention = enabled
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -9,6 +9,8 @@ and writes the hidden state once instead of three or four times:
              tensor and a 64-bit hash tensor of [B, V] through some twenty ops
   rope_into_cache  the fused Q/K/V output split into heads, Q and K rotated, K and V
              written into the KV cache: one kernel for the PyTorch formula's twelve
+  decode_attention  a decode step's attention (GQA) over the filled, unmasked slots of
+             the KV cache, by an online softmax: one kernel for SDPA and the ops around it
   quantized_projection  x @ W^T + b + LoRA with W an INT8/INT4 payload and its block
              scales (engine/quantized_base.py's layout) in one or more parts, dequantized
              in registers: decoding streams the integers, not a full-precision copy (a
@@ -160,6 +162,33 @@ def rope_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         kv_heads, head_dim, rotary_dim, width, *keys.stride()[:3],
         BLOCK=tk.triton.next_power_of_2(head_dim), enable_fp_fusion=False)
     return q
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     key_valid: torch.Tensor, write_at: torch.Tensor, scale: float
+                     ) -> torch.Tensor:
+    """Attention of one query token a row over the KV cache, fused (a decode step):
+    q [B, heads, 1, d] (d contiguous), keys/values [B, kv_heads, S, d] (the cache's
+    view), key_valid [B, >= write_at[0] + 1] bool (the slots each row may attend),
+    write_at [1] the query's own slot: the valid slots up to it are attended (later ones
+    hold no token yet, and are not read) -> [B, 1, heads * d], what
+    engine.inference_modules._grouped_attention gives for that mask. One kernel for the
+    PyTorch path's four or five (the GQA mask's copy, SDPA's own, the output's layout),
+    reading only the filled part of a static cache."""
+    from engine import triton_kernels as tk
+    b, heads, t, d = q.shape
+    kv_heads = keys.shape[1]
+    assert t == 1 and q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1
+    assert keys.stride() == values.stride() and key_valid.stride(-1) == 1
+    out = torch.empty(b, 1, heads * d, dtype=q.dtype, device=q.device)
+    groups = heads // kv_heads
+    tk.decode_attention_kernel[(b, kv_heads)](
+        q, keys, values, key_valid.view(torch.uint8), write_at, out, scale, groups,
+        q.stride(0), q.stride(1), key_valid.stride(0), *keys.stride()[:3], HEAD_DIM=d,
+        FP32_DOT=q.dtype == torch.float32 or _interpreted(),
+        BLOCK_G=max(16, tk.triton.next_power_of_2(groups)), BLOCK_S=64,
+        BLOCK_D=max(16, tk.triton.next_power_of_2(d)), num_warps=4)
+    return out
 
 
 FUSED_ROWS = 256   # up to here the fused kernels (decode steps, RL batches of up to 256

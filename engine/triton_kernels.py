@@ -356,3 +356,58 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, keys_ptr, values_ptr, wr
         tl.store(keys_ptr + at, y, mask=i < head_dim)
         tl.store(values_ptr + at, tl.load(src + kv_heads * head_dim + i, mask=i < head_dim),
                  mask=i < head_dim)
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, keys_ptr, values_ptr, valid_ptr, write_at_ptr, out_ptr,
+                            scale, groups, q_b, q_h, valid_b, key_b, key_h, key_s,
+                            HEAD_DIM: tl.constexpr, FP32_DOT: tl.constexpr,
+                            BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+    """One KV head of one row (program_id(0) = b, program_id(1) = KV head): its `groups`
+    query heads' single query token attends the cache slots s <= write_at[0] (the query's
+    own slot; later slots hold no token yet) where valid[b, s], by an online softmax over
+    blocks of BLOCK_S slots: only filled slots are read, and masked ones (left padding)
+    are not loaded. Scores and the softmax in fp32, the probabilities rounded to the
+    cache's dtype for P @ V (as flash attention does); out [B, heads * head_dim]."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    in_head = d < HEAD_DIM
+    q_rows = (g < groups)[:, None] & in_head[None, :]
+    heads_of = (kv_head * groups + g)[:, None]
+    q = tl.load(q_ptr + b * q_b + heads_of * q_h + d[None, :], mask=q_rows, other=0.0)
+    cache = b * key_b + kv_head * key_h + d[None, :]
+    end = tl.load(write_at_ptr) + 1
+    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(0, end, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        valid = tl.load(valid_ptr + b * valid_b + s, mask=s < end, other=0) != 0
+        at = cache + s[:, None].to(tl.int64) * key_s
+        slot_mask = valid[:, None] & in_head[None, :]
+        k = tl.load(keys_ptr + at, mask=slot_mask, other=0.0)
+        v = tl.load(values_ptr + at, mask=slot_mask, other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                            input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)   # nothing valid yet
+        p = tl.exp(scores - safe[:, None])
+        rescale = tl.exp(running_max - safe)
+        running_sum = running_sum * rescale + tl.sum(p, axis=1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * rescale[:, None] + pv
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    heads = tl.num_programs(1) * groups
+    tl.store(out_ptr + (b * heads + heads_of) * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_rows)

@@ -74,6 +74,37 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
     _assert_close(got, kernels.silu_mul_reference(gate_up.float()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (8, 2, 24), (8, 1, 64)])
+def test_decode_attention_equals_sdpa_over_the_masked_cache(dtype, heads, kv_heads, d):
+    """The fused decode attention gives the decoder's SDPA path (_grouped_attention over
+    the cache up to the query's slot): MHA and GQA, a head_dim that is not a power of two,
+    a strided cache view and a strided Q. Rows left-padded by 0 to 90 slots (one row's
+    first block wholly masked); what lies past the query's slot is never read: NaN
+    there changes nothing."""
+    from engine.inference_modules import _grouped_attention
+
+    gen = torch.Generator().manual_seed(heads + d)
+    b, slots, write_at = 4, 150, 130                # three blocks of 64, the last partial
+    cache = torch.randn(2, 6, kv_heads, slots, d, generator=gen).to(dtype)
+    cache[:, :, :, write_at + 1:] = float("nan")    # not written yet: must not be read
+    keys, values = cache[0, 1:b + 1].to(DEVICE), cache[1, 1:b + 1].to(DEVICE)
+    q = torch.randn(b, 1, heads, d, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)
+    valid = torch.zeros(b, slots + 10, dtype=torch.bool)
+    for row, padding in enumerate((0, 3, 90, 17)):
+        valid[row, padding:write_at + 1] = True
+    valid[1, 40] = valid[3, 100] = False               # a gap (a masked slot mid-row)
+    valid = valid.to(DEVICE)
+    scale = d ** -0.5
+    got = kernels.decode_attention(q, keys, values, valid[:, :write_at + 1],
+                                   torch.tensor([write_at], device=DEVICE), scale)
+    n = write_at + 1
+    want = _grouped_attention(*_fp32(q, keys[:, :, :n], values[:, :, :n]),
+                              valid[:, None, None, :n], scale)
+    assert got.shape == (b, 1, heads * d) and got.dtype == dtype
+    _assert_close(got.cpu(), want.cpu())
+
+
 # one block; three of 2048, the last partial; and on a GPU a real vocabulary's (OPT's)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [16, 8])   # all of a head, or its first half
@@ -160,6 +191,11 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     want = generate(reference, batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
     got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
                           **kwargs)
+    assert torch.equal(got, want)
+    # the static step (the CUDA graph's shapes, run eagerly): attention over the whole
+    # cache's mask, of which the fused attention reads only the filled part
+    got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
+                          **kwargs, static=True)
     assert torch.equal(got, want)
     if DEVICE.type == "cuda":   # the decode step captured as a CUDA graph, replayed per token
         got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
