@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.generation import OnToken, SamplingSettings, TokenChooser
+from engine.generation import OnToken, SamplingSettings, TokenChooser, TokenRule
 
 if TYPE_CHECKING:
     from engine.inference_modules import InferenceDecoder
@@ -67,8 +67,10 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     width = cache.keys.shape[3] if static else length
     keys, values = cache.view(b, width)
     key_valid, positions, slots, mask = _prompt_layout(attention_mask, width)
+    chooser = TokenChooser(sampling, row_seeds, fused=model.fused_kernels)
     # (a new static step runs warm-ups that write one cache slot: before the prefill)
-    step = _StaticDecodeStep.get(model, b, width, cuda_graph) if static else None
+    step = (_StaticDecodeStep.get(model, b, width, cuda_graph, chooser.rule) if static
+            else None)
     if group_size == 1:
         logits = model(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
     else:
@@ -78,8 +80,7 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     out[:, :p] = input_ids
     batch = _Batch(None, torch.ones(b, dtype=torch.bool, device=input_ids.device), key_valid,
                    attention_mask.long().sum(-1), keys, values, step)
-    return _decode(model, batch, logits, out, p, sampling, width, cuda_graph,
-                   TokenChooser(sampling, row_seeds, fused=model.fused_kernels),
+    return _decode(model, batch, logits, out, p, sampling, width, cuda_graph, chooser,
                    eos_token_id, pad_token_id, on_token,
                    compacts=on_token is None and (row_seeds is not None
                                                   or not sampling.do_sample))
@@ -98,8 +99,9 @@ class _Batch:
     step: _StaticDecodeStep | None
 
     def keep(self, keep: torch.Tensor, model: InferenceDecoder, width: int,
-             cuda_graph: bool) -> None:
-        """Only rows `keep` from now on: their cache rows moved to the front."""
+             cuda_graph: bool, chooser: TokenChooser) -> None:
+        """Only rows `keep` from now on: their cache rows moved to the front (and the
+        chooser's seeds with them)."""
         self.rows = keep if self.rows is None else self.rows[keep]
         self.unfinished, self.key_valid = self.unfinished[keep], self.key_valid[keep]
         self.next_position = self.next_position[keep]
@@ -107,21 +109,28 @@ class _Batch:
         self.keys, self.values = model.cache.view(len(keep), width)
         self.keys.copy_(whole_keys[:, keep])
         self.values.copy_(whole_values[:, keep])
+        chooser.keep(keep)
         if self.step is not None:
-            self.step = _StaticDecodeStep.get(model, len(keep), width, cuda_graph)
+            self.step = _StaticDecodeStep.get(model, len(keep), width, cuda_graph,
+                                              chooser.rule)
 
 
 def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: torch.Tensor,
             p: int, sampling: SamplingSettings, width: int, cuda_graph: bool,
             chooser: TokenChooser, eos_token_id: int | list[int], pad_token_id: int,
             on_token: OnToken | None, compacts: bool) -> torch.Tensor:
-    """The token loop after the prefill (see _generate): the answers in `out` [B, P + N]."""
+    """The token loop after the prefill (see _generate): the answers in `out` [B, P + N].
+    Step t writes its token, then runs it through the model, which chooses step t + 1's
+    (inside the captured step, where the token rule allows)."""
     n, device = sampling.max_new_tokens, out.device
     eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)   # 0-d or [E]
     cache_slots = torch.arange(p, p + n, device=device)             # step t writes slot p + t
     ended_at = torch.tensor(n - 1, device=device)   # the step every row had ended by
+    if n == 0:
+        return out[:, :p]
+    chosen = chooser(logits, 0)                    # the first token, from the prefill
     for t in range(n):
-        token = chooser(logits, t).masked_fill(~batch.unfinished, pad_token_id)
+        token = chosen.masked_fill(~batch.unfinished, pad_token_id)
         if batch.rows is None:
             out[:, p + t] = token
         else:
@@ -140,17 +149,17 @@ def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: t
             if compacts and 0 < live <= len(token) // 2 and len(token) > COMPACT_MIN_ROWS:
                 keep = _rows_to_keep(batch.unfinished, live)
                 token = token[keep]
-                batch.keep(keep, model, width, cuda_graph)
-                chooser.keep(keep)
+                batch.keep(keep, model, width, cuda_graph, chooser)
         batch.key_valid[:, p + t] = True
         slot, positions = cache_slots[t:t + 1], batch.next_position + t
         if batch.step is not None:
-            logits = batch.step(token, positions, slot, batch.key_valid)
+            chosen = batch.step.next_tokens(token, positions, slot, batch.key_valid, chooser,
+                                            t + 1)
         else:
-            logits = model(token[:, None], positions[:, None], slot,
-                           batch.key_valid[:, None, None, :p + t + 1], batch.keys,
-                           batch.values, kv_len=p + t + 1)
-    return out[:, :p]  # max_new_tokens == 0
+            chosen = chooser(model(token[:, None], positions[:, None], slot,
+                                   batch.key_valid[:, None, None, :p + t + 1], batch.keys,
+                                   batch.values, kv_len=p + t + 1), t + 1)
+    raise AssertionError("unreachable: step n - 1 returns")
 
 
 def _rows_to_keep(unfinished: torch.Tensor, live: int) -> torch.Tensor:
@@ -212,10 +221,13 @@ def _group_prefill(model: InferenceDecoder, input_ids: torch.Tensor, positions: 
 
 class _StaticDecodeStep:
     """One decode step with fixed shapes: attention over the whole static cache, inputs
-    copied into fixed buffers. On CUDA it is captured once as a graph and replayed per
-    token; elsewhere it runs eagerly (which is how the CPU tests check what is captured)."""
+    copied into fixed buffers, and the next token chosen from its logits by the token rule
+    (when `rule.capturable`; else the logits are returned). On CUDA it is captured once as
+    a graph and replayed per token; elsewhere it runs eagerly (which is how the CPU tests
+    check what is captured)."""
 
-    def __init__(self, model: InferenceDecoder, batch: int, length: int, capture: bool):
+    def __init__(self, model: InferenceDecoder, batch: int, length: int, capture: bool,
+                 rule: TokenRule):
         device = model.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -226,10 +238,19 @@ class _StaticDecodeStep:
         # keys and values into NaN, which even a masked slot passes on (0 * NaN)
         self.key_valid = torch.zeros(batch, 1, 1, length, dtype=torch.bool, device=device)
         self.key_valid[..., length - 1] = True
+        self.rule = rule if rule.capturable else None
+        self.seeds = torch.zeros(batch, dtype=torch.long, device=device)
+        self.step_index = torch.zeros((), dtype=torch.long, device=device)
+        self.seeds_of: torch.Tensor | None = None   # the seeds in `seeds`
         keys, values = model.cache.view(batch, length)
 
-        def run() -> torch.Tensor:
-            return model(self.tokens, self.positions, self.slot, self.key_valid, keys, values)
+        def run() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            logits = model(self.tokens, self.positions, self.slot, self.key_valid, keys,
+                           values)
+            if self.rule is None:
+                return logits
+            return self.rule(logits, self.step_index,
+                             self.seeds if self.rule.row_seeded else None)
 
         self.run, self.graph = run, None
         if not capture:
@@ -243,20 +264,21 @@ class _StaticDecodeStep:
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = run()
+                self.outputs = run()
 
     @staticmethod
-    def get(model: InferenceDecoder, batch: int, length: int, capture: bool
+    def get(model: InferenceDecoder, batch: int, length: int, capture: bool, rule: TokenRule
             ) -> _StaticDecodeStep:
-        """The step for these shapes, kept with the cache (captured graphs read its
-        memory and the weights', so they stay valid while both are kept)."""
-        key, steps = (batch, length, capture), model.cache.static_steps
+        """The step for these shapes and this token rule, kept with the cache (captured
+        graphs read its memory and the weights', so they stay valid while both are kept)."""
+        key, steps = (batch, length, capture, rule), model.cache.static_steps
         if key not in steps:
-            steps[key] = _StaticDecodeStep(model, batch, length, capture)
+            steps[key] = _StaticDecodeStep(model, batch, length, capture, rule)
         return steps[key]
 
     def __call__(self, token: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
-                 key_valid: torch.Tensor) -> torch.Tensor:
+                 key_valid: torch.Tensor):
+        """The outputs of `run` for these inputs, valid until the next call."""
         self.tokens.copy_(token[:, None])
         self.positions.copy_(positions[:, None])
         self.slot.copy_(slot)
@@ -264,4 +286,21 @@ class _StaticDecodeStep:
         if self.graph is None:
             return self.run()
         self.graph.replay()
-        return self.logits.clone()
+        return self.outputs
+
+    def next_tokens(self, token: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                    key_valid: torch.Tensor, chooser: TokenChooser, step: int
+                    ) -> torch.Tensor:
+        """[B] tokens chosen for answer step `step` after running `token` [B] through the
+        model (valid until the next call): inside the step when its rule is captured (the
+        step index, and the chooser's seeds when new, copied into its buffers first), else
+        by the chooser from the returned logits."""
+        if self.rule is None:
+            return chooser(self(token, positions, slot, key_valid), step)
+        if chooser.row_seeds is not None and chooser.row_seeds is not self.seeds_of:
+            self.seeds.copy_(chooser.row_seeds)   # once a batch (a chooser's seeds are its
+            self.seeds_of = chooser.row_seeds     # own copy, replaced when rows are dropped)
+        self.step_index.fill_(step)
+        tokens, bad = self(token, positions, slot, key_valid)
+        chooser.note(bad)
+        return tokens

@@ -11,7 +11,7 @@ run samples what the uninterrupted one would have.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -119,30 +119,74 @@ class RefuseNonFinite(LogitsProcessor):
         return scores
 
 
+@dataclass(frozen=True)
+class TokenRule:
+    """How each row's next token is chosen from fp32 logits [B, V], exactly as Hugging
+    Face `generate` picks it under the same settings: argmax when greedy; with sampling,
+    the warpers, then row-seeded Gumbel-max (`row_seeded`) or `torch.multinomial` on
+    torch's global generator (same draws as generate's). `fused`: row-seeded sampling at a
+    temperature alone (no top-k/top-p) runs as one Triton kernel
+    (engine.kernels.row_seeded_sample), the same tokens but for fp32 rounding ties.
+
+    Settings only, no state: a CUDA graph captures it once (engine/decode.py) and replays
+    it with each call's seeds and step in its buffers."""
+
+    sampling: SamplingSettings
+    row_seeded: bool
+    fused: bool
+
+    @classmethod
+    def of(cls, sampling: SamplingSettings, row_seeded: bool, fused: bool) -> TokenRule:
+        sampling = replace(sampling, max_new_tokens=0)   # not a setting of the choice
+        return cls(sampling, row_seeded, fused and sampling.do_sample and row_seeded
+                   and sampling.top_k == 0 and sampling.top_p == 1.0)
+
+    @property
+    def capturable(self) -> bool:
+        """Replayable in a CUDA graph: no draws from torch's global generator."""
+        return not self.sampling.do_sample or self.row_seeded
+
+    def __call__(self, logits: torch.Tensor, step: int | torch.Tensor,
+                 row_seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> ([B] tokens, 0-d bool: the logits hold a NaN or +inf). step: the answer
+        token's index, an int or a 0-d long tensor on the logits' device."""
+        if self.fused:
+            return kernels.row_seeded_sample(logits, row_seeds, step,
+                                             self.sampling.temperature)
+        bad = _nonfinite(logits)
+        if not self.sampling.do_sample:
+            return logits.argmax(-1), bad
+        for warp in _warpers(self.sampling):
+            logits = warp(None, logits)
+        if self.row_seeded:
+            return _gumbel_scores(logits, row_seeds, step).argmax(-1), bad
+        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1), bad
+
+
 class TokenChooser:
-    """Each row's next token from fp32 logits [B, V], exactly as Hugging Face `generate`
-    picks it under the same settings: argmax when greedy; with sampling, the warpers, then
-    row-seeded Gumbel-max (`row_seeds` given) or `torch.multinomial` on torch's global
-    generator (same draws as generate's). Non-finite logits are noted on the device and
-    refused by `check()`, which the decoder calls once the answers are complete. `fused`:
-    row-seeded sampling at a temperature alone (no top-k/top-p) runs as one Triton kernel
-    (engine.kernels.row_seeded_sample), the same tokens but for fp32 rounding ties."""
+    """A TokenRule applied step after step to one batch: it holds the rows' seeds (`keep`
+    follows the batch as engine/decode.py drops ended rows) and notes non-finite logits
+    on the device, refused by `check()`, which the decoder calls once the answers are
+    complete (no host sync per token)."""
 
     def __init__(self, sampling: SamplingSettings, row_seeds: torch.Tensor | None = None, *,
                  fused: bool = False):
-        self.sampling, self.row_seeds = sampling, row_seeds
-        self.warpers = _warpers(sampling)
+        self.rule = TokenRule.of(sampling, sampling.do_sample and row_seeds is not None, fused)
+        # a copy: the caller's tensor may change after, and a decode step keeps the one it
+        # loaded into its buffer (engine/decode.py)
+        self.row_seeds = row_seeds.clone() if self.rule.row_seeded else None
         self.saw_nonfinite: torch.Tensor | None = None
-        self.fused = (fused and sampling.do_sample and row_seeds is not None
-                      and sampling.top_k == 0 and sampling.top_p == 1.0)
 
     def keep(self, rows: torch.Tensor) -> None:
-        """The batch now holds these of its rows (engine/decode.py drops ended rows)."""
+        """The batch now holds these of its rows."""
         if self.row_seeds is not None:
             self.row_seeds = self.row_seeds.to(rows.device)[rows]
 
-    def _note(self, bad: torch.Tensor) -> None:
-        self.saw_nonfinite = bad if self.saw_nonfinite is None else self.saw_nonfinite | bad
+    def note(self, bad: torch.Tensor) -> None:
+        """Add a step's 0-d `bad` (a new tensor: a captured graph's output is overwritten
+        by its next replay)."""
+        self.saw_nonfinite = bad.clone() if self.saw_nonfinite is None else (
+            self.saw_nonfinite | bad)
 
     def check(self) -> None:
         """Raise NonFiniteError if any logits chosen from so far were NaN or +inf."""
@@ -150,20 +194,11 @@ class TokenChooser:
             raise _refuse_nonfinite()
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        if self.fused:
-            self.row_seeds = self.row_seeds.to(logits.device)   # once: no copy per token
-            token, bad = kernels.row_seeded_sample(logits, self.row_seeds, step,
-                                                   self.sampling.temperature)
-            self._note(bad)
-            return token
-        self._note(_nonfinite(logits))
-        if not self.sampling.do_sample:
-            return logits.argmax(-1)
-        for warp in self.warpers:
-            logits = warp(None, logits)
         if self.row_seeds is not None:
-            return _gumbel_scores(logits, self.row_seeds, step).argmax(-1)
-        return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+            self.row_seeds = self.row_seeds.to(logits.device)   # once: no copy per token
+        token, bad = self.rule(logits, step, self.row_seeds)
+        self.note(bad)
+        return token
 
 
 class _OnToken(StoppingCriteria):

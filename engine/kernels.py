@@ -129,18 +129,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int,
+def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int | torch.Tensor,
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] fp32 logits -> ([B] tokens, 0-d bool: any NaN or +inf): the argmax of
-    engine.generation._gumbel_scores(logits / temperature, row_seeds, step), fused."""
+    engine.generation._gumbel_scores(logits / temperature, row_seeds, step), fused. step:
+    an int, or a 0-d long tensor on the device (read there: a CUDA graph replays it)."""
     from engine import triton_kernels as tk
     logits = logits.contiguous()
     rows, n_cols = logits.shape
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
     bad = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    in_memory = isinstance(step, torch.Tensor)
     tk.row_seeded_sample_kernel[(rows,)](
-        logits, row_seeds.to(device=logits.device, dtype=torch.long).contiguous(), step,
-        temperature, tokens, bad, n_cols, BLOCK=min(tk.triton.next_power_of_2(n_cols), 2048))
+        logits, row_seeds.to(device=logits.device, dtype=torch.long).contiguous(),
+        0 if in_memory else step, step if in_memory else tokens, temperature, tokens, bad,
+        n_cols, STEP_IN_MEMORY=in_memory, BLOCK=min(tk.triton.next_power_of_2(n_cols), 2048))
     return tokens, bad.any()
 
 

@@ -56,12 +56,16 @@ def _splitmix64(x):
 
 
 @triton.jit(do_not_specialize=["step"])   # compiled once: 1 is not a constant step
-def row_seeded_sample_kernel(logits_ptr, seeds_ptr, step, temperature, tokens_ptr, bad_ptr,
-                             n_cols, BLOCK: tl.constexpr):
+def row_seeded_sample_kernel(logits_ptr, seeds_ptr, step, step_ptr, temperature, tokens_ptr,
+                             bad_ptr, n_cols, STEP_IN_MEMORY: tl.constexpr,
+                             BLOCK: tl.constexpr):
     """One row: argmax over tokens of log_softmax(logits / T) + Gumbel noise from the row's
-    seed, step and token id (engine.generation.row_uniforms), in two passes over the row;
-    `bad` = the row holds a NaN or +inf."""
+    seed, step (`step`, or read from step_ptr) and token id
+    (engine.generation.row_uniforms), in two passes over the row; `bad` = the row holds a
+    NaN or +inf."""
     row = tl.program_id(0)
+    if STEP_IN_MEMORY:
+        step = tl.load(step_ptr)
     golden = 0x9E3779B97F4A7C15
     seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
     key = _splitmix64(seed * golden + step.to(tl.uint64))

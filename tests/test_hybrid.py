@@ -96,6 +96,32 @@ def test_static_decode_step_matches(preset):
     assert len(lengths) == 2 and len(decoder.cache.static_steps) == 1
 
 
+@pytest.mark.parametrize("row_seeded,top_k,top_p", [(True, 0, 1.0), (True, 20, 0.8),
+                                                    (False, 20, 0.8)])
+def test_the_static_step_samples_inside_it_as_hf_generate_does(row_seeded, top_k, top_p):
+    """The static step (what a CUDA graph captures) chooses the next token itself, from
+    seeds and a step index in its buffers: row-seeded sampling with temperature, top-k
+    and top-p gives generate's answers, in two batches of different seeds through the one
+    step; sampling from torch's global generator (not capturable) is left to the loop,
+    with generate's draws."""
+    model = model_with_answers_that_end("tiny-llama", 0, EOS)
+    reference = copy.deepcopy(model)
+    decoder = _engine(model)._gather().model
+    sampling = SamplingSettings(max_new_tokens=24, temperature=0.8, top_k=top_k, top_p=top_p)
+    ids, mask = _batch(PROMPTS[:4])
+    for seeds in ((torch.tensor([3, -8, 2**50, 77]), torch.tensor([5, 6, 7, 8]))
+                  if row_seeded else (None,)):
+        torch.manual_seed(4)
+        want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
+                        row_seeds=seeds)
+        torch.manual_seed(4)
+        got = decode.generate(decoder, ids, mask, sampling, eos_token_id=EOS,
+                              pad_token_id=PAD, row_seeds=seeds, static=True)
+        assert torch.equal(got, want)
+    (step,) = decoder.cache.static_steps.values()
+    assert (step.rule is not None) == row_seeded
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_answers_end_where_hf_generate_stops_without_a_read_per_token(static):
     """Every row ends within a few tokens: the decoder reads "all ended?" only every

@@ -160,6 +160,10 @@ def test_row_seeded_sample_equals_the_pytorch_sampler(vocab, temperature):
         got, bad = kernels.row_seeded_sample(logits, seeds, step, temperature)
         want = _gumbel_scores(logits / temperature, seeds, step).argmax(-1)
         assert torch.equal(got, want) and not bool(bad)
+        # the step read from the device (as a captured decode step passes it)
+        from_memory, _ = kernels.row_seeded_sample(logits, seeds, torch.tensor(step).to(DEVICE),
+                                                   temperature)
+        assert torch.equal(from_memory, want)
         assert (got % 2 == 0).all()
     for poison in (float("nan"), float("inf")):
         poisoned = logits.clone()
@@ -206,9 +210,10 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     seeds = torch.tensor([11, -3, 2**40, 7], device=DEVICE)
     want = generate(reference, batch["input_ids"], batch["attention_mask"], sampled,
                     row_seeds=seeds, **kwargs)
-    got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampled,
-                          row_seeds=seeds, **kwargs)
-    assert torch.equal(got, want)
+    for static in (False, True):   # static: sampled inside the step, the step in memory
+        got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampled,
+                              row_seeds=seeds, **kwargs, static=static)
+        assert torch.equal(got, want), static
 
 
 @pytest.mark.parametrize("bits", [8, 4])
