@@ -21,6 +21,8 @@ actor's tokenizer): the actor's side of PPO, with a critic's values and GAE, at 
 Run:  python bench/largest.py                          (one GPU; minutes per preset)
       python bench/largest.py --dequantized            (the bf16-copy rollout, to compare)
       python bench/largest.py --ppo                    (PPO with a small critic as well)
+      python bench/largest.py --presets llama-34b --memory-gib 76
+          (on an H200: the allocator capped below an 80 GB H100's memory)
       python bench/largest.py --presets tiny-llama --device cpu   (the harness on a CPU)
 """
 
@@ -59,12 +61,14 @@ def sizes(preset: str) -> tuple[int, int, int]:
 
 
 def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: str,
-              dequantized: bool, algorithm: str) -> tuple[dict | None, str]:
+              dequantized: bool, algorithm: str, memory_gib: float | None
+              ) -> tuple[dict | None, str]:
     algorithm_settings = (["ppo.algorithm=grpo", f"ppo.samples_per_prompt={GROUP}"]
                           if algorithm == "grpo" else
                           ["ppo.critic_path=tiny-llama", f"ppo.samples_per_prompt={GROUP}"])
+    capped = [str(REPO / "bench" / "capped.py"), str(memory_gib)] if memory_gib else []
     command = [
-        sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
+        sys.executable, *capped, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         "--zero-quantized-nontrainable-weights", "engine.quantized_base.bits=4",
         f"ppo.actor_path={preset}", "ppo.actor_lora.dim=8", *algorithm_settings,
         f"ppo.rollout_batch_size={PROMPTS}",
@@ -105,6 +109,9 @@ def main() -> None:
     p.add_argument("--dequantized", action="store_true",
                    help="generate from a bf16 copy (engine.hybrid.quantized_inference=false)")
     p.add_argument("--ppo", action="store_true", help="also PPO with a small critic")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="cap the children's CUDA allocator (bench/capped.py): e.g. 76 to "
+                        "show on an H200 what fits an 80 GB H100")
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,7 +129,7 @@ def main() -> None:
             for algorithm in ("grpo", "ppo") if args.ppo else ("grpo",):
                 row, status = run_step3(preset, prompts, out / f"{preset}-{algorithm}",
                                         args.iterations, args.device, args.dequantized,
-                                        algorithm)
+                                        algorithm, args.memory_gib)
                 print_row(args, bandwidth, f"{preset} {algorithm}", *sizes(preset), row,
                           status)
             if row is None:
@@ -132,7 +139,8 @@ def main() -> None:
 def print_header(args: argparse.Namespace, bandwidth: float) -> None:
     name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"command: python {shlex.join(sys.argv)}")
-    print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s")
+    print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s"
+          + (f"; allocator capped at {args.memory_gib:g} GiB" if args.memory_gib else ""))
     rollout = ("a bf16 copy (--dequantized)" if args.dequantized
                else "the INT4 base (engine.hybrid.quantized_inference)")
     print(f"run: GRPO (and PPO with --ppo), {PROMPTS} prompts x {GROUP} samples of {NEW_TOKENS} new tokens, INT4 "

@@ -210,10 +210,12 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     seeds = torch.tensor([11, -3, 2**40, 7], device=DEVICE)
     want = generate(reference, batch["input_ids"], batch["attention_mask"], sampled,
                     row_seeds=seeds, **kwargs)
-    for static in (False, True):   # static: sampled inside the step, the step in memory
+    # static: sampled inside the step (captured in the CUDA graph), the step index in memory
+    modes = [{}, {"static": True}] + ([{"cuda_graph": True}] if DEVICE.type == "cuda" else [])
+    for mode in modes:
         got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampled,
-                              row_seeds=seeds, **kwargs, static=static)
-        assert torch.equal(got, want), static
+                              row_seeds=seeds, **kwargs, **mode)
+        assert torch.equal(got, want), mode
 
 
 @pytest.mark.parametrize("bits", [8, 4])
