@@ -4,6 +4,7 @@ interpreter (which must be switched on before Triton is first imported)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +33,21 @@ def test_triton_kernels_under_the_interpreter():
             half.kill()
         assert half.returncode == 0, stdout[-4000:]
         assert " passed" in stdout and "skipped" not in stdout, stdout[-2000:]
+
+
+def test_every_launch_compiles_for_hopper():
+    """The launches of a decode step's launchers (tests/harness/compiled_launches.py),
+    compiled for sm_90 by Triton's own compiler and ptxas: what the interpreter cannot
+    show (a loop-carried value changing type passes it and fails here)."""
+    ptxas = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia"
+    if not (ptxas / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "harness" /
+                                                 "compiled_launches.py"), "90"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = {line.split()[1] for line in result.stdout.splitlines()}
+    assert compiled == {"add_norm_kernel", "silu_mul_kernel", "row_seeded_sample_kernel",
+                        "rope_cache_kernel", "decode_attention_kernel", "decode_matmul_kernel",
+                        "finish_split_kernel", "quantized_matmul_kernel", "dequantize_kernel"}
