@@ -13,8 +13,9 @@ Both take the round's 128 answers in forwards of --forward-batch (16): ours
 ppo.forward_batch_size, TRL's per_device_train_batch_size with gradient accumulation.
 
 Printed per system: s/iteration (median after warm-up) and its phase split, peak allocator
-memory (torch.cuda.max_memory_allocated over the whole run; on a CPU the peak resident
-set), generated tokens/s, and the trained weights' dtype. Ours: the phases of metrics.jsonl (generate, experience = reward,
+memory (torch.cuda.max_memory_allocated over the whole run; on a CPU the peak of live tensor
+bytes, bench/tensor_peak.py, with what held them at the peak printed after the table),
+generated tokens/s, and the trained weights' dtype. Ours: the phases of metrics.jsonl (generate, experience = reward,
 reference and old log-probs, train). TRL: generate = its `_generate`, experience = the rest
 of `_generate_and_score_completions`, train = the rest of the optimizer step.
 
@@ -30,6 +31,9 @@ Run:  pip install -e ".[bench]"        (TRL, pinned; CI does not need it)
       python bench/peers.py            (one GPU; ~10 min for the four rows)
       python bench/peers.py --small --device cpu --systems ours trl
           (the harness itself on a CPU: 2 layers of 64, 4 prompts x 4, 16 tokens)
+      python bench/peers.py --device cpu --layers 2 --iterations 1 --warmup 0
+          (the memory at the full width, vocabulary and batch on a CPU, in fp32, where
+          the logits' copies weigh most; about N min)
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ import gzip
 import hashlib
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -142,9 +145,14 @@ def train_env() -> dict[str, str]:
         filter(None, [str(REPO / "bench"), str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
-def run_child(command: list[str], out: Path, env) -> dict | None:
+def run_child(command: list[str], out: Path, env, device: str) -> dict | None:
     """Run one system's child with its stderr in out/stderr.txt, written as it runs: None
-    when it succeeded, else a row naming the failure (the other systems still run)."""
+    when it succeeded, else a row naming the failure (the other systems still run). On a
+    CPU the child runs under bench/tensor_peak.py, which writes out/tensor_peak.json."""
+    script = Path(command[1]).name
+    if device == "cpu":
+        command = [command[0], str(REPO / "bench" / "tensor_peak.py"),
+                   str(out / "tensor_peak.json"), *command[1:]]
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "stderr.txt"
@@ -154,15 +162,17 @@ def run_child(command: list[str], out: Path, env) -> dict | None:
     if not result.returncode:
         return None
     lines = [line for line in log.read_text().splitlines() if line.strip()]
-    print(f"{command[1]} failed ({result.returncode}), stderr in {log}:\n"
+    print(f"{script} failed ({result.returncode}), stderr in {log}:\n"
           + "\n".join(lines[:3] + ["..."] + lines[-12:]), file=sys.stderr, flush=True)
     return {"failed": lines[-1] if lines else f"exit {result.returncode}"}
 
 
 def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str,
-             profile: bool = False) -> dict:
+             profile: bool = False, lean: bool = False) -> dict:
     """Step 3 alone through train.py (GRPO, the rule reward, no reward model), then its
-    metrics.jsonl read back."""
+    metrics.jsonl read back. `lean`: the inference form (its weights, KV cache and CUDA
+    graphs) freed after each rollout and built again for the next
+    (engine.hybrid.pin_parameters=false), which the training phase's peak then leaves out."""
     command = [
         sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         f"--actor-model={model}", f"ppo.actor_path={model}", f"data.path=[{prompts}]",
@@ -175,8 +185,9 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.kl_target=0", "ppo.target_kl=null", f"ppo.actor_lr={run.lr}",
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
         f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
+        *(["engine.hybrid.pin_parameters=false"] * lean),
         *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 2}]"] * profile)]
-    if failed := run_child(command, out, train_env()):
+    if failed := run_child(command, out, train_env(), device):
         return failed
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "time/iteration" in r][run.warmup:]
@@ -188,7 +199,15 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
             "peak_gib": rows[-1]["memory/peak_mib"] / 1024,
             "generated_tokens_per_s": median["time/generate_tokens_per_s"],
             "weights": "fp32 master, bf16 compute" if device != "cpu" else "fp32",
-            "iterations": len(timed)}
+            "iterations": len(timed), **tensor_peak(out, device)}
+
+
+def tensor_peak(out: Path, device: str) -> dict:
+    """On a CPU, the child's peak of live tensor bytes and what held it (see run_child)."""
+    if device != "cpu":
+        return {}
+    peak = json.loads((out / "tensor_peak.json").read_text())
+    return {"peak_gib": peak["peak_bytes"] / 2**30, "at_peak": peak["at_peak"]}
 
 
 # --- TRL: GRPOTrainer in a child process ------------------------------------------------
@@ -257,9 +276,8 @@ def trl_worker(model: Path, prompts: Path, run: Run, gc: bool, device: str, out:
     row = {"s_per_iteration": statistics.median(step), "generate": statistics.median(gen),
            "experience": statistics.median(experience),
            "train": statistics.median(s - g - e for s, g, e in zip(step, gen, experience, strict=True)),
-           # on a CPU the process's peak resident set, as train.py reports it there
-           "peak_gib": (torch.cuda.max_memory_allocated() if cuda else
-                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
+           # (on a CPU, replaced by the peak of live tensor bytes: see run_child)
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "generated_tokens_per_s": batch * run.new_tokens / statistics.median(gen),
            "weights": str(weights).removeprefix("torch.") + (", bf16 autocast" if cuda else ""),
            "iterations": len(step)}
@@ -275,9 +293,9 @@ def run_trl(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: s
     command = [sys.executable, __file__, "--worker", "--model", str(model),
                "--prompts", str(prompts), "--out", str(out), "--device", device,
                "--gc", "on" if gc else "off", *run_args(run)]
-    if failed := run_child(command, out, os.environ):
+    if failed := run_child(command, out, os.environ, device):
         return failed
-    return json.loads((out / "row.json").read_text())
+    return {**json.loads((out / "row.json").read_text()), **tensor_peak(out, device)}
 
 
 def run_args(run: Run) -> list[str]:
@@ -327,13 +345,27 @@ def bound(params: int, weight_bytes: int, run: Run, prompt_tokens: float, gc: bo
 # --- the table ----------------------------------------------------------------------------
 
 
+def print_held(held: dict[str, dict[str, int] | None], top: int = 8) -> None:
+    """On a CPU: per run, the allocation sites of the most bytes live at the peak."""
+    for run, sites in held.items():
+        if sites:
+            print(f"\nheld at the peak, {run} (MiB, where allocated <- from which of its "
+                  "own lines):")
+            for site, nbytes in list(sites.items())[:top]:
+                print(f"  {nbytes / 2**20:>8.1f}  {site}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", nargs="+", default=["trl", "ours"], choices=["trl", "ours"])
+    p.add_argument("--systems", nargs="+", default=["trl", "ours"],
+                   choices=["trl", "ours", "ours-lean"], help="ours-lean: ours with the "
+                   "inference form freed after each rollout (see run_ours)")
     p.add_argument("--gc", nargs="+", default=["on", "off"], choices=["on", "off"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="2 layers of 64, 4 prompts x 4, "
                    "16 tokens: the harness, not a measurement")
+    p.add_argument("--layers", type=int, default=None, help="the model's layers (default "
+                   "24; fewer keep the width, vocabulary and batch, for a CPU's memory probe)")
     p.add_argument("--prompts-per-round", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -365,6 +397,7 @@ def main() -> None:
         out = args.out or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         model, prompts = out / "model", out / "prompts.jsonl"
         shape = SMALL if args.small else FULL
+        shape = shape._replace(layers=args.layers or shape.layers)
         dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
         params = write_model(model, shape, dtype)
         write_prompts(prompts, model, run)
@@ -385,7 +418,7 @@ def main() -> None:
               f"prompts {prompt_tokens:.1f} tokens on average (<= {run.max_prompt}), one "
               f"optimizer step a round over forwards of {run.forward}, KL {run.kl}; median of "
               f"{run.iterations - run.warmup} rounds after {run.warmup}")
-        header = (f"{'system':<6} {'GC':<3} {'s/iter':>7} {'generate':>9} {'experience':>10} "
+        header = (f"{'system':<9} {'GC':<3} {'s/iter':>7} {'generate':>9} {'experience':>10} "
                   f"{'train':>7} {'peak GiB':>9} {'gen tok/s':>10} {'x bound':>8} "
                   f"{'wall s':>7}  weights")
         print(header)
@@ -393,27 +426,30 @@ def main() -> None:
         bounds = {gc: bound(params, params * 2, run, prompt_tokens, gc == "on", bandwidth,
                             flops) for gc in args.gc}
         # a row as each run ends (ours first): a bench cut off by its limit keeps those done
+        held = {}
         for gc in args.gc:
-            for system in sorted(args.systems, key=lambda s: s != "ours"):
+            for system in sorted(args.systems, key=lambda s: s == "trl"):
                 where, began = out / f"{system}-gc-{gc}", time.perf_counter()
-                if system == "ours":
+                if system.startswith("ours"):
                     r = run_ours(model, prompts, where, run, gc == "on", args.device,
-                                 args.profile)
+                                 args.profile and system == "ours", system == "ours-lean")
                 else:
                     r = run_trl(model, prompts, where, run, gc == "on", args.device)
                 wall = time.perf_counter() - began
                 if "failed" in r:
-                    print(f"{system:<6} {gc:<3} failed after {wall:.0f} s: {r['failed'][:160]}",
+                    print(f"{system:<9} {gc:<3} failed after {wall:.0f} s: {r['failed'][:160]}",
                           flush=True)
                     continue
-                print(f"{system:<6} {gc:<3} {r['s_per_iteration']:>7.3f} {r['generate']:>9.3f} "
+                print(f"{system:<9} {gc:<3} {r['s_per_iteration']:>7.3f} {r['generate']:>9.3f} "
                       f"{r['experience']:>10.3f} {r['train']:>7.3f} {r['peak_gib']:>9.1f} "
                       f"{r['generated_tokens_per_s']:>10.0f} "
                       f"{r['s_per_iteration'] / bounds[gc]['s_per_iteration']:>8.1f} "
                       f"{wall:>7.0f}  {r['weights']}", flush=True)
+                held[f"{system}, GC {gc}"] = r.get("at_peak")
         for gc, b in bounds.items():
-            print(f"bound  {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
+            print(f"{'bound':<9} {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
                   f"{b['experience']:>10.3f} {b['train']:>7.3f}")
+        print_held(held)
         if args.profile:
             for gc in args.gc:
                 ops = out / f"ours-gc-{gc}" / "step3" / "profile" / "ops.txt"

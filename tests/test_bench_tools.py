@@ -8,6 +8,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import step3_quality  # noqa: E402
+import torch  # noqa: E402
+from tensor_peak import TensorPeak  # noqa: E402
 
 
 def _per_seed_file(path: Path, seed: int, figures: dict[str, float]) -> Path:
@@ -40,3 +42,29 @@ def test_merge_refuses_seeds_with_different_measures(tmp_path):
     (tmp_path / "empty.txt").write_text("command: nothing\n")
     with pytest.raises(SystemExit, match="no table in it"):
         step3_quality.merge([tmp_path / "empty.txt"])
+
+
+def test_tensor_peak_counts_each_storage_once_while_it_lives():
+    """Hand-counted: 4 MiB tensors made and freed, a view (no new bytes), an in-place op,
+    a tensor made before the tracker (counted from its first use) and one resized by an
+    out= op (recounted at its new size)."""
+    mib = 2**20
+    before = torch.ones(mib // 4)                           # 1 MiB, made outside
+    with TensorPeak() as peak:
+        x = torch.ones(mib)                                 # 4
+        y = x * 2                                           # 8
+        y.view(2, -1).add_(1)                               # 8: a view, in place
+        del x                                               # 4
+        z = y + before.repeat(4)                            # 4 + 1 + 4 (+4 for the repeat)
+        assert peak.live == 9 * mib
+        del z                                               # 5
+        out = torch.empty(0)
+        torch.add(y[: mib // 2], 1, out=out)                # out resized to 2 MiB: 7
+        assert peak.live == 7 * mib
+    assert peak.peak == 13 * mib and peak.summary()["itemised_peak_bytes"] == 13 * mib
+    sites = peak.summary()["at_peak"]
+    assert sum(sites.values()) == 13 * mib
+    # by line, at the peak: y's, and z's with the repeat and `before` (first read there);
+    # x was freed before it
+    assert sorted(n // mib for site, n in sites.items() if "test_bench_tools" in site) \
+        == [4, 9]
