@@ -12,7 +12,8 @@ for --iterations rounds, the first --warmup untimed.
 Both take the round's 128 answers in forwards of --forward-batch (16): ours
 ppo.forward_batch_size, TRL's per_device_train_batch_size with gradient accumulation.
 
-Printed per system: s/iteration (median after warm-up) and its phase split, peak allocator
+Printed per system (and per iteration for ours, the decode steps captured as CUDA graphs:
+0 once they are reused): s/iteration (median after warm-up) and its phase split, peak allocator
 memory (torch.cuda.max_memory_allocated over the whole run; on a CPU the peak of live tensor
 bytes, bench/tensor_peak.py, with what held them at the peak printed after the table),
 generated tokens/s, and the trained weights' dtype. Ours: the phases of metrics.jsonl (generate, experience = reward,
@@ -170,9 +171,10 @@ def run_child(command: list[str], out: Path, env, device: str) -> dict | None:
 def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str,
              profile: bool = False, lean: bool = False) -> dict:
     """Step 3 alone through train.py (GRPO, the rule reward, no reward model), then its
-    metrics.jsonl read back. `lean`: the inference form (its weights, KV cache and CUDA
-    graphs) freed after each rollout and built again for the next
-    (engine.hybrid.pin_parameters=false), which the training phase's peak then leaves out."""
+    metrics.jsonl read back. `lean`: the KV cache freed after each rollout and made again
+    for the next (engine.hybrid.release_inference_cache=true), which the training phase's
+    peak then leaves out; `graphs` counts the decode steps captured per timed iteration
+    (0 when the new cache lands at the old address and the graphs are reused)."""
     command = [
         sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         f"--actor-model={model}", f"ppo.actor_path={model}", f"data.path=[{prompts}]",
@@ -185,7 +187,7 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.kl_target=0", "ppo.target_kl=null", f"ppo.actor_lr={run.lr}",
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
         f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
-        *(["engine.hybrid.pin_parameters=false"] * lean),
+        *(["engine.hybrid.release_inference_cache=true"] * lean),
         *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 2}]"] * profile)]
     if failed := run_child(command, out, train_env(), device):
         return failed
@@ -199,7 +201,8 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
             "peak_gib": rows[-1]["memory/peak_mib"] / 1024,
             "generated_tokens_per_s": median["time/generate_tokens_per_s"],
             "weights": "fp32 master, bf16 compute" if device != "cpu" else "fp32",
-            "iterations": len(timed), **tensor_peak(out, device)}
+            "iterations": len(timed), **tensor_peak(out, device),
+            "graphs": statistics.mean(r.get("generation/decode_steps_built", 0) for r in timed)}
 
 
 def tensor_peak(out: Path, device: str) -> dict:
@@ -359,7 +362,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=["trl", "ours"],
                    choices=["trl", "ours", "ours-lean"], help="ours-lean: ours with the "
-                   "inference form freed after each rollout (see run_ours)")
+                   "KV cache freed after each rollout (see run_ours)")
     p.add_argument("--gc", nargs="+", default=["on", "off"], choices=["on", "off"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="2 layers of 64, 4 prompts x 4, "
@@ -420,7 +423,7 @@ def main() -> None:
               f"{run.iterations - run.warmup} rounds after {run.warmup}")
         header = (f"{'system':<9} {'GC':<3} {'s/iter':>7} {'generate':>9} {'experience':>10} "
                   f"{'train':>7} {'peak GiB':>9} {'gen tok/s':>10} {'x bound':>8} "
-                  f"{'wall s':>7}  weights")
+                  f"{'graphs':>6} {'wall s':>7}  weights")
         print(header)
         print("-" * len(header), flush=True)
         bounds = {gc: bound(params, params * 2, run, prompt_tokens, gc == "on", bandwidth,
@@ -444,6 +447,7 @@ def main() -> None:
                       f"{r['experience']:>10.3f} {r['train']:>7.3f} {r['peak_gib']:>9.1f} "
                       f"{r['generated_tokens_per_s']:>10.0f} "
                       f"{r['s_per_iteration'] / bounds[gc]['s_per_iteration']:>8.1f} "
+                      f"{r['graphs'] if 'graphs' in r else '-':>6} "
                       f"{wall:>7.0f}  {r['weights']}", flush=True)
                 held[f"{system}, GC {gc}"] = r.get("at_peak")
         for gc, b in bounds.items():

@@ -88,7 +88,9 @@ class HybridConfig:
                                  "false: a gathered HF copy")
     pin_parameters: bool = val(True, "keep the gathered inference weights between rollouts "
                                "(false: free them)")
-    release_inference_cache: bool = val(False, "free the KV cache after every rollout")
+    release_inference_cache: bool = val(False, "free the KV cache after every rollout (made "
+                                        "again for the next; its CUDA graphs kept when it "
+                                        "lands at the same address)")
     gather_group_size: int = val(1, "decoder layers all-gathered at once (bounds the "
                                  "gather's extra memory)", COUNT)
     cuda_graphs: bool = val(True, "capture the decode step as a CUDA graph (CUDA only)")

@@ -242,9 +242,11 @@ class _StaticDecodeStep:
         self.seeds = torch.zeros(batch, dtype=torch.long, device=device)
         self.step_index = torch.zeros((), dtype=torch.long, device=device)
         self.seeds_of: torch.Tensor | None = None   # the seeds in `seeds`
-        keys, values = model.cache.view(batch, length)
 
         def run() -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            # the cache's views taken when run (a graph keeps those of its capture): the
+            # step holds no reference that would keep a freed cache's memory (KVCache.free)
+            keys, values = model.cache.view(batch, length)
             logits = model(self.tokens, self.positions, self.slot, self.key_valid, keys,
                            values)
             if self.rule is None:
@@ -274,6 +276,7 @@ class _StaticDecodeStep:
         key, steps = (batch, length, capture, rule), model.cache.static_steps
         if key not in steps:
             steps[key] = _StaticDecodeStep(model, batch, length, capture, rule)
+            model.steps_built += 1
         return steps[key]
 
     def __call__(self, token: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,

@@ -13,8 +13,10 @@ So `generate` switches form:
   2. generate: every rank decodes its own prompts alone, with a static KV cache and no
      collectives;
   3. release: the units are resharded; with `pin_parameters=False` the inference weights
-     are freed too, with `release_inference_cache=True` the KV cache (DeepSpeed-Chat's
-     options of the same names: keep both for speed, free them for memory).
+     are freed too (and the decode steps captured over them), with
+     `release_inference_cache=True` the KV cache (DeepSpeed-Chat's options of the same
+     names). A freed cache is made again for the next rollout, and its captured steps are
+     reused when it lands at its old address (KVCache.restore).
 
 The training form is never modified: after a rollout, training continues exactly as if
 generation had run on the sharded model.
@@ -50,11 +52,13 @@ from engine.trainer import TrainEngine
 
 @dataclass
 class GenerationTimes:
-    """Seconds spent since the last `take_times`: gathering weights, and decoding."""
+    """Seconds spent since the last `take_times`: gathering weights, and decoding; and the
+    static decode steps made (CUDA graphs captured) meanwhile: none once they are reused."""
 
     gather: float = 0.0
     generate: float = 0.0
     calls: int = 0
+    steps_built: int = 0
 
 
 def _base_module(model: nn.Module, name: str) -> tuple[nn.Module, nn.Module, str]:
@@ -156,10 +160,12 @@ class HybridEngine(TrainEngine):
             device = self.runtime.device
             form = InferenceForm(target.model, device,
                                  cuda_graph=self.hybrid.cuda_graphs and device.type == "cuda")
+            built = getattr(target.model, "steps_built", 0)
             try:
                 out = form.generate(input_ids, attention_mask, sampling, group_size=group_size,
                                     **kwargs)
             finally:
+                self.times.steps_built += getattr(target.model, "steps_built", 0) - built
                 self._release()
         else:
             out = generate(self.module, input_ids, attention_mask, sampling, **kwargs)

@@ -25,29 +25,53 @@ CACHE_LENGTH_STEP = 64   # cache lengths are rounded up to a multiple of this
 
 
 class KVCache:
-    """Preallocated keys and values, [layers, batch, kv_heads, length, head_dim] each.
-    A call may use any batch and length up to the capacity (a view of the front)."""
+    """Preallocated keys and values, [layers, batch, kv_heads, length, head_dim] each, in
+    one buffer. A call may use any batch and length up to the capacity (a view of the front).
+
+    Between rollouts `free` gives the buffer back (training can use the memory) and
+    `restore` makes it again. The decode steps captured over it (CUDA graphs hold its
+    address) are kept when the new buffer lands where the old one was, as the caching
+    allocator does when the freed block is whole again, and dropped otherwise."""
 
     def __init__(self, spec: DecoderSpec, batch: int, length: int, dtype: torch.dtype,
                  device: torch.device):
-        shape = (spec.layers, batch, spec.kv_heads, length, spec.head_dim)
-        # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.shape = (2, spec.layers, batch, spec.kv_heads, length, spec.head_dim)
+        self.dtype, self.device = dtype, device
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin per position
-        # decode steps captured over this cache (engine/decode.py): they read its memory,
-        # so they are kept and dropped with it
+        # decode steps captured over this cache (engine/decode.py), by their shapes
         self.static_steps: dict = {}
+        self.restores = self.moves = 0   # restores, and those that dropped the steps
+        self._allocate()
+
+    def _allocate(self) -> None:
+        # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN)
+        self.buffer: torch.Tensor | None = torch.zeros(self.shape, dtype=self.dtype,
+                                                       device=self.device)
+        self.keys, self.values = self.buffer.unbind(0)
+
+    def free(self) -> None:
+        if self.buffer is not None:
+            self._freed_at = self.buffer.data_ptr()
+            self.buffer = self.keys = self.values = None
+
+    def restore(self) -> None:
+        if self.buffer is None:
+            self._allocate()
+            self.restores += 1
+            if self.buffer.data_ptr() != self._freed_at and self.static_steps:
+                self.static_steps.clear()
+                self.moves += 1
 
     def fits(self, batch: int, length: int) -> bool:
-        return batch <= self.keys.shape[1] and length <= self.keys.shape[3]
+        return batch <= self.shape[2] and length <= self.shape[4]
 
     def view(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[:, :batch, :, :length], self.values[:, :batch, :, :length]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        """Bytes held now (0 while freed)."""
+        return self.buffer.nbytes if self.buffer is not None else 0
 
 
 class _Norm(nn.Module):
@@ -199,6 +223,7 @@ class InferenceDecoder(nn.Module):
         self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
         self.rotary = plan.rotary
         self.cache: KVCache | None = None
+        self.steps_built = 0   # static decode steps made (captured, on CUDA) so far
         self.fused_kernels = False   # Triton kernels (use_fused_kernels), sampling's too
 
     def allocate(self, shapes: dict[str, torch.Size], dtype: torch.dtype,
@@ -228,15 +253,19 @@ class InferenceDecoder(nn.Module):
         """A cache with room for `batch` rows of `length` tokens: the current one when it
         fits, else a new one with room to spare, so that rollouts with somewhat longer
         prompts reuse it (and the decode steps captured over it)."""
-        if self.cache is None or not self.cache.fits(batch, length):
-            self.release_cache()
-            capacity = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
-            self.cache = KVCache(self.spec, batch, capacity, self.dtype, self.device)
-            self.cache.rope = self._rope_tables(capacity)
+        if self.cache is not None and self.cache.fits(batch, length):
+            self.cache.restore()
+            return self.cache
+        self.cache = None   # the old one (and its steps) first: its memory can be reused
+        capacity = -(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+        self.cache = KVCache(self.spec, batch, capacity, self.dtype, self.device)
+        self.cache.rope = self._rope_tables(capacity)
         return self.cache
 
     def release_cache(self) -> None:
-        self.cache = None
+        """Free the KV cache's memory until the next `cache_for` (see KVCache)."""
+        if self.cache is not None:
+            self.cache.free()
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
         """tokens, positions: [B, T] -> hidden [B, T, H], rope (cos, sin) or None."""

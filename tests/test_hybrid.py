@@ -12,6 +12,7 @@ import copy
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,42 @@ def test_static_decode_step_matches(preset):
                               pad_token_id=PAD, static=True)
         assert torch.equal(got, want)
     assert len(lengths) == 2 and len(decoder.cache.static_steps) == 1
+
+
+def test_a_released_cache_frees_its_memory_and_keeps_its_decode_steps():
+    """engine.hybrid.release_inference_cache between rollouts: nothing keeps the freed
+    cache's memory (not the static decode step made over it), the next rollout's answers
+    are still generate's, and the step (a CUDA graph holds the cache's address) is reused
+    when the new buffer lands at the old address, and made again when it does not."""
+    model = model_with_answers_that_end("tiny-llama", 0, EOS)
+    reference = copy.deepcopy(model)
+    decoder = _engine(model)._gather().model
+    sampling = SamplingSettings(max_new_tokens=20, do_sample=False)
+    ids, mask = _batch(PROMPTS[:4])
+    want = generate(reference, ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+
+    def rollout():
+        got = decode.generate(decoder, ids, mask, sampling, eos_token_id=EOS,
+                              pad_token_id=PAD, static=True)
+        assert torch.equal(got, want)
+        (step,) = decoder.cache.static_steps.values()
+        return step
+
+    step, cache = rollout(), decoder.cache
+    for forced_move in (False, True):
+        freed_at = cache.buffer.data_ptr()
+        storage = weakref.ref(cache.buffer.untyped_storage())
+        decoder.release_cache()
+        assert storage() is None and cache.nbytes == 0
+        if forced_move:   # as if the allocator had put the new buffer elsewhere
+            cache._freed_at = freed_at + 1
+        moves = cache.moves
+        again = rollout()
+        assert decoder.cache is cache and cache.nbytes > 0
+        reused = not forced_move and cache.buffer.data_ptr() == freed_at
+        assert (again is step) == reused and cache.moves == moves + (not reused)
+        step = again
+    assert cache.restores == 2
 
 
 @pytest.mark.parametrize("row_seeded,top_k,top_p", [(True, 0, 1.0), (True, 20, 0.8),
