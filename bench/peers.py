@@ -32,9 +32,9 @@ Run:  pip install -e ".[bench]"        (TRL, pinned; CI does not need it)
       python bench/peers.py            (one GPU; ~10 min for the four rows)
       python bench/peers.py --small --device cpu --systems ours trl
           (the harness itself on a CPU: 2 layers of 64, 4 prompts x 4, 16 tokens)
-      python bench/peers.py --device cpu --layers 2 --iterations 1 --warmup 0
-          (the memory at the full width, vocabulary and batch on a CPU, in fp32, where
-          the logits' copies weigh most; about N min)
+      python bench/peers.py --device cpu --layers 2 --iterations 2 --warmup 1
+          (the memory at the full width, vocabulary and batch on a CPU, in fp32, at the
+          second iteration, when AdamW's moments exist; about 70 min on 2 cores)
 """
 
 from __future__ import annotations
