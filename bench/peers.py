@@ -174,7 +174,8 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
     metrics.jsonl read back. `lean`: the KV cache freed after each rollout and made again
     for the next (engine.hybrid.release_inference_cache=true), which the training phase's
     peak then leaves out; `graphs` counts the decode steps captured per timed iteration
-    (0 when the new cache lands at the old address and the graphs are reused)."""
+    (0 when the new cache lands at the old address and the graphs are reused) from the
+    running total in metrics.jsonl."""
     command = [
         sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         f"--actor-model={model}", f"ppo.actor_path={model}", f"data.path=[{prompts}]",
@@ -192,7 +193,9 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
     if failed := run_child(command, out, train_env(), device):
         return failed
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if "time/iteration" in r][run.warmup:]
+    iterations = [r for r in rows if "time/iteration" in r]
+    timed = iterations[run.warmup:]
+    built = [r.get("generation/decode_steps_built", 0) for r in iterations]
     median = {k: statistics.median(r[k] for r in timed)
               for k in ("time/iteration", "time/generate", "time/experience", "time/train",
                         "time/generate_tokens_per_s")}
@@ -202,7 +205,7 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
             "generated_tokens_per_s": median["time/generate_tokens_per_s"],
             "weights": "fp32 master, bf16 compute" if device != "cpu" else "fp32",
             "iterations": len(timed), **tensor_peak(out, device),
-            "graphs": statistics.mean(r.get("generation/decode_steps_built", 0) for r in timed)}
+            "graphs": (built[-1] - (built[run.warmup - 1] if run.warmup else 0)) / len(timed)}
 
 
 def tensor_peak(out: Path, device: str) -> dict:

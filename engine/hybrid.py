@@ -52,13 +52,11 @@ from engine.trainer import TrainEngine
 
 @dataclass
 class GenerationTimes:
-    """Seconds spent since the last `take_times`: gathering weights, and decoding; and the
-    static decode steps made (CUDA graphs captured) meanwhile: none once they are reused."""
+    """Seconds spent since the last `take_times`: gathering weights, and decoding."""
 
     gather: float = 0.0
     generate: float = 0.0
     calls: int = 0
-    steps_built: int = 0
 
 
 def _base_module(model: nn.Module, name: str) -> tuple[nn.Module, nn.Module, str]:
@@ -120,6 +118,8 @@ class HybridEngine(TrainEngine):
         super().__init__(model, optim, total_steps, runtime, sharding, **guards)
         self.hybrid = hybrid or HybridConfig()
         self.times = GenerationTimes()
+        # static decode steps made (CUDA graphs captured) so far: flat once they are reused
+        self.decode_steps_built = 0
         inner = hf_model(self.module)
         self._blocks = transformer_blocks(self.module)
         self._layer_prefixes = layer_prefixes(inner, self._blocks)
@@ -165,7 +165,7 @@ class HybridEngine(TrainEngine):
                 out = form.generate(input_ids, attention_mask, sampling, group_size=group_size,
                                     **kwargs)
             finally:
-                self.times.steps_built += getattr(target.model, "steps_built", 0) - built
+                self.decode_steps_built += getattr(target.model, "steps_built", 0) - built
                 self._release()
         else:
             out = generate(self.module, input_ids, attention_mask, sampling, **kwargs)

@@ -464,7 +464,6 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
                                   seeds=row_seeds(s.seed, state.iteration + 1, share.index),
                                   weight=share.weight)
     t1 = time.perf_counter()
-    steps_built = timing.pop("generation/decode_steps_built")
     answers = len(prompt_batch) * s.group
     stats, ptx_batches = update(exp, share, answers, models, s, dp, prompts.ptx,
                                 state.ptx_batches, kept.ema, state.iteration, state.kl_coef)
@@ -474,7 +473,7 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
                                            s.kl_target is not None, dp),
                "kl_coef": state.kl_coef, "train/kl_stops": kl_stops,
                "train/skipped_steps": models.actor.skipped_steps,
-               "generation/decode_steps_built": steps_built}
+               "generation/decode_steps_built": models.actor.decode_steps_built}
     if models.critic is not None:
         metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
@@ -624,8 +623,7 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl, vocab_kl)
     return experience, {"time/gather": generation.gather, "time/generate": generation.generate,
-                        "time/experience": t2 - t1,
-                        "generation/decode_steps_built": generation.steps_built}
+                        "time/experience": t2 - t1}
 
 
 def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.Tensor,
