@@ -18,6 +18,7 @@ from huggingface_hub import snapshot_download
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tokenizer_models
+from torch.utils.checkpoint import checkpoint
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -43,6 +44,7 @@ from engine.model_source import (
     model_source,
     require_tokenizer_files,
 )
+from engine.parallel import hf_model
 from engine.quantized_base import build_quantized
 
 # Small enough to train on two CPU cores in seconds, big enough to learn the demo task.
@@ -245,6 +247,71 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] positions counting real tokens only, so a left-padded prompt gets the same
     positions as unpadded (and as `generate` gives it)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# Model types whose logits are their output head's output as it is, with no scaling or
+# soft-capping after it (Gemma 2's, Cohere's and Granite's have some): `head_reduced` may
+# reduce the head's output in place of the logits.
+PLAIN_HEAD_MODEL_TYPES = frozenset({
+    "bloom", "falcon", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "opt",
+    "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+HEAD_CHUNK = 2**26   # logits elements one chunk of `head_reduced` makes (128 MiB in bf16)
+
+
+def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, keep: int, reduce, *, call=None,
+                 chunk: int = HEAD_CHUNK) -> torch.Tensor:
+    """[B, keep]: ``reduce(logits, rows)`` of a causal LM's logits [r, keep, V] at the last
+    `keep` positions, r rows at a time (as many as fit in `chunk` logits elements), where
+    ``reduce`` maps rows `rows` (a slice) of the logits to [r, keep] (e.g. the taken tokens'
+    log-probs). The [B, keep, V] logits never exist at once, forward or backward: the head
+    computes the reduction in its own forward (inside FSDP's gathered root, peft's adapters,
+    an offload's hooks), and with gradients each chunk's head runs again in backward
+    (torch.utils.checkpoint), so between the passes only its input [B, keep, H] is kept.
+    The model is called as a whole (through `call`, e.g. its TrainEngine, when given). A
+    model type not in PLAIN_HEAD_MODEL_TYPES gets its whole logits reduced at once."""
+    inner = hf_model(model)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=position_ids(attention_mask), logits_to_keep=keep)
+    if inner.config.model_type not in PLAIN_HEAD_MODEL_TYPES:
+        return reduce((call or model)(**kwargs).logits, slice(None))
+    head, hidden = inner.get_output_embeddings(), []
+
+    def skip_head(module, args):   # the hidden states are kept, the head makes nothing
+        hidden.append(args[0])
+        return (args[0][:, :0], *args[1:])
+
+    def reduce_instead(module, args, output):
+        rows = max(1, chunk // (keep * output.shape[-1]))
+        return _reduced_by_rows(module.forward, hidden.pop(), reduce, rows)
+
+    handles = [head.register_forward_pre_hook(skip_head),
+               head.register_forward_hook(reduce_instead)]
+    try:
+        return (call or model)(**kwargs).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _reduced_by_rows(forward, hidden: torch.Tensor, reduce, rows: int) -> torch.Tensor:
+    """torch.cat over row chunks of ``reduce(forward(hidden[part]), part)``: checkpointed
+    when gradients are on, so backward makes each chunk's output again instead of keeping
+    it (no RNG state is saved: an output head has no dropout)."""
+    parts = []
+    for b in range(0, hidden.shape[0], rows):
+        part = slice(b, b + rows)
+
+        def chunk(h: torch.Tensor, part: slice = part) -> torch.Tensor:
+            return reduce(forward(h), part)
+
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(chunk, hidden[part], use_reentrant=False,
+                                    preserve_rng_state=False))
+        else:
+            parts.append(chunk(hidden[part]))
+    return torch.cat(parts)
 
 
 def _score_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -29,7 +29,7 @@ from engine.config import OptimConfig
 from engine.errors import NonFiniteError
 from engine.export import merged_export_size, save_adapter, save_hf
 from engine.lora import is_lora_param
-from engine.models import sequence_scores, token_values
+from engine.models import head_reduced, sequence_scores, token_values
 from engine.parallel import ShardSettings, resharded, set_gradient_sync, shard
 from engine.runtime import Runtime
 
@@ -174,6 +174,12 @@ class TrainEngine:
     def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] per-token outputs of a one-label scorer (see engine.models.token_values)."""
         return token_values(self.module, input_ids, attention_mask, call=self)
+
+    def head_reduced(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
+                     reduce) -> torch.Tensor:
+        """[B, keep] reduction of a causal LM's last `keep` logits, made a few rows at a time
+        (see engine.models.head_reduced)."""
+        return head_reduced(self.module, input_ids, attention_mask, keep, reduce, call=self)
 
     def sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
                         ) -> torch.Tensor:

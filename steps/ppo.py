@@ -53,7 +53,13 @@ from engine.errors import NonFiniteError, UserError
 from engine.export import host_memory_bytes
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
-from engine.models import disable_dropout, is_preset, load_tokenizer, position_ids
+from engine.models import (
+    disable_dropout,
+    head_reduced,
+    is_preset,
+    load_tokenizer,
+    position_ids,
+)
 from engine.placement import Placement
 from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
@@ -746,13 +752,22 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
-    """[B, N] fp32 log-probability of each answer token under `model` at the sampling
-    `temperature`: the distribution the answers were drawn from, log_softmax(logits / T)."""
-    logits = _answer_head(model, sequences, attention_mask, prompt_len)
-    # the last position's log-prob (of a stand-in token 0) is dropped: slicing the logits
-    # instead would make the backward fill a zero [B, N + 1, V] gradient to copy into
+    """[B, N] fp32 log-probability of each answer token under `model` (a TrainEngine, or a
+    causal LM) at the sampling `temperature`: the distribution the answers were drawn from,
+    log_softmax(logits / T). The head runs on a few rows at a time and on the answer's
+    positions only: neither the whole batch's logits nor their gradient is ever made."""
+    # position t's logits are answer token t's distribution; the last position's log-prob
+    # (of a stand-in token 0) is dropped: slicing the logits instead would make the backward
+    # fill a zero gradient to copy into
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
-    return logprobs_of_tokens(logits, answers, temperature)[:, :-1]
+
+    def taken(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        return logprobs_of_tokens(logits, answers[rows], temperature)
+
+    args = (sequences, attention_mask, answers.shape[1], taken)
+    if isinstance(model, TrainEngine):
+        return model.head_reduced(*args)[:, :-1]
+    return head_reduced(model, *args)[:, :-1]
 
 
 def _answer_head(model, sequences: torch.Tensor, attention_mask: torch.Tensor,

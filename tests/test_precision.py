@@ -7,24 +7,33 @@ sampling from non-finite scores, and log-probs at the sampling temperature."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
 from torch.utils.checkpoint import checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.checkpoint import Checkpointer, Tensors
 from engine.config import EngineConfig, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
-from engine.models import byte_tokenizer, load_causal_lm
+from engine.models import byte_tokenizer, head_reduced, load_causal_lm
 from engine.placement import Placement
 from engine.precision import Precision
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 from steps.ppo import answer_logprobs
 from steps.rlhf import logprobs_of_tokens, sft_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from tensor_peak import TensorPeak  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(   # library noise: peft on transformers 5
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -290,3 +299,94 @@ def test_answer_logprobs_are_the_sampling_distributions(tok):
         plain = answer_logprobs(model, ids, mask, prompt_len=4)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert (got - plain).abs().max() > 1e-2
+
+
+def head_model(model_type: str = "llama", lora_on_head: bool = False, **extra):
+    """A small causal LM whose logits outweigh everything else: vocabulary 4096, width 32."""
+    config = AutoConfig.for_model(model_type, vocab_size=4096, hidden_size=32, num_hidden_layers=2,
+                                  intermediate_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+                                  **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if lora_on_head:
+        model = get_peft_model(model, PeftLoraConfig(r=4, target_modules=["q_proj", "lm_head"],
+                                                     init_lora_weights=False))
+    return model
+
+
+def head_batch(rows: int = 8, prompt: int = 4, answer: int = 24) -> tuple[torch.Tensor, ...]:
+    ids = torch.randint(4, 4096, (rows, prompt + answer),
+                        generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[::2, :2] = 0   # left padding
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def full_logprobs(model, ids, mask, prompt_len, temperature) -> torch.Tensor:
+    """The reference computation: the whole [B, N, V] logits, log_softmax, gather."""
+    logits = model(input_ids=ids, attention_mask=mask,
+                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    return torch.log_softmax(logits[:, prompt_len - 1:-1].float() / temperature, -1).gather(
+        -1, ids[:, prompt_len:, None]).squeeze(-1)
+
+
+def reduced_logprobs(model, ids, mask, prompt_len, temperature, chunk) -> torch.Tensor:
+    answers = F.pad(ids[:, prompt_len:], (0, 1))
+    return head_reduced(model, ids, mask, answers.shape[1],
+                        lambda logits, rows: logprobs_of_tokens(logits, answers[rows],
+                                                                temperature), chunk=chunk)[:, :-1]
+
+
+@pytest.mark.parametrize("lora_on_head", [False, True])
+def test_head_reduced_logprobs_and_gradients_equal_the_full_logits(lora_on_head):
+    """Log-probs made from the head a few rows at a time (2 of 8 a chunk here), the head run
+    again in backward, equal the whole logits' log_softmax, and so do every parameter's
+    gradients: the head's (and LoRA's on it), the layers' below through the hidden states."""
+    ids, mask = head_batch()
+    weights = torch.linspace(-1, 1, 24)
+    grads = []
+    for reduced in (False, True):
+        model = head_model(lora_on_head=lora_on_head)
+        if reduced:
+            got = reduced_logprobs(model, ids, mask, 4, 0.7, chunk=2 * 25 * 4096)
+        else:
+            want = got = full_logprobs(model, ids, mask, 4, 0.7)
+        (got * weights).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert grads[0].keys() == grads[1].keys() and any("lm_head" in n for n in grads[1])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-7,
+                                   msg=name)
+
+
+def test_head_reduced_logprobs_never_hold_the_whole_logits():
+    """The peak of live tensor bytes over a forward and backward: with the head reduced a
+    chunk at a time it is below the whole logits' by at least the logits and their gradient
+    (less one chunk of each); it would not be if any pass kept every chunk's logits."""
+    ids, mask = head_batch()
+    logits_bytes = 8 * 24 * 4096 * 4
+    peaks = []
+    for reduced in (False, True):
+        model = head_model()
+        with TensorPeak() as tracker:
+            if reduced:
+                out = reduced_logprobs(model, ids, mask, 4, 1.0, chunk=2 * 25 * 4096)
+            else:
+                out = full_logprobs(model, ids, mask, 4, 1.0)
+            out.sum().backward()
+        peaks.append(tracker.peak)
+    assert peaks[0] - peaks[1] > 2 * logits_bytes * (1 - 2 / 8), peaks
+
+
+def test_a_head_with_work_after_it_gets_its_whole_logits_reduced():
+    """Gemma 2 soft-caps its logits after the head: running the head alone would miss it, so
+    such a model's logits are made whole and reduced at once, equal to log_softmax of them."""
+    ids, mask = head_batch(rows=4)
+    model = head_model("gemma2", final_logit_softcapping=0.5, sliding_window=8,
+                       layer_types=["full_attention"] * 2).eval()
+    with torch.no_grad():
+        got = reduced_logprobs(model, ids, mask, 4, 1.0, chunk=25 * 4096)
+        want = full_logprobs(model, ids, mask, 4, 1.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
