@@ -5,6 +5,7 @@ chat.py). Each full run is a module-scoped fixture shared by several tests."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import os
@@ -249,10 +250,12 @@ def test_three_steps_write_models_configs_and_metrics(pipeline):
         assert sum(row[f"time/{p}"] for p in PHASES) == pytest.approx(
             row["time/iteration"], abs=1e-5)
     # the running memory peak on every iteration (a run cut off early still has it),
-    # never falling, and the summary's the last of it or above
-    peaks = [row["memory/peak_mib"] for row in iterations]
-    assert 0 < peaks[0] and peaks == sorted(peaks)
-    assert peaks[-1] <= ppo_rows[-1]["memory/peak_mib"]
+    # never falling, and the summary's the last of it or above. On the CPU it is the
+    # kernel's VmHWM, max(high-water mark, current RSS), whose RSS is a sum of per-CPU
+    # counters that may run a few dozen pages ahead: a reading can sit ~0.2 MiB above
+    # a later one, hence the slack
+    peaks = [row["memory/peak_mib"] for row in iterations + ppo_rows[-1:]]
+    assert 0 < peaks[0] and all(b > a - 1 for a, b in itertools.pairwise(peaks)), peaks
     assert {"eval/reward_before", "eval/reward_after"} <= ppo_rows[-1].keys()
     assert "step 3 (PPO) done" in run.stdout
     assert "step 3 iteration 1: " in run.stdout and "step 3 mean iteration: " in run.stdout
