@@ -1,7 +1,12 @@
-"""Memory and time of step 3's log-prob passes: the old way (the model's logits for every
-position, then a float32 log_softmax of the answer's) against the way steps/ppo.py takes
-them now (the head on the answer's positions only, `logits_to_keep`, and the fused, chunked
-steps.rlhf.logprobs_of_tokens, which makes no float32 [B, N, V] tensor).
+"""Memory and time of step 3's log-prob passes, three ways:
+  before    the model's logits for every position, then a float32 log_softmax of the
+            answer's;
+  chunked   the head on the answer's positions only (`logits_to_keep`), then the fused,
+            chunked steps.rlhf.logprobs_of_tokens, which makes no float32 [B, N, V] tensor
+            but keeps the [B, N, V] logits and makes their gradient (until 2026-11-28);
+  now       steps/ppo.py's answer_logprobs: the head itself run a few rows at a time
+            (engine.models.head_reduced), each chunk's logits made again in backward, so
+            neither the batch's logits nor their gradient exists whole.
 
 One random-init Llama with a real vocabulary (50,272, OPT's) and a small body, so that the
 logits weigh what they weigh at RL batch sizes; bf16 compute over fp32 master weights
@@ -33,6 +38,7 @@ from engine.config import OptimConfig  # noqa: E402
 from engine.runtime import setup_runtime  # noqa: E402
 from engine.trainer import TrainEngine  # noqa: E402
 from steps.ppo import answer_logprobs, position_ids  # noqa: E402
+from steps.rlhf import logprobs_of_tokens  # noqa: E402
 
 
 def old_answer_logprobs(model, sequences, attention_mask, prompt_len: int) -> torch.Tensor:
@@ -44,8 +50,19 @@ def old_answer_logprobs(model, sequences, attention_mask, prompt_len: int) -> to
     return logp.gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)
 
 
+def chunked_answer_logprobs(model, sequences, attention_mask, prompt_len: int) -> torch.Tensor:
+    """steps/ppo.py's answer_logprobs until 2026-11-28: the answer's logits, then the fused,
+    chunked log-probs."""
+    answers = torch.nn.functional.pad(sequences[:, prompt_len:], (0, 1))
+    logits = model(input_ids=sequences, attention_mask=attention_mask,
+                   position_ids=position_ids(attention_mask),
+                   logits_to_keep=answers.shape[1]).logits
+    return logprobs_of_tokens(logits, answers)[:, :-1]
+
+
 WAYS = {"all logits, fp32 log_softmax (before)": old_answer_logprobs,
-        "answer logits, fused chunked (now)": answer_logprobs}
+        "answer logits, fused chunked": chunked_answer_logprobs,
+        "head a few rows at a time (now)": answer_logprobs}
 
 
 def measure(fn, device: torch.device) -> tuple[int, float]:
@@ -125,9 +142,9 @@ def main() -> None:
         print(f"{label:<40} {passes['train'][0] / 2**20:>10.0f} {passes['train'][1]:>8.3f} "
               f"{passes['no_grad'][0] / 2**20:>12.0f} {passes['no_grad'][1]:>10.3f} "
               f"{diff:>11.2e}")
-    now = results[list(results)[-1]][0]
-    print(f"peak ratio now / before: train {now['train'][0] / base['train'][0]:.2f}, "
-          f"no_grad {now['no_grad'][0] / base['no_grad'][0]:.2f}")
+    for label, (passes, _) in list(results.items())[1:]:
+        print(f"peak ratio {label} / before: train {passes['train'][0] / base['train'][0]:.2f}"
+              f", no_grad {passes['no_grad'][0] / base['no_grad'][0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from engine.config import LoraConfig
+from engine.models import head_reduced
 from engine.parallel import resharded
 
 
@@ -76,3 +77,9 @@ class BaseWithoutAdapters:
                     resharded(self.model)
         finally:
             self.model.train(training)
+
+    def head_reduced(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
+                     reduce) -> torch.Tensor:
+        """[B, keep] reduction of the base's last `keep` logits, made a few rows at a time
+        (see engine.models.head_reduced)."""
+        return head_reduced(self.model, input_ids, attention_mask, keep, reduce, call=self)

@@ -638,16 +638,20 @@ def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.T
     with the KL controller on, the KL between their next-token distributions over the
     vocabulary (steps.rlhf.token_kl; else zeros). The controller reads the last: the
     sampled log-ratio of 32-64 answers has three times its spread, noise the controller
-    would answer as if the policy had moved."""
-    temperature, answers = s.sampling.temperature, F.pad(sequences[:, prompt_len:], (0, 1))
+    would answer as if the policy had moved. Without it, neither model's logits for the
+    whole batch are made (answer_logprobs)."""
+    temperature = s.sampling.temperature
+    if s.kl_target is None:
+        logprobs = answer_logprobs(models.actor, sequences, mask, prompt_len, temperature)
+        ref_logprobs = answer_logprobs(models.reference, sequences, mask, prompt_len,
+                                       temperature)
+        return torch.stack([logprobs, ref_logprobs, torch.zeros_like(logprobs)], 1)
+    answers = F.pad(sequences[:, prompt_len:], (0, 1))
     logits = _answer_head(models.actor, sequences, mask, prompt_len)
     logprobs = logprobs_of_tokens(logits, answers, temperature)[:, :-1]
-    if s.kl_target is None:   # nothing reads them: freed before the reference's forward
-        logits = None
     ref_logits = _answer_head(models.reference, sequences, mask, prompt_len)
     ref_logprobs = logprobs_of_tokens(ref_logits, answers, temperature)[:, :-1]
-    vocab_kl = (torch.zeros_like(logprobs) if logits is None
-                else token_kl(logits[:, :-1], ref_logits[:, :-1], temperature))
+    vocab_kl = token_kl(logits[:, :-1], ref_logits[:, :-1], temperature)
     return torch.stack([logprobs, ref_logprobs, vocab_kl], 1)
 
 
@@ -752,10 +756,11 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                     prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
-    """[B, N] fp32 log-probability of each answer token under `model` (a TrainEngine, or a
-    causal LM) at the sampling `temperature`: the distribution the answers were drawn from,
-    log_softmax(logits / T). The head runs on a few rows at a time and on the answer's
-    positions only: neither the whole batch's logits nor their gradient is ever made."""
+    """[B, N] fp32 log-probability of each answer token under `model` (a causal LM, its
+    TrainEngine, or a LoRA model's BaseWithoutAdapters) at the sampling `temperature`: the
+    distribution the answers were drawn from, log_softmax(logits / T). The head runs on a
+    few rows at a time and on the answer's positions only: neither the whole batch's logits
+    nor their gradient is ever made."""
     # position t's logits are answer token t's distribution; the last position's log-prob
     # (of a stand-in token 0) is dropped: slicing the logits instead would make the backward
     # fill a zero gradient to copy into
@@ -765,9 +770,9 @@ def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
         return logprobs_of_tokens(logits, answers[rows], temperature)
 
     args = (sequences, attention_mask, answers.shape[1], taken)
-    if isinstance(model, TrainEngine):
-        return model.head_reduced(*args)[:, :-1]
-    return head_reduced(model, *args)[:, :-1]
+    if isinstance(model, torch.nn.Module):
+        return head_reduced(model, *args)[:, :-1]
+    return model.head_reduced(*args)[:, :-1]   # a TrainEngine, or a LoRA model's base
 
 
 def _answer_head(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
