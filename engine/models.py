@@ -256,7 +256,10 @@ PLAIN_HEAD_MODEL_TYPES = frozenset({
     "bloom", "falcon", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "opt",
     "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
-HEAD_CHUNK = 2**26   # logits elements one chunk of `head_reduced` makes (128 MiB in bf16)
+# logits elements one chunk of `head_reduced` makes (32 MiB in bf16): 2 rows of 128 answer
+# tokens at a 50k vocabulary, a head GEMM of 256 x H x V, still large enough to run at the
+# GPU's matmul rate; 4x this left a forward batch of 16 in two chunks, half its logits
+HEAD_CHUNK = 2**24
 
 
 def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
