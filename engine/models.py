@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from huggingface_hub import snapshot_download
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
@@ -270,9 +271,10 @@ def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
     ``reduce`` maps rows `rows` (a slice) of the logits to [r, keep] (e.g. the taken tokens'
     log-probs). The [B, keep, V] logits never exist at once, forward or backward: the head
     computes the reduction in its own forward (inside FSDP's gathered root, peft's adapters,
-    an offload's hooks), and with gradients each chunk's head runs again in backward
-    (torch.utils.checkpoint), so between the passes only its input [B, keep, H] is kept.
-    The model is called as a whole (through `call`, e.g. its TrainEngine, when given). A
+    an offload's hooks), and with gradients each chunk's head runs again in backward, so
+    between the passes only its input [B, keep, H] is kept: a plain nn.Linear head through
+    LinearReduced (one weight gradient for all chunks), any other (peft's LoRA on the head)
+    through torch.utils.checkpoint. The model is called as a whole (through `call`, e.g. its TrainEngine, when given). A
     model type not in PLAIN_HEAD_MODEL_TYPES gets its whole logits reduced at once."""
     inner = hf_model(model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
@@ -287,6 +289,8 @@ def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
 
     def reduce_instead(module, args, output):
         rows = max(1, chunk // (keep * output.shape[-1]))
+        if type(module) is torch.nn.Linear:   # one weight gradient for all the chunks
+            return LinearReduced.apply(hidden.pop(), module.weight, module.bias, reduce, rows)
         return _reduced_by_rows(module.forward, hidden.pop(), reduce, rows)
 
     handles = [head.register_forward_pre_hook(skip_head),
@@ -303,8 +307,7 @@ def _reduced_by_rows(forward, hidden: torch.Tensor, reduce, rows: int) -> torch.
     when gradients are on, so backward makes each chunk's output again instead of keeping
     it (no RNG state is saved: an output head has no dropout)."""
     parts = []
-    for b in range(0, hidden.shape[0], rows):
-        part = slice(b, b + rows)
+    for part in _row_chunks(hidden.shape[0], rows):
 
         def chunk(h: torch.Tensor, part: slice = part) -> torch.Tensor:
             return reduce(forward(h), part)
@@ -315,6 +318,69 @@ def _reduced_by_rows(forward, hidden: torch.Tensor, reduce, rows: int) -> torch.
         else:
             parts.append(chunk(hidden[part]))
     return torch.cat(parts)
+
+
+class LinearReduced(torch.autograd.Function):
+    """[B, N]: ``reduce(F.linear(hidden[rows], weight, bias), rows)`` over row chunks of
+    hidden [B, N, H], weight [V, H], where ``reduce`` depends on its input only. Backward
+    makes each chunk's output again, takes its gradient through ``reduce``, and adds the
+    chunk's share into one weight gradient of the weight's dtype: autograd's own sum of a
+    checkpointed head's per-chunk [V, H] gradients holds two of them at once beside the
+    parameter's. Autocast, where on in forward, is on in backward too; its bf16 products
+    are then summed into fp32 weights' gradient in fp32 (one bf16 product at a time beside
+    it), where autograd would sum the chunks in bf16."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias, reduce,
+                rows: int) -> torch.Tensor:
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device),
+                        torch.get_autocast_dtype(device))
+        ctx.reduce, ctx.rows = reduce, rows
+        ctx.save_for_backward(hidden, weight, bias)
+        return torch.cat([reduce(F.linear(hidden[part], weight, bias), part)
+                          for part in _row_chunks(hidden.shape[0], rows)])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, weight, bias = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias else None
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            for part in _row_chunks(hidden.shape[0], ctx.rows):
+                h = hidden[part]
+                g = _gradient_of_logits(ctx.reduce, F.linear(h, weight, bias), part,
+                                        grad_out[part])
+                if need_hidden:
+                    grad_hidden[part] = g @ weight
+                if need_weight:
+                    _add_product(grad_weight, g.flatten(0, -2).mT, h.flatten(0, -2))
+                if need_bias:
+                    grad_bias.add_(g.flatten(0, -2).sum(0))
+                del g   # before the next chunk's logits are made
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b, in place where the dtypes match, else through autocast's product."""
+    if a.dtype == b.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_(a @ b)
+
+
+def _gradient_of_logits(reduce, logits: torch.Tensor, rows: slice,
+                        grad_out: torch.Tensor) -> torch.Tensor:
+    logits.requires_grad_()
+    with torch.enable_grad():
+        return torch.autograd.grad(reduce(logits, rows), logits, grad_out)[0]
+
+
+def _row_chunks(total: int, rows: int) -> list[slice]:
+    return [slice(b, b + rows) for b in range(0, total, rows)]
 
 
 def _score_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -25,7 +25,7 @@ from engine.errors import NonFiniteError
 from engine.generation import SamplingSettings, TokenChooser, generate
 from engine.inference_form import inference_form
 from engine.lora import BaseWithoutAdapters
-from engine.models import byte_tokenizer, head_reduced, load_causal_lm
+from engine.models import LinearReduced, byte_tokenizer, head_reduced, load_causal_lm
 from engine.placement import Placement
 from engine.precision import Precision
 from engine.runtime import Runtime
@@ -397,6 +397,63 @@ def test_head_reduced_logprobs_never_hold_the_whole_logits():
             out.sum().backward()
         peaks.append(tracker.peak)
     assert peaks[0] - peaks[1] > 2 * logits_bytes * (1 - 2 / 8), peaks
+
+
+def test_a_linear_heads_chunks_add_into_one_weight_gradient():
+    """A plain nn.Linear head's backward (LinearReduced) adds each chunk's share into one
+    [V, H] gradient: with the parameter's gradient already there (accumulation over
+    micro-batches), the pass peaks at the weight, its gradient and one more block (3.1 of
+    the weight's bytes); a checkpointed head's chunks, summed by autograd, hold two more
+    (4.1). Its log-probs and gradients equal the whole logits'."""
+    V, H = 4096, 256
+    torch.manual_seed(0)
+    head = torch.nn.Linear(H, V, bias=True)
+    hidden0, tokens = torch.randn(8, 24, H), torch.randint(0, V, (8, 24))
+    weights = torch.linspace(-1, 1, 24)
+
+    def reduce(logits, rows):
+        return logprobs_of_tokens(logits, tokens[rows], 0.7)
+
+    hidden = hidden0.clone().requires_grad_()
+    want = reduce(head(hidden), slice(None))
+    (want * weights).sum().backward()
+    wants = [hidden.grad, head.weight.grad.clone(), head.bias.grad.clone()]
+    head.weight.grad.zero_()
+    head.bias.grad.zero_()
+    hidden = hidden0.clone().requires_grad_()
+    with TensorPeak() as tracker:
+        got = LinearReduced.apply(hidden, head.weight, head.bias, reduce, 1)
+        (got * weights).sum().backward()
+    assert tracker.peak < 3.5 * V * H * 4, tracker.peak / (V * H * 4)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    for grad, want_grad in zip([hidden.grad, head.weight.grad, head.bias.grad], wants,
+                               strict=True):
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4,
+                                   atol=2e-6 * float(want_grad.abs().max()))
+
+
+def test_head_reduced_under_autocast_equals_the_whole_logits():
+    """Under bf16 autocast (a single process's trained forward) the reduced head, forward
+    and backward, runs in bf16 as the whole head does: log-probs and gradients agree to
+    bf16 rounding, and the fp32 master weights get fp32 gradients."""
+    ids, mask = head_batch()
+    weights = torch.linspace(-1, 1, 24)
+    grads = []
+    for reduced in (False, True):
+        model = head_model()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if reduced:
+                got = reduced_logprobs(model, ids, mask, 4, 1.0, chunk=2 * 25 * 4096)
+            else:
+                want = full_logprobs(model, ids, mask, 4, 1.0)
+        (got if reduced else want).mul(weights).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05)
+    assert grads[1]["lm_head.weight"].dtype == torch.float32
+    for name, want_grad in grads[0].items():
+        scale = float(want_grad.abs().max())
+        torch.testing.assert_close(grads[1][name], want_grad, rtol=0.05, atol=0.02 * scale,
+                                   msg=name)
 
 
 def test_a_head_with_work_after_it_gets_its_whole_logits_reduced():
