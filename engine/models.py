@@ -274,8 +274,9 @@ def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
     an offload's hooks), and with gradients each chunk's head runs again in backward, so
     between the passes only its input [B, keep, H] is kept: a plain nn.Linear head through
     LinearReduced (one weight gradient for all chunks), any other (peft's LoRA on the head)
-    through torch.utils.checkpoint. The model is called as a whole (through `call`, e.g. its TrainEngine, when given). A
-    model type not in PLAIN_HEAD_MODEL_TYPES gets its whole logits reduced at once."""
+    through torch.utils.checkpoint. The model is called as a whole (through `call`, e.g.
+    its TrainEngine, when given). A model type not in PLAIN_HEAD_MODEL_TYPES gets its whole
+    logits reduced at once."""
     inner = hf_model(model)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=position_ids(attention_mask), logits_to_keep=keep)
