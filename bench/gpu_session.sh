@@ -53,6 +53,7 @@ else
   for f in /tmp/peers/*/stderr.txt; do   # each system's own log (a failure's whole story)
     [ -e "$f" ] && tail -c 20000 "$f" > "$logs/peers-$(basename "$(dirname "$f")").txt"
   done
-  step 200 python3 bench/generation.py --gpu --repeats 2   # no row in 120 s on 2026-11-28
+  # batches 1 and 8 (the issue's); no row in 120 s at 1, 8, 32 on 2026-11-28
+  step 200 python3 bench/generation.py --gpu --repeats 2 --gpu-batches 1,8
 fi
 echo "## $(date -u +%T) done" | tee -a "$log"
