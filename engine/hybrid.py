@@ -16,7 +16,11 @@ So `generate` switches form:
      are freed too (and the decode steps captured over them), with
      `release_inference_cache=True` the KV cache (DeepSpeed-Chat's options of the same
      names). A freed cache is made again for the next rollout, and its captured steps are
-     reused when it lands at its old address (KVCache.restore).
+     reused when it lands at its old address (KVCache.restore). By default instead, in one
+     process, the cache's memory and the inference weights' (which the next gather
+     writes whole) hold the policy's gradients until the next rollout
+     (`cache_holds_gradients`; TrainEngine.lend): the memory a rollout needs and the
+     memory an update needs are then largely the same bytes, at one address.
 
 The training form is never modified: after a rollout, training continues exactly as if
 generation had run on the sharded model.
@@ -155,6 +159,7 @@ class HybridEngine(TrainEngine):
         kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, row_seeds=row_seeds)
         start = gathered_at = self._now()
         if self.hybrid.enabled:
+            self.reclaim()   # the cache's memory, if it held gradients
             target = self._gather()
             gathered_at = self._now()
             device = self.runtime.device
@@ -284,6 +289,18 @@ class HybridEngine(TrainEngine):
             self._target = None
         elif self.hybrid.release_inference_cache and self.injected:
             self._target.model.release_cache()
+        elif (self.hybrid.cache_holds_gradients and self.injected
+              and not self.runtime.distributed):
+            cache = self._target.model.cache
+            if cache is not None and cache.buffer is not None:
+                self.lend([cache.lend(), *self._refilled_weights()])
+
+    def _refilled_weights(self) -> list[torch.Tensor]:
+        """The inference weights the next gather writes whole (not those that are, or hold,
+        the quantized base's integers): free to hold gradients until then."""
+        params = dict(self._target.model.named_parameters())
+        return [params[name] for name in self._target.sources
+                if name.rsplit(".", 1)[0] not in self._target.quantized]
 
     def _now(self) -> float:
         if self.runtime.device.type == "cuda":

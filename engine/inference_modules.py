@@ -41,13 +41,22 @@ class KVCache:
         # decode steps captured over this cache (engine/decode.py), by their shapes
         self.static_steps: dict = {}
         self.restores = self.moves = 0   # restores, and those that dropped the steps
+        self.lent = False   # its memory in other use (lend) until the next restore
         self._allocate()
 
     def _allocate(self) -> None:
-        # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN)
-        self.buffer: torch.Tensor | None = torch.zeros(self.shape, dtype=self.dtype,
-                                                       device=self.device)
+        # zeros, not empty: a masked-out slot must hold finite values (0 * NaN is NaN);
+        # a normal tensor even under inference mode, as its memory may be lent (lend)
+        with torch.inference_mode(False):
+            self.buffer: torch.Tensor | None = torch.zeros(self.shape, dtype=self.dtype,
+                                                           device=self.device)
         self.keys, self.values = self.buffer.unbind(0)
+
+    def lend(self) -> torch.Tensor:
+        """The buffer, for other use until `restore`, which zeroes it again. It stays where
+        it is, and so do the decode steps captured over it."""
+        self.lent = True
+        return self.buffer
 
     def free(self) -> None:
         if self.buffer is not None:
@@ -55,6 +64,9 @@ class KVCache:
             self.buffer = self.keys = self.values = None
 
     def restore(self) -> None:
+        if self.lent:
+            self.buffer.zero_()
+            self.lent = False
         if self.buffer is None:
             self._allocate()
             self.restores += 1

@@ -10,7 +10,12 @@ whole batch, however the batch was split.
 Guards: an update whose loss or gradient norm is not finite (on any rank) is skipped: the
 weights and the optimizer's state are left as they were, the gradients dropped, and the
 skip counted (`skipped_steps`); `max_skipped_steps` skips in a row stop the run with a
-NonFiniteError. Nothing is exported or checkpointed with a non-finite weight."""
+NonFiniteError. Nothing is exported or checkpointed with a non-finite weight.
+
+Borrowed memory: in one process, memory another part of the run leaves idle while this
+model trains (the hybrid engine's KV cache between rollouts) can be lent to the engine
+(`lend`); each accumulation window's gradients are then placed in it, as many as fit, and
+need no memory of their own. `reclaim` hands it back."""
 
 from __future__ import annotations
 
@@ -68,6 +73,10 @@ class TrainEngine:
         self.micro_steps = self.steps = 0
         self.skipped_steps = self.skipped_in_a_row = 0
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=runtime.device)
+        self._lent: list[torch.Tensor] = []          # bytes lent for gradients (lend)
+        self._in_lent: list[nn.Parameter] = []       # parameters whose gradient is in them
+        self._touched: set[int] = set()              # ids of those a backward reached
+        self._hooked = False
 
     def __call__(self, *args, **kwargs):
         with self.runtime.precision.trained_forward(self.runtime.device,
@@ -77,6 +86,8 @@ class TrainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of this rank's share of the loss; ranks exchange
         gradients only on the last micro-step of an accumulation window."""
+        if self.micro_steps % self.grad_accum == 0:
+            self._place_gradients()
         self.micro_steps += 1
         set_gradient_sync(self.module, self.micro_steps % self.grad_accum == 0)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync
@@ -89,6 +100,9 @@ class TrainEngine:
         norm before clipping then (NaN or inf when the update was skipped), else None."""
         if self.micro_steps % self.grad_accum != 0:
             return None
+        for param in self._in_lent:   # placed but never reached: no gradient, as autograd's
+            if id(param) not in self._touched:
+                param.grad = None
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -106,7 +120,7 @@ class TrainEngine:
         with warnings.catch_warnings():   # a skipped first update: the schedule moves on
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
             self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._drop_gradients()
         self.steps += 1
         return grad_norm
 
@@ -116,8 +130,52 @@ class TrainEngine:
         optimizer and schedule as they are. Only where each step is one backward
         (grad_accum 1), so no accumulation window is left half counted."""
         assert self.grad_accum == 1, "discard() with gradient accumulation"
-        self.optimizer.zero_grad(set_to_none=True)
+        self._drop_gradients()
         self._loss_nonfinite.zero_()
+
+    def _drop_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._in_lent, self._touched = [], set()
+
+    def lend(self, buffers: list[torch.Tensor]) -> None:
+        """Memory (contiguous tensors) that nothing else touches until `reclaim`: the
+        gradients of the accumulation windows that begin meanwhile go into it, as many as
+        fit. One process only (under FSDP2 the gradients are its own sharded tensors)."""
+        if self.runtime.distributed:
+            raise ValueError("lend: gradients are FSDP2's own when distributed")
+        if not self._hooked:   # which placed gradients a backward reaches (see step)
+            for param in self.module.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(
+                        lambda p: self._touched.add(id(p)))
+            self._hooked = True
+        self._lent = [b.view(-1).view(torch.uint8) for b in buffers]
+
+    def reclaim(self) -> None:
+        """End a `lend`: a window still open moves its gradients into memory of their own;
+        the lender may then overwrite the buffers."""
+        for param in self._in_lent:
+            if param.grad is not None:
+                param.grad = param.grad.clone()
+        self._lent, self._in_lent = [], []
+
+    def _place_gradients(self) -> None:
+        """At a window's first backward: zeroed gradients in the lent bytes, each in the
+        first buffer with room, at a 256-byte boundary (AccumulateGrad then adds into them
+        in place)."""
+        used = [0] * len(self._lent)
+        for param in self.module.parameters():
+            if not param.requires_grad or param.grad is not None or not param.is_contiguous():
+                continue
+            size = param.numel() * param.element_size()
+            for i, buffer in enumerate(self._lent):
+                start = -(-used[i] // 256) * 256
+                if start + size <= buffer.numel():
+                    grad = buffer[start:start + size].view(param.dtype).view(param.shape)
+                    param.grad = grad.zero_()
+                    self._in_lent.append(param)
+                    used[i] = start + size
+                    break
 
     def _skip(self, what: str) -> None:
         """Leave the weights as they are; stop after max_skipped_steps skips in a row."""

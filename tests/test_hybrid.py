@@ -133,6 +133,65 @@ def test_a_released_cache_frees_its_memory_and_keeps_its_decode_steps():
     assert cache.restores == 2
 
 
+def test_between_rollouts_the_cache_holds_the_gradients_and_nothing_else_changes():
+    """engine.hybrid.cache_holds_gradients (one process, the default): an update's gradients
+    lie in the KV cache's and the inference weights' bytes, which stay where they are, and
+    answers and weights equal
+    those of an engine whose gradients have memory of their own: over three rollouts, two
+    micro-steps a window, with weight decay. A first window reaches only the first layer
+    (AdamW would decay the others on a zero gradient: they must keep no gradient at all),
+    and a window left open across a rollout keeps what it had accumulated."""
+    model = model_with_answers_that_end("tiny-llama", 0, EOS)
+    engines = [HybridEngine(m, OptimConfig(weight_decay=0.1), 10, ONE_PROCESS, lr=1e-3,
+                            hybrid=HybridConfig(cache_holds_gradients=lends), grad_accum=2)
+               for m, lends in ((model, True), (copy.deepcopy(model), False))]
+    ids, mask = _batch(PROMPTS * 2)
+    sampling = SamplingSettings(max_new_tokens=24, do_sample=False)
+    train_ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def rollout() -> list[torch.Tensor]:
+        return [e.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD)
+                for e in engines]
+
+    def first_layer(e):
+        return e(input_ids=train_ids, output_hidden_states=True).hidden_states[1].pow(2).mean()
+
+    def whole(e):
+        return e(input_ids=train_ids, labels=train_ids).loss
+
+    got, want = rollout()
+    assert torch.equal(got, want)
+    cache = engines[0]._target.model.cache
+    where = (cache.buffer.data_ptr(), cache.buffer.data_ptr() + cache.buffer.nbytes)
+    for e in engines:
+        e.backward(first_layer(e))
+    lent = [(t.data_ptr(), t.data_ptr() + t.nbytes)
+            for t in [cache.buffer, *engines[0]._refilled_weights()]]
+    assert all(any(a <= p.grad.data_ptr() < b for a, b in lent)
+               for p in engines[0].parameters())
+    assert any(where[0] <= p.grad.data_ptr() < where[1] for p in engines[0].parameters())
+    for e in engines:
+        e.backward(first_layer(e))
+        e.step()
+    last_layer = dict(engines[0].module.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(last_layer, dict(engines[1].module.named_parameters())[
+        "model.layers.1.mlp.up_proj.weight"])   # no gradient reached it: not decayed
+    for e in engines:   # a window open across the rollout
+        e.backward(whole(e))
+    got, want = rollout()
+    assert torch.equal(got, want) and engines[0]._target.model.cache is cache
+    for e in engines:
+        e.backward(whole(e))
+        e.step()
+    for memory in [cache.buffer, *engines[0]._refilled_weights()]:
+        memory.data.fill_(float("nan"))   # what lent bytes may hold: no answer may depend on it
+    got, want = rollout()
+    assert torch.equal(got, want) and cache.buffer.data_ptr() == where[0]
+    for (name, mine), theirs in zip(engines[0].module.named_parameters(),
+                                    engines[1].parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
 @pytest.mark.parametrize("row_seeded,top_k,top_p", [(True, 0, 1.0), (True, 20, 0.8),
                                                     (False, 20, 0.8)])
 def test_the_static_step_samples_inside_it_as_hf_generate_does(row_seeded, top_k, top_p):

@@ -163,7 +163,8 @@ def test_a_checkpointed_forward_is_recomputed_under_the_forwards_attention_choic
 
     block = Block()
     engine = SimpleNamespace(runtime=runtime, micro_steps=0, grad_accum=1, module=block,
-                             _loss_nonfinite=torch.zeros((), dtype=torch.bool))
+                             _loss_nonfinite=torch.zeros((), dtype=torch.bool),
+                             _place_gradients=lambda: None)
     monkeypatch.setattr("engine.trainer.set_gradient_sync", lambda *_: None)
     with runtime.precision.trained_forward(runtime.device, autocast=False):
         loss = checkpoint(block, torch.randn(2, 4), use_reentrant=False).sum()
