@@ -171,9 +171,10 @@ def run_child(command: list[str], out: Path, env, device: str) -> dict | None:
 def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: str,
              profile: bool = False, lean: bool = False) -> dict:
     """Step 3 alone through train.py (GRPO, the rule reward, no reward model), then its
-    metrics.jsonl read back. `lean`: the KV cache freed after each rollout and made again
-    for the next (engine.hybrid.release_inference_cache=true), which the training phase's
-    peak then leaves out; `graphs` counts the decode steps captured per timed iteration
+    metrics.jsonl read back (by default the policy's gradients then live in the KV cache's
+    and the inference weights' memory between rollouts: engine.hybrid.cache_holds_gradients).
+    `lean`: instead the KV cache freed after each rollout and made again for the next
+    (engine.hybrid.release_inference_cache=true); `graphs` counts the decode steps captured per timed iteration
     (0 when the new cache lands at the old address and the graphs are reused) from the
     running total in metrics.jsonl."""
     command = [
