@@ -174,9 +174,9 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
     metrics.jsonl read back (by default the policy's gradients then live in the KV cache's
     and the inference weights' memory between rollouts: engine.hybrid.cache_holds_gradients).
     `lean`: instead the KV cache freed after each rollout and made again for the next
-    (engine.hybrid.release_inference_cache=true); `graphs` counts the decode steps captured per timed iteration
-    (0 when the new cache lands at the old address and the graphs are reused) from the
-    running total in metrics.jsonl."""
+    (engine.hybrid.release_inference_cache=true); `graphs` counts the decode steps captured
+    per timed iteration (0 when the new cache lands at the old address and the graphs are
+    reused) from the running total in metrics.jsonl."""
     command = [
         sys.executable, str(REPO / "train.py"), "--step", "3", "--output-dir", str(out),
         f"--actor-model={model}", f"ppo.actor_path={model}", f"data.path=[{prompts}]",

@@ -92,8 +92,9 @@ class HybridConfig:
                                         "again for the next; its CUDA graphs kept when it "
                                         "lands at the same address)")
     cache_holds_gradients: bool = val(True, "one process: between rollouts the KV cache's "
-                                      "memory holds the policy's gradients (as many as fit), "
-                                      "zeroed before the next rollout, its CUDA graphs kept")
+                                      "and the inference weights' memory holds the policy's "
+                                      "gradients (as many as fit); both are written again "
+                                      "before the next rollout, its CUDA graphs kept")
     gather_group_size: int = val(1, "decoder layers all-gathered at once (bounds the "
                                  "gather's extra memory)", COUNT)
     cuda_graphs: bool = val(True, "capture the decode step as a CUDA graph (CUDA only)")

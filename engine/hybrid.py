@@ -159,7 +159,7 @@ class HybridEngine(TrainEngine):
         kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, row_seeds=row_seeds)
         start = gathered_at = self._now()
         if self.hybrid.enabled:
-            self.reclaim()   # the cache's memory, if it held gradients
+            self.reclaim()   # the cache's and weights' memory, if it held gradients
             target = self._gather()
             gathered_at = self._now()
             device = self.runtime.device

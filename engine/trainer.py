@@ -13,7 +13,8 @@ skip counted (`skipped_steps`); `max_skipped_steps` skips in a row stop the run 
 NonFiniteError. Nothing is exported or checkpointed with a non-finite weight.
 
 Borrowed memory: in one process, memory another part of the run leaves idle while this
-model trains (the hybrid engine's KV cache between rollouts) can be lent to the engine
+model trains (the hybrid engine's KV cache and inference weights between rollouts) can be
+lent to the engine
 (`lend`); each accumulation window's gradients are then placed in it, as many as fit, and
 need no memory of their own. `reclaim` hands it back."""
 
@@ -163,6 +164,8 @@ class TrainEngine:
         """At a window's first backward: zeroed gradients in the lent bytes, each in the
         first buffer with room, at a 256-byte boundary (AccumulateGrad then adds into them
         in place)."""
+        if not self._lent:
+            return
         used = [0] * len(self._lent)
         for param in self.module.parameters():
             if not param.requires_grad or param.grad is not None or not param.is_contiguous():

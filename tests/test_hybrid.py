@@ -136,11 +136,10 @@ def test_a_released_cache_frees_its_memory_and_keeps_its_decode_steps():
 def test_between_rollouts_the_cache_holds_the_gradients_and_nothing_else_changes():
     """engine.hybrid.cache_holds_gradients (one process, the default): an update's gradients
     lie in the KV cache's and the inference weights' bytes, which stay where they are, and
-    answers and weights equal
-    those of an engine whose gradients have memory of their own: over three rollouts, two
-    micro-steps a window, with weight decay. A first window reaches only the first layer
-    (AdamW would decay the others on a zero gradient: they must keep no gradient at all),
-    and a window left open across a rollout keeps what it had accumulated."""
+    answers and weights equal those of an engine whose gradients have memory of their own:
+    over three rollouts, two micro-steps a window, with weight decay. A first window reaches
+    only the first layer (AdamW would decay the others on a zero gradient: they must keep no
+    gradient at all), and a window left open across a rollout keeps what it had accumulated."""
     model = model_with_answers_that_end("tiny-llama", 0, EOS)
     engines = [HybridEngine(m, OptimConfig(weight_decay=0.1), 10, ONE_PROCESS, lr=1e-3,
                             hybrid=HybridConfig(cache_holds_gradients=lends), grad_accum=2)
