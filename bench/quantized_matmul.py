@@ -15,6 +15,14 @@ and prints microseconds per call and the share of the bound: the bytes the call 
 (weight, scales and x) and write over the card's measured copy bandwidth. Every kernel
 result is checked against x @ dequantize(W)^T first (bf16 rounding).
 
+Each cell is timed twice. The main figure is the GPU's own time: the calls captured as one
+CUDA graph and replayed, as a decode step runs them, each call on another copy of the
+matrix (copies that together exceed the L2 cache twice, as each of a decode step's
+matmuls reads another weight). In brackets, one call between two CUDA events, its launch
+included: what an eager forward (a prefill, the training passes) pays a call. Before
+2026-11-29 the table gave only the latter, and at a few rows that was mostly the launch
+(tens of microseconds of Python and Triton's launcher against a few of kernel).
+
 Run:  python bench/quantized_matmul.py                 (one GPU, about a minute)
       TRITON_INTERPRET=1 python bench/quantized_matmul.py --small --device cpu   (harness)
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,10 +52,12 @@ SHAPES = {
     "small": [("qkv", 256, 384), ("down", 512, 256)],
 }
 BLOCK = 64
+GRAPH_CALLS = 64   # calls a replayed graph holds (at least)
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds per call (CUDA events; one warm-up call compiles)."""
+    """Median seconds per call of `fn`, each call alone between two CUDA events, its launch
+    included (one warm-up call compiles)."""
     fn()
     if device.type != "cuda":
         return float("nan")
@@ -61,6 +72,41 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def replayed(call, weights: tuple[torch.Tensor, ...], device: torch.device,
+             repeats: int) -> float:
+    """Median seconds per `call(*weights)` on the GPU alone: one CUDA graph of at least
+    GRAPH_CALLS calls, round-robin over copies of `weights` that together exceed twice the
+    L2 cache (so that each call reads its matrix from memory, as a decode step's do),
+    replayed between two CUDA events; no launch in the time."""
+    if device.type != "cuda":
+        return float("nan")
+    size = sum(t.numel() * t.element_size() for t in weights)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    copies = [weights] + [tuple(t.clone() for t in weights)
+                          for _ in range(max(1, -(-2 * l2 // size)))]
+    calls = -(-GRAPH_CALLS // len(copies)) * len(copies)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):   # warm-up outside the graph, as capture needs
+        for held in copies:
+            call(*held)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(*copies[i % len(copies)])
+    times = []
+    for _ in range(max(3, repeats // 4)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph, copies
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a large device-to-device copy (read + write)."""
     if device.type != "cuda":
@@ -72,35 +118,43 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def one_shape(n_in: int, n_out: int, rows: int, device: torch.device, repeats: int,
               bandwidth: float) -> list[str]:
-    """One row of the table: each column's us per call and share of the bound, each
-    result checked first against x @ (its weight)^T."""
+    """One row of the table: each column's us per call (replayed; eager in brackets) and
+    share of the bound, each result checked first against x @ (its weight)^T."""
     gen = torch.Generator().manual_seed(n_in + n_out)
     weight = (torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5).to(torch.bfloat16)
     x = torch.randn(rows, n_in, generator=gen).to(device, torch.bfloat16)
     dense = weight.to(device)
-    calls = [(lambda: F.linear(x, dense), dense.numel() * 2, dense)]   # (call, bytes, weight)
+    # (call on the weights, the weights, their bytes, the weight the result must match)
+    columns = [(lambda w: F.linear(x, w), (dense,), dense.numel() * 2, dense)]
     for bits in (8, 4):
         payload, scales = (t.to(device) for t in quantize_weight(weight, bits, BLOCK,
                                                                  torch.bfloat16))
-        calls.append((lambda p=payload, s=scales: kernels.quantized_linear(x, p, s),
-                      payload.numel() + scales.numel() * 2, dequantize_weight(payload, scales)))
+        column = (lambda p, s: kernels.quantized_linear(x, p, s), (payload, scales),
+                  payload.numel() + scales.numel() * 2, dequantize_weight(payload, scales))
         # the tiled kernel alone (the decode kernel's predecessor at <= 16 rows)
-        calls.append((lambda p=payload, s=scales: kernels.tiled_quantized_matmul(
-            x, p, s, None), *calls[-1][1:]) if rows <= kernels.FUSED_ROWS else None)
+        tiled = (lambda p, s: kernels.tiled_quantized_matmul(x, p, s, None), *column[1:])
+        columns += [column, tiled if rows <= kernels.FUSED_ROWS else None]
     cells = []
-    for column in calls:
+    for column in columns:
         if column is None:
             cells.append("-")
             continue
-        call, weight_bytes, used = column
+        call, weights, weight_bytes, used = column
         want = F.linear(x.float(), used.float())
-        error = (call().float() - want).abs().max() / want.abs().max()
+        error = (call(*weights).float() - want).abs().max() / want.abs().max()
         if error > 2 ** -6:
             raise SystemExit(f"{n_in}x{n_out}, {rows} rows, column {len(cells) + 1}: "
                              f"off by {error:.2e}")
-        seconds = timed(call, device, repeats)
+        eager = timed(partial(call, *weights), device, repeats)
+        try:
+            seconds = replayed(call, weights, device, repeats)
+        except RuntimeError as e:   # a capture that fails still leaves the eager figure
+            print(f"{n_in}x{n_out}, {rows} rows, column {len(cells) + 1}: no graph: "
+                  f"{str(e).splitlines()[0]}", file=sys.stderr)
+            seconds = float("nan")
         streamed = weight_bytes + 2 * rows * (n_in + n_out)   # weights, x, y
-        cells.append(f"{seconds * 1e6:>8.1f} {streamed / bandwidth / seconds:>5.0%}")
+        cells.append(f"{seconds * 1e6:>7.1f} {streamed / bandwidth / seconds:>4.0%} "
+                     f"({eager * 1e6:>5.0f})")
     return cells
 
 
@@ -118,10 +172,11 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"device: {name}; torch {torch.__version__}; copy {bandwidth / 1e12:.2f} TB/s; "
-          f"bf16 x, scales per {BLOCK}; us per call and share of the bandwidth bound")
+          f"bf16 x, scales per {BLOCK}; us per call replayed in a CUDA graph and its share "
+          "of the bandwidth bound (us per call launched eagerly)")
     header = (f"{'model':<10} {'matrix':<8} {'in x out':>12} {'rows':>5} "
-              f"{'bf16 cuBLAS':>14} {'int8':>14} {'int8 tiled':>14} {'int4':>14} "
-              f"{'int4 tiled':>14}")
+              + " ".join(f"{name:>20}" for name in ("bf16 cuBLAS", "int8", "int8 tiled",
+                                                    "int4", "int4 tiled")))
     print(header)
     print("-" * len(header))
     for model in models:
@@ -129,7 +184,7 @@ def main() -> None:
             for rows in args.rows:
                 cells = one_shape(n_in, n_out, rows, device, args.repeats, bandwidth)
                 print(f"{model:<10} {matrix:<8} {f'{n_in}x{n_out}':>12} {rows:>5} "
-                      + " ".join(f"{c:>14}" for c in cells))
+                      + " ".join(f"{c:>20}" for c in cells))
 
 
 if __name__ == "__main__":
