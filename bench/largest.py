@@ -7,12 +7,13 @@ samples of 64 new tokens a round (hh-rlhf prompts), one optimizer step a round i
 of 4 answers, gradient checkpointing on, --iterations rounds (the first untimed; prompts of
 at most 128 bytes, the presets' byte tokenizer). It stops at the first preset that fails
 (out of memory, usually) and prints its last error line. Printed per preset: parameters,
-the INT4 base's size, peak allocator memory, s/iteration with its phase split, decode ms
-per new token (the generate phase over its 64 steps, prefill included) and two decode
-bounds from the card's measured copy bandwidth: streaming the INT4 base (what generation
-straight from the quantized weights reads, engine.hybrid.quantized_inference, the default)
-and streaming a bf16 copy (the `--dequantized` path, which builds one per rollout), with
-the share of the bound reached. Whether every logged loss was finite and no update was
+the INT4 base's size, peak allocator memory, s/iteration with its phase split, ms per new
+token (the generate phase over its 64 tokens, prefill included), ms per decode step (the
+prefill apart, time/decode_step_ms) and two decode bounds from the card's measured copy
+bandwidth: streaming the INT4 base (what generation straight from the quantized weights
+reads, engine.hybrid.quantized_inference, the default) and streaming a bf16 copy (the
+`--dequantized` path, which builds one per rollout), with the share of the bound the
+decode step reaches. Whether every logged loss was finite and no update was
 skipped is checked per preset.
 
 With --ppo each preset also runs PPO with a small critic (ppo.critic_path=tiny-llama, the
@@ -94,7 +95,9 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
     losses = [r[k] for r in rows for k in ("train/policy_loss", "train/kl_loss") if k in r]
     row = {k: statistics.median(r[f"time/{k}"] for r in timed)
            for k in ("iteration", "generate", "experience", "train")}
+    steps = [r["time/decode_step_ms"] for r in timed if "time/decode_step_ms" in r]
     row.update(peak_gib=max(r.get("memory/peak_mib", 0) for r in rows) / 1024, rounds=len(timed),
+               decode_step_ms=statistics.median(steps) if steps else None,
                finite=all(math.isfinite(x) for x in losses)
                and max(r.get("train/skipped_steps", 0) for r in rows) == 0)
     return row, "ok"
@@ -149,8 +152,8 @@ def print_header(args: argparse.Namespace, bandwidth: float) -> None:
           f"of {args.iterations - 1} rounds after 1; bounds: ms per decode step to stream "
           "those bytes once")
     header = (f"{'preset':<15} {'params':>7} {'INT4 GiB':>9} {'peak GiB':>9} {'s/iter':>7} "
-              f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'int4 bound':>10} "
-              f"{'bf16 bound':>10} {'of bound':>8}  status")
+              f"{'generate':>9} {'exper.':>7} {'train':>7} {'ms/token':>9} {'ms/step':>8} "
+              f"{'int4 bound':>10} {'bf16 bound':>10} {'of bound':>8}  status")
     print(header)
     print("-" * len(header), flush=True)
 
@@ -162,16 +165,17 @@ def print_row(args: argparse.Namespace, bandwidth: float, preset: str, params: i
               if args.device != "cpu" else f"{'-':>10} {'-':>10}")
     if row is None:
         print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
-              f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {bounds} "
+              f"{'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>7} {'-':>9} {'-':>8} {bounds} "
               f"{'-':>8}  {status}", flush=True)
         return
     per_token = row["generate"] / NEW_TOKENS
-    share = (f"{streamed / bandwidth / per_token:>8.0%}" if args.device != "cpu"
+    per_step = row["decode_step_ms"] / 1e3 if row["decode_step_ms"] else per_token
+    share = (f"{streamed / bandwidth / per_step:>8.0%}" if args.device != "cpu"
              else f"{'-':>8}")
     print(f"{preset:<15} {params / 1e9:>6.1f}B {int4_bytes / 2**30:>9.1f} "
           f"{row['peak_gib']:>9.1f} {row['iteration']:>7.2f} {row['generate']:>9.2f} "
           f"{row['experience']:>7.2f} {row['train']:>7.2f} {per_token * 1e3:>9.2f} "
-          f"{bounds} {share}  "
+          f"{per_step * 1e3:>8.2f} {bounds} {share}  "
           f"{'finite, none skipped' if row['finite'] else 'NON-FINITE or skipped'}",
           flush=True)
 

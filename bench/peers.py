@@ -12,13 +12,15 @@ for --iterations rounds, the first --warmup untimed.
 Both take the round's 128 answers in forwards of --forward-batch (16): ours
 ppo.forward_batch_size, TRL's per_device_train_batch_size with gradient accumulation.
 
-Printed per system (and per iteration for ours, the decode steps captured as CUDA graphs:
-0 once they are reused): s/iteration (median after warm-up) and its phase split, peak allocator
-memory (torch.cuda.max_memory_allocated over the whole run; on a CPU the peak of live tensor
-bytes, bench/tensor_peak.py, with what held them at the peak printed after the table),
-generated tokens/s, and the trained weights' dtype. Ours: the phases of metrics.jsonl (generate, experience = reward,
-reference and old log-probs, train). TRL: generate = its `_generate`, experience = the rest
-of `_generate_and_score_completions`, train = the rest of the optimizer step.
+Printed per system (and per iteration for ours, the decode steps captured as CUDA graphs: 0
+once they are reused): s/iteration (median after warm-up) and its phase split, peak
+allocator memory (torch.cuda.max_memory_allocated over the whole run; on a CPU the peak of
+live tensor bytes, bench/tensor_peak.py, with what held them at the peak printed after the
+table), generated tokens/s, and the trained weights' dtype. Ours: the phases of
+metrics.jsonl (generate, experience = reward, reference and old log-probs, train), and of
+the generate phase the prefills (s) and the decode step (ms a step, the prefill apart:
+against the bound's step). TRL: generate = its `_generate`, experience = the rest of
+`_generate_and_score_completions`, train = the rest of the optimizer step.
 
 The bound for the config, from the card's measured copy bandwidth and bf16 matmul rate:
 decode = per new token max(weight bytes / bandwidth, 2 x params x rows / rate); prefill
@@ -199,8 +201,11 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
     built = [r.get("generation/decode_steps_built", 0) for r in iterations]
     median = {k: statistics.median(r[k] for r in timed)
               for k in ("time/iteration", "time/generate", "time/experience", "time/train",
-                        "time/generate_tokens_per_s")}
+                        "time/generate_tokens_per_s", "time/prefill", "time/decode_step_ms")
+              if all(k in r for r in timed)}
     return {"s_per_iteration": median["time/iteration"], "generate": median["time/generate"],
+            "prefill": median.get("time/prefill"),
+            "decode_step_ms": median.get("time/decode_step_ms"),
             "experience": median["time/experience"], "train": median["time/train"],
             "peak_gib": rows[-1]["memory/peak_mib"] / 1024,
             "generated_tokens_per_s": median["time/generate_tokens_per_s"],
@@ -341,15 +346,22 @@ def bound(params: int, weight_bytes: int, run: Run, prompt_tokens: float, gc: bo
           bandwidth: float, flops: float) -> dict:
     rows = run.prompts * run.group
     tokens = rows * (prompt_tokens + run.new_tokens)
-    decode = run.new_tokens * max(weight_bytes / bandwidth, 2 * params * rows / flops)
+    step = max(weight_bytes / bandwidth, 2 * params * rows / flops)
+    decode = run.new_tokens * step
     prefill = 2 * params * rows * prompt_tokens / flops
     experience = 2 * 2 * params * tokens / flops
     train = (8 if gc else 6) * params * tokens / flops
-    return {"generate": decode + prefill, "experience": experience, "train": train,
+    return {"generate": decode + prefill, "prefill": prefill, "decode_step_ms": step * 1e3,
+            "experience": experience, "train": train,
             "s_per_iteration": decode + prefill + experience + train}
 
 
 # --- the table ----------------------------------------------------------------------------
+
+
+def _or_dash(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
 
 
 def print_held(held: dict[str, dict[str, int] | None], top: int = 8) -> None:
@@ -425,9 +437,9 @@ def main() -> None:
               f"prompts {prompt_tokens:.1f} tokens on average (<= {run.max_prompt}), one "
               f"optimizer step a round over forwards of {run.forward}, KL {run.kl}; median of "
               f"{run.iterations - run.warmup} rounds after {run.warmup}")
-        header = (f"{'system':<9} {'GC':<3} {'s/iter':>7} {'generate':>9} {'experience':>10} "
-                  f"{'train':>7} {'peak GiB':>9} {'gen tok/s':>10} {'x bound':>8} "
-                  f"{'graphs':>6} {'wall s':>7}  weights")
+        header = (f"{'system':<9} {'GC':<3} {'s/iter':>7} {'generate':>9} {'prefill':>8} "
+                  f"{'ms/step':>8} {'experience':>10} {'train':>7} {'peak GiB':>9} "
+                  f"{'gen tok/s':>10} {'x bound':>8} {'graphs':>6} {'wall s':>7}  weights")
         print(header)
         print("-" * len(header), flush=True)
         bounds = {gc: bound(params, params * 2, run, prompt_tokens, gc == "on", bandwidth,
@@ -448,6 +460,8 @@ def main() -> None:
                           flush=True)
                     continue
                 print(f"{system:<9} {gc:<3} {r['s_per_iteration']:>7.3f} {r['generate']:>9.3f} "
+                      f"{_or_dash(r.get('prefill'), 8, 3)} "
+                      f"{_or_dash(r.get('decode_step_ms'), 8, 2)} "
                       f"{r['experience']:>10.3f} {r['train']:>7.3f} {r['peak_gib']:>9.1f} "
                       f"{r['generated_tokens_per_s']:>10.0f} "
                       f"{r['s_per_iteration'] / bounds[gc]['s_per_iteration']:>8.1f} "
@@ -456,6 +470,7 @@ def main() -> None:
                 held[f"{system}, GC {gc}"] = r.get("at_peak")
         for gc, b in bounds.items():
             print(f"{'bound':<9} {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
+                  f"{b['prefill']:>8.3f} {b['decode_step_ms']:>8.2f} "
                   f"{b['experience']:>10.3f} {b['train']:>7.3f}")
         print_held(held)
         if args.profile:

@@ -8,6 +8,7 @@ prompt's prefill is computed once for its group.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,17 @@ ENDED_CHECK_EVERY = 16
 # At those reads, once half the rows or more have ended, the batch shrinks to the live rows
 # (padded to a power of two, at least this many): ended rows stop costing decode work.
 COMPACT_MIN_ROWS = 8
+
+
+@dataclass
+class DecodeTimes:
+    """A decoder's running totals over its generations: seconds in the prompts' prefills,
+    seconds in the decode steps after them, and the decode steps run (a forward of every
+    live row each). Device time on CUDA (events, read when a generation has ended)."""
+
+    prefill: float = 0.0
+    decode: float = 0.0
+    steps: int = 0
 
 
 def generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -71,19 +83,26 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     # (a new static step runs warm-ups that write one cache slot: before the prefill)
     step = (_StaticDecodeStep.get(model, b, width, cuda_graph, chooser.rule) if static
             else None)
+    started = _Mark(input_ids.device)
     if group_size == 1:
         logits = model(input_ids, positions, slots, mask[:, None], keys, values, kv_len=p)
     else:
         logits = _group_prefill(model, input_ids, positions, slots, mask, keys, values,
                                 group_size)
+    prefilled = _Mark(input_ids.device)
     out = torch.full((b, length), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :p] = input_ids
     batch = _Batch(None, torch.ones(b, dtype=torch.bool, device=input_ids.device), key_valid,
                    attention_mask.long().sum(-1), keys, values, step)
-    return _decode(model, batch, logits, out, p, sampling, width, cuda_graph, chooser,
-                   eos_token_id, pad_token_id, on_token,
-                   compacts=on_token is None and (row_seeds is not None
-                                                  or not sampling.do_sample))
+    out, steps = _decode(model, batch, logits, out, p, sampling, width, cuda_graph, chooser,
+                         eos_token_id, pad_token_id, on_token,
+                         compacts=on_token is None and (row_seeds is not None
+                                                        or not sampling.do_sample))
+    ended = _Mark(input_ids.device)
+    model.times.prefill += started.seconds_to(prefilled)
+    model.times.decode += prefilled.seconds_to(ended)
+    model.times.steps += steps
+    return out
 
 
 @dataclass
@@ -118,16 +137,16 @@ class _Batch:
 def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: torch.Tensor,
             p: int, sampling: SamplingSettings, width: int, cuda_graph: bool,
             chooser: TokenChooser, eos_token_id: int | list[int], pad_token_id: int,
-            on_token: OnToken | None, compacts: bool) -> torch.Tensor:
-    """The token loop after the prefill (see _generate): the answers in `out` [B, P + N].
-    Step t writes its token, then runs it through the model, which chooses step t + 1's
-    (inside the captured step, where the token rule allows)."""
+            on_token: OnToken | None, compacts: bool) -> tuple[torch.Tensor, int]:
+    """The token loop after the prefill (see _generate): the answers in `out` [B, P + N],
+    and the decode steps run. Step t writes its token, then runs it through the model,
+    which chooses step t + 1's (inside the captured step, where the token rule allows)."""
     n, device = sampling.max_new_tokens, out.device
     eos = torch.tensor(eos_token_id, dtype=torch.long, device=device)   # 0-d or [E]
     cache_slots = torch.arange(p, p + n, device=device)             # step t writes slot p + t
     ended_at = torch.tensor(n - 1, device=device)   # the step every row had ended by
     if n == 0:
-        return out[:, :p]
+        return out[:, :p], 0
     chosen = chooser(logits, 0)                    # the first token, from the prefill
     for t in range(n):
         token = chosen.masked_fill(~batch.unfinished, pad_token_id)
@@ -139,13 +158,13 @@ def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: t
         if on_token is not None:   # a caller that sees every token: stop exactly, per token
             if on_token(token) or t == n - 1 or not bool(batch.unfinished.any()):
                 chooser.check()
-                return out[:, :p + t + 1]
+                return out[:, :p + t + 1], t
         else:
             ended_at = torch.where((ended_at == n - 1) & ~batch.unfinished.any(), t, ended_at)
             live = int(batch.unfinished.sum()) if (t + 1) % ENDED_CHECK_EVERY == 0 else -1
             if t == n - 1 or live == 0:
                 chooser.check()
-                return out[:, :p + int(ended_at) + 1]
+                return out[:, :p + int(ended_at) + 1], t
             if compacts and 0 < live <= len(token) // 2 and len(token) > COMPACT_MIN_ROWS:
                 keep = _rows_to_keep(batch.unfinished, live)
                 token = token[keep]
@@ -160,6 +179,24 @@ def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: t
                                    batch.key_valid[:, None, None, :p + t + 1], batch.keys,
                                    batch.values, kv_len=p + t + 1), t + 1)
     raise AssertionError("unreachable: step n - 1 returns")
+
+
+class _Mark:
+    """A point in a generation: an event on the device's stream on CUDA (no host sync until
+    a span is read, once the generation has ended), the host's clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        self.at = time.perf_counter()
+
+    def seconds_to(self, later: _Mark) -> float:
+        if self.event is None:
+            return later.at - self.at
+        later.event.synchronize()
+        return self.event.elapsed_time(later.event) / 1e3
 
 
 def _rows_to_keep(unfinished: torch.Tensor, live: int) -> torch.Tensor:

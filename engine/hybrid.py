@@ -28,6 +28,7 @@ generation had run on the sharded model.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +42,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from engine.config import HybridConfig, OptimConfig
+from engine.decode import DecodeTimes
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
 from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
@@ -56,11 +58,26 @@ from engine.trainer import TrainEngine
 
 @dataclass
 class GenerationTimes:
-    """Seconds spent since the last `take_times`: gathering weights, and decoding."""
+    """Seconds spent since the last `take_times`: gathering weights, and generating; of the
+    generating, the inference decoder's prefills and decode steps, and the decode steps run
+    (0 when the Hugging Face modules generate)."""
 
     gather: float = 0.0
     generate: float = 0.0
     calls: int = 0
+    prefill: float = 0.0
+    decode: float = 0.0
+    decode_steps: int = 0
+
+    def add_decode(self, before: DecodeTimes, after: DecodeTimes) -> None:
+        self.prefill += after.prefill - before.prefill
+        self.decode += after.decode - before.decode
+        self.decode_steps += after.steps - before.steps
+
+
+def _decode_totals(model: nn.Module) -> DecodeTimes:
+    """A copy of an inference decoder's running totals (zeros for Hugging Face modules)."""
+    return dataclasses.replace(getattr(model, "times", DecodeTimes()))
 
 
 def _base_module(model: nn.Module, name: str) -> tuple[nn.Module, nn.Module, str]:
@@ -166,11 +183,13 @@ class HybridEngine(TrainEngine):
             form = InferenceForm(target.model, device,
                                  cuda_graph=self.hybrid.cuda_graphs and device.type == "cuda")
             built = getattr(target.model, "steps_built", 0)
+            before = _decode_totals(target.model)
             try:
                 out = form.generate(input_ids, attention_mask, sampling, group_size=group_size,
                                     **kwargs)
             finally:
                 self.decode_steps_built += getattr(target.model, "steps_built", 0) - built
+                self.times.add_decode(before, _decode_totals(target.model))
                 self._release()
         else:
             out = generate(self.module, input_ids, attention_mask, sampling, **kwargs)

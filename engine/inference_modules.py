@@ -18,6 +18,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine import kernels
+from engine.decode import DecodeTimes
 from engine.inference_plans import DecoderSpec, Plan
 from engine.quantized_inference import QuantizedProjection, QuantizedSlot, quantized_module
 
@@ -236,6 +237,7 @@ class InferenceDecoder(nn.Module):
         self.rotary = plan.rotary
         self.cache: KVCache | None = None
         self.steps_built = 0   # static decode steps made (captured, on CUDA) so far
+        self.times = DecodeTimes()   # prefills' and decode steps' running totals
         self.fused_kernels = False   # Triton kernels (use_fused_kernels), sampling's too
 
     def allocate(self, shapes: dict[str, torch.Size], dtype: torch.dtype,

@@ -590,8 +590,9 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     of `s.group` copies of a prompt, and compute everything the update needs. The prompts
     are this process's share of the rollout batch, of `weight` (0 empties the action masks
     of a stand-in); batch statistics (whitening) use the whole batch. Returns the
-    experience and the seconds spent: gathering the actor for generation, generating, and
-    computing the rest."""
+    experience and the seconds spent: gathering the actor for generation, generating (of
+    which, with the inference decoder, its prefills and decode steps, and ms per decode
+    step), and computing the rest."""
     actor, critic, eos = models.actor, models.critic, models.tokenizer.eos_token_id
     actor.take_times()
     answers = rollout(models, prompts, s.sampling, seeds, s.group)
@@ -628,8 +629,13 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl, vocab_kl)
-    return experience, {"time/gather": generation.gather, "time/generate": generation.generate,
-                        "time/experience": t2 - t1}
+    times = {"time/gather": generation.gather, "time/generate": generation.generate,
+             "time/experience": t2 - t1}
+    if generation.decode_steps:   # the inference decoder's split of the generate phase
+        times.update({"time/prefill": generation.prefill, "time/decode": generation.decode,
+                      "time/decode_step_ms":
+                          generation.decode / generation.decode_steps * 1e3})
+    return experience, times
 
 
 def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.Tensor,
@@ -1036,12 +1042,16 @@ def export(cfg: DictConfig, models: Models, kept: Kept, best: bool, dp: DataPara
     return step3
 
 
+PHASES = ("gather", "generate", "experience", "train")   # an iteration's, with "other"
+
+
 def _time_breakdown(phases: dict[str, float], seconds: float, samples: int, tokens: float,
                     ppo_epochs: int) -> dict[str, float]:
     """One iteration's wall time split as DeepSpeed-Chat's hybrid engine reports it
-    (gather, generate, experience, train, other) and its throughput: samples/s end to end,
-    generated tokens/s (all ranks' tokens over the generation time), trained tokens/s."""
-    other = seconds - sum(phases.values())
+    (gather, generate, experience, train, other; `phases` may hold parts of those too) and
+    its throughput: samples/s end to end, generated tokens/s (all ranks' tokens over the
+    generation time), trained tokens/s."""
+    other = seconds - sum(phases[f"time/{name}"] for name in PHASES)
     return {**phases, "time/other": other, "time/iteration": seconds,
             "time/samples_per_s": samples / seconds,
             "time/generate_tokens_per_s": tokens / max(phases["time/generate"], 1e-9),
@@ -1049,8 +1059,10 @@ def _time_breakdown(phases: dict[str, float], seconds: float, samples: int, toke
 
 
 def _breakdown_line(times: dict[str, float]) -> str:
-    parts = " + ".join(f"{name} {times[f'time/{name}']:.3f}"
-                       for name in ("gather", "generate", "experience", "train", "other"))
+    parts = " + ".join(f"{name} {times[f'time/{name}']:.3f}" for name in (*PHASES, "other"))
+    if "time/prefill" in times:
+        parts += (f" | generate: prefill {times['time/prefill']:.3f}s, "
+                  f"{times['time/decode_step_ms']:.2f} ms a decode step")
     return (f"{times['time/iteration']:.3f}s = {parts} | "
             f"{times['time/samples_per_s']:.1f} samples/s, "
             f"{times['time/generate_tokens_per_s']:.0f} generated tokens/s")

@@ -236,6 +236,33 @@ def test_answers_end_where_hf_generate_stops_without_a_read_per_token(static):
     assert 1 < want.shape[1] - ids.shape[1] < decode.ENDED_CHECK_EVERY
 
 
+def test_the_generate_phase_splits_into_prefill_and_counted_decode_steps():
+    """The engine's generation times split the generate phase into the prefills and the
+    decode steps after them, with the steps counted as run: N - 1 for N tokens that run
+    to the end (the first token comes from the prefill), and up to the all-ended read
+    (ENDED_CHECK_EVERY - 1) for answers that end early; per call, not since the start."""
+    model = model_with_answers_that_end("tiny-llama", 0, EOS)
+    engine = _engine(model)
+    ids, mask = _batch(PROMPTS[:4])
+    for new_tokens in (24, 9):
+        sampling = SamplingSettings(max_new_tokens=new_tokens, do_sample=False)
+        engine.generate(ids, mask, sampling, eos_token_id=[], pad_token_id=PAD)
+        times = engine.take_times()
+        assert (times.calls, times.decode_steps) == (1, new_tokens - 1)
+        assert 0 < times.prefill and 0 < times.decode
+        assert times.prefill + times.decode <= times.generate
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS] *= 20   # EOS first within a few tokens
+    out = engine.generate(ids, mask, SamplingSettings(max_new_tokens=40, do_sample=False),
+                          eos_token_id=EOS, pad_token_id=PAD)
+    assert out.shape[1] - ids.shape[1] < decode.ENDED_CHECK_EVERY
+    assert engine.take_times().decode_steps == decode.ENDED_CHECK_EVERY - 1
+    engine.hybrid = HybridConfig(enabled=False)   # Hugging Face generate: no split
+    engine.generate(ids, mask, sampling, eos_token_id=[], pad_token_id=PAD)
+    times = engine.take_times()
+    assert (times.calls, times.decode_steps, times.prefill, times.decode) == (1, 0, 0.0, 0.0)
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_dropping_ended_rows_changes_no_answer(static, sampled, monkeypatch):

@@ -72,7 +72,7 @@ MODEL_DIRS = ("actor", "reward", "step3/actor", "step3/critic")
 STEP3_KEYS = ("reward/score", "reward/kl", "answer/length", "train/clip_fraction",
               "train/value_loss", "time/generate", "time/train", "time/generate_tokens_per_s",
               "time/gather", "time/experience", "time/other", "time/iteration",
-              "time/samples_per_s")
+              "time/samples_per_s", "time/prefill", "time/decode", "time/decode_step_ms")
 PHASES = ("gather", "generate", "experience", "train", "other")
 
 
@@ -249,6 +249,9 @@ def test_three_steps_write_models_configs_and_metrics(pipeline):
         # the time breakdown adds up to the iteration (each figure rounded to 1e-6)
         assert sum(row[f"time/{p}"] for p in PHASES) == pytest.approx(
             row["time/iteration"], abs=1e-5)
+        # the inference decoder's split of the generate phase, within it
+        assert 0 < row["time/prefill"] + row["time/decode"] <= row["time/generate"] + 1e-5
+        assert row["time/decode_step_ms"] > 0
     # the running memory peak on every iteration (a run cut off early still has it),
     # never falling, and the summary's the last of it or above. On the CPU it is the
     # kernel's VmHWM, max(high-water mark, current RSS), whose RSS is a sum of per-CPU
