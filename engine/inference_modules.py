@@ -140,9 +140,11 @@ class _Layer(nn.Module):
         spec = self.spec
         residual, h = self.attn_norm(delta, residual)
         qkv = self.qkv(h)
-        if self.fused_rope and rope is not None and not spec.scale_query_first:
-            q = kernels.rope_into_cache(qkv, *rope, keys, values, write_at, spec.heads,
-                                        spec.kv_heads, spec.head_dim, spec.rotary_dim)
+        if self.fused_rope and (rope is None or not spec.scale_query_first):
+            q = kernels.rope_into_cache(
+                qkv, *(rope or (None, None)), keys, values, write_at, spec.heads,
+                spec.kv_heads, spec.head_dim, spec.rotary_dim if rope else 0,
+                spec.head_dim ** -0.5 if spec.scale_query_first else 1.0)
         else:
             q = self._queries_into_cache(qkv, rope, keys, values, write_at)
         scale = 1.0 if spec.scale_query_first else spec.head_dim ** -0.5

@@ -147,23 +147,30 @@ def row_seeded_sample(logits: torch.Tensor, row_seeds: torch.Tensor, step: int |
     return tokens, bad.any()
 
 
-def rope_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rope_into_cache(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                     keys: torch.Tensor, values: torch.Tensor, write_at: torch.Tensor,
-                    heads: int, kv_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+                    heads: int, kv_heads: int, head_dim: int, rotary_dim: int,
+                    q_scale: float = 1.0) -> torch.Tensor:
     """The fused Q/K/V output [B, T, (heads + 2 kv_heads) * head_dim] split into heads,
-    Q and K rotated (cos, sin [B, 1, T, rotary_dim]), K and V written into cache slots
-    write_at [T] of keys/values [B, kv_heads, S, head_dim]: one kernel for the dozen ops
-    of the PyTorch formula (engine/inference_modules.py). Returns Q [B, heads, T,
-    head_dim]."""
+    Q and K rotated (cos, sin [B, 1, T, rotary_dim]; None and rotary_dim 0 for a model
+    without rotary embeddings), Q times q_scale (OPT scales it before the dot product), K
+    and V written into cache slots write_at [T] of keys/values [B, kv_heads, S,
+    head_dim]: one kernel for the dozen ops of the PyTorch formula
+    (engine/inference_modules.py; three or four without rotation). Returns Q [B, heads,
+    T, head_dim]."""
     from engine import triton_kernels as tk
     b, t, width = qkv.shape
     q = torch.empty(b, heads, t, head_dim, dtype=qkv.dtype, device=qkv.device)
     assert keys.stride(-1) == values.stride(-1) == 1 and keys.stride() == values.stride()
+    flat = qkv.reshape(b * t, width).contiguous()
+    if rotary_dim == 0:   # nothing rotates: the angles are never read
+        cos = sin = flat
+    else:
+        cos, sin = (x.reshape(b * t, rotary_dim).contiguous() for x in (cos, sin))
     tk.rope_cache_kernel[(b * t, heads + kv_heads)](
-        qkv.reshape(b * t, width).contiguous(), cos.reshape(b * t, rotary_dim).contiguous(),
-        sin.reshape(b * t, rotary_dim).contiguous(), q, keys, values, write_at, t, heads,
-        kv_heads, head_dim, rotary_dim, width, *keys.stride()[:3],
-        BLOCK=tk.triton.next_power_of_2(head_dim), enable_fp_fusion=False)
+        flat, cos, sin, q, keys, values, write_at, t, heads, kv_heads, head_dim, rotary_dim,
+        width, *keys.stride()[:3], q_scale, BLOCK=tk.triton.next_power_of_2(head_dim),
+        enable_fp_fusion=False)
     return q
 
 

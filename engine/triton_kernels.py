@@ -324,13 +324,14 @@ def finish_split_kernel(parts_ptr, out_ptr, bias_ptr, u_ptr, b_ptr, M, N, splits
 @triton.jit
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, keys_ptr, values_ptr, write_at_ptr, T,
                       heads, kv_heads, head_dim, rotary_dim, qkv_stride, key_b, key_h, key_s,
-                      BLOCK: tl.constexpr):
+                      q_scale, BLOCK: tl.constexpr):
     """One head of one token (program_id(0) = b * T + t, program_id(1) = head): the
     fused Q/K/V projection's row [(heads + 2 kv_heads) * head_dim], its first rotary_dim
     values of a Q or K head rotated (x * cos + rotate_half(x) * sin, each product and the
     sum rounded to the model's dtype, as the PyTorch formula rounds; compiled without FMA
-    contraction), Q written to q [B, heads, T, head_dim], K and its V into the cache's
-    slot write_at[t] (keys/values [B, kv_heads, S, head_dim] with the given strides)."""
+    contraction; rotary_dim 0: none), Q times q_scale (rounded once) written to q [B,
+    heads, T, head_dim], K and its V into the cache's slot write_at[t] (keys/values [B,
+    kv_heads, S, head_dim] with the given strides)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     b, t = row // T, row % T
@@ -352,8 +353,8 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, keys_ptr, values_ptr, wr
               + (partner * sin).to(dtype).to(tl.float32)).to(dtype)
     y = tl.where(rotating, turned.to(tl.float32), x32).to(dtype)
     if head < heads:
-        tl.store(q_ptr + ((b * heads + head) * T + t).to(tl.int64) * head_dim + i, y,
-                 mask=i < head_dim)
+        tl.store(q_ptr + ((b * heads + head) * T + t).to(tl.int64) * head_dim + i,
+                 (y.to(tl.float32) * q_scale).to(dtype), mask=i < head_dim)
     else:
         slot = tl.load(write_at_ptr + t)
         at = b.to(tl.int64) * key_b + (head - heads) * key_h + slot * key_s + i

@@ -91,6 +91,8 @@ def decode_step_calls(dtype: torch.dtype = torch.bfloat16) -> None:
     cos, sin = randn(b, 1, 1, d), randn(b, 1, 1, d)
     q = kernels.rope_into_cache(randn(b, 1, (heads + 2 * kv_heads) * d), cos, sin, cache[0],
                                 cache[1], torch.tensor([40]), heads, kv_heads, d, d)
+    kernels.rope_into_cache(randn(b, 1, (heads + 2 * kv_heads) * d), None, None, cache[0],
+                            cache[1], torch.tensor([40]), heads, kv_heads, d, 0, d ** -0.5)
     valid = torch.ones(b, 256, dtype=torch.bool)
     kernels.decode_attention(q, cache[0], cache[1], valid, torch.tensor([40]), d ** -0.5)
     for bits in (8, 4):

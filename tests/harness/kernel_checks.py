@@ -107,36 +107,40 @@ def test_decode_attention_equals_sdpa_over_the_masked_cache(dtype, heads, kv_hea
 
 # one block; three of 2048, the last partial; and on a GPU a real vocabulary's (OPT's)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rotary_dim", [16, 8])   # all of a head, or its first half
+# all of a head, its first half, or none (OPT: no rotary embedding, Q scaled first)
+@pytest.mark.parametrize("rotary_dim", [16, 8, 0])
 def test_rope_into_cache_equals_the_pytorch_formula(dtype, rotary_dim):
     """The fused rotary kernel gives the decoder layer's PyTorch path's Q and writes the
     same K and V into the cache slots (a strided view of a larger cache), and nothing
     else: exactly in fp32 (each product and the sum rounded, no FMA), to the bf16
-    rounding of _assert_close in bf16. GQA: 4 query heads over 2 KV heads."""
+    rounding of _assert_close in bf16. GQA: 4 query heads over 2 KV heads. Without
+    rotation, Q is scaled as OPT's path scales it."""
     from types import SimpleNamespace
 
     from engine.inference_modules import _Layer
 
     gen = torch.Generator().manual_seed(rotary_dim)
     b, t, heads, kv_heads, d = 3, 2, 4, 2, 16
-    spec = SimpleNamespace(scale_query_first=False, head_dim=d, rotary_dim=rotary_dim)
+    spec = SimpleNamespace(scale_query_first=rotary_dim == 0, head_dim=d,
+                           rotary_dim=rotary_dim)
     layer = SimpleNamespace(spec=spec, splits=(heads * d, kv_heads * d, kv_heads * d))
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     angles = torch.randn(b, 1, t, rotary_dim, generator=gen)
-    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+    rope = (angles.cos().to(dtype), angles.sin().to(dtype)) if rotary_dim else None
     write_at = torch.tensor([5, 6])
     caches = []
     for fused in (True, False):
         cache = torch.randn(2, 4, kv_heads, 10, d, generator=torch.Generator().manual_seed(0))
         cache = cache.to(dtype).to(DEVICE)
         keys, values = cache[0, :b], cache[1, :b]   # [b, kv_heads, 10, d], strided
-        args = [x.to(DEVICE) for x in (qkv, *rope)]
+        args = [x.to(DEVICE) for x in (qkv, *(rope or ()))]
         if fused:
-            q = kernels.rope_into_cache(*args, keys, values, write_at.to(DEVICE), heads,
-                                        kv_heads, d, rotary_dim)
+            q = kernels.rope_into_cache(*args, *[None, None] * (rope is None), keys, values,
+                                        write_at.to(DEVICE), heads, kv_heads, d, rotary_dim,
+                                        d ** -0.5 if spec.scale_query_first else 1.0)
         else:
-            want = _Layer._queries_into_cache(layer, args[0], tuple(args[1:]), keys, values,
-                                              write_at.to(DEVICE))
+            want = _Layer._queries_into_cache(layer, args[0], tuple(args[1:]) or None, keys,
+                                              values, write_at.to(DEVICE))
         caches.append(cache.cpu())
     if dtype == torch.float32:
         assert torch.equal(q.cpu(), want.cpu()) and torch.equal(caches[0], caches[1])
