@@ -20,7 +20,9 @@ GPU (`--gpu`, one CUDA device): an OPT-1.3B-sized model with random weights in b
 256-token prompts and 256 new tokens at batch 1, 8 and 32: Hugging Face `generate` on the
 plain model vs the hybrid engine (fused modules, CUDA-graph decode step); tokens/s,
 ms per decode step, and the fraction of the memory-bandwidth bound (weight bytes per step
-over --bandwidth, 4.8 TB/s for an H200); then section 3 above with that model in bf16.
+over --bandwidth, 4.8 TB/s for an H200); then where a decode step's time goes (one
+generate at the first batch under torch.profiler, the device's ops by their own time);
+then section 3 above with that model in bf16.
 
 Times are medians of --repeats runs after a warm-up; with several ranks each run's time is
 the slowest rank's.
@@ -451,7 +453,36 @@ def gpu_main(args: argparse.Namespace) -> None:
           "'no graph', 'no kernels': the same without the CUDA graph, then also without the "
           "Triton kernels; '= HF tokens': share of answer tokens equal to HF's before a "
           "row's first difference")
+    _profile_decode(engine, config, sampling, int(args.gpu_batches.split(",")[0]), prompt_len)
+    note("profile")
     _gpu_shared_prefill(engine, config, model, args, device)
+
+
+def _profile_decode(engine, config, sampling, batch: int, prompt_len: int) -> None:
+    """Where a decode step's time goes: one generate of the hybrid engine (CUDA graph and
+    kernels) under torch.profiler, the device's ops by their own time; totals over the
+    run's decode steps (divide by the new tokens for one step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    device = engine.runtime.device
+    cuda = device.type == "cuda"
+    ids = torch.randint(3, config.vocab_size, (batch, prompt_len), device=device)
+    run = partial(engine.generate, ids, torch.ones_like(ids), sampling, eos_token_id=[],
+                  pad_token_id=config.pad_token_id)
+    run()   # the decode step for this batch exists before the recording
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            run()
+            if cuda:
+                torch.cuda.synchronize()
+        where = "device" if cuda else "CPU"
+        print(f"\nprofile of one generate at batch {batch}, {sampling.max_new_tokens} new "
+              f"tokens, ops by their own {where} time:")
+        print(prof.key_averages().table(sort_by=f"self_{'cuda' if cuda else 'cpu'}_time_total",
+                                        row_limit=15))
+    except RuntimeError as e:   # the table above stands without it
+        print(f"no profile: {str(e).splitlines()[0]}")
 
 
 def _gpu_shared_prefill(engine, config, model, args: argparse.Namespace, device) -> None:
