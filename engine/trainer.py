@@ -153,11 +153,12 @@ class TrainEngine:
         self._lent = [b.view(-1).view(torch.uint8) for b in buffers]
 
     def reclaim(self) -> None:
-        """End a `lend`: a window still open moves its gradients into memory of their own;
-        the lender may then overwrite the buffers."""
+        """End a `lend`: a window still open moves the gradients a backward reached into
+        memory of their own and drops the others (as `step` would); the lender may then
+        overwrite the buffers."""
         for param in self._in_lent:
             if param.grad is not None:
-                param.grad = param.grad.clone()
+                param.grad = param.grad.clone() if id(param) in self._touched else None
         self._lent, self._in_lent = [], []
 
     def _place_gradients(self) -> None:

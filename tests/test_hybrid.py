@@ -133,13 +133,10 @@ def test_a_released_cache_frees_its_memory_and_keeps_its_decode_steps():
     assert cache.restores == 2
 
 
-def test_between_rollouts_the_cache_holds_the_gradients_and_nothing_else_changes():
-    """engine.hybrid.cache_holds_gradients (one process, the default): an update's gradients
-    lie in the KV cache's and the inference weights' bytes, which stay where they are, and
-    answers and weights equal those of an engine whose gradients have memory of their own:
-    over three rollouts, two micro-steps a window, with weight decay. A first window reaches
-    only the first layer (AdamW would decay the others on a zero gradient: they must keep no
-    gradient at all), and a window left open across a rollout keeps what it had accumulated."""
+def _lending_and_not():
+    """Two engines over the same tiny-llama, two micro-steps a window, weight decay 0.1:
+    the first lends its gradients the rollout's memory (cache_holds_gradients), the second
+    not; a rollout of both, and losses reaching the first layer only or the whole model."""
     model = model_with_answers_that_end("tiny-llama", 0, EOS)
     engines = [HybridEngine(m, OptimConfig(weight_decay=0.1), 10, ONE_PROCESS, lr=1e-3,
                             hybrid=HybridConfig(cache_holds_gradients=lends), grad_accum=2)
@@ -158,6 +155,17 @@ def test_between_rollouts_the_cache_holds_the_gradients_and_nothing_else_changes
     def whole(e):
         return e(input_ids=train_ids, labels=train_ids).loss
 
+    return engines, rollout, first_layer, whole
+
+
+def test_between_rollouts_the_cache_holds_the_gradients_and_nothing_else_changes():
+    """engine.hybrid.cache_holds_gradients (one process, the default): an update's gradients
+    lie in the KV cache's and the inference weights' bytes, which stay where they are, and
+    answers and weights equal those of an engine whose gradients have memory of their own:
+    over three rollouts, two micro-steps a window, with weight decay. A first window reaches
+    only the first layer (AdamW would decay the others on a zero gradient: they must keep no
+    gradient at all), and a window left open across a rollout keeps what it had accumulated."""
+    engines, rollout, first_layer, whole = _lending_and_not()
     got, want = rollout()
     assert torch.equal(got, want)
     cache = engines[0]._target.model.cache
@@ -186,6 +194,25 @@ def test_between_rollouts_the_cache_holds_the_gradients_and_nothing_else_changes
         memory.data.fill_(float("nan"))   # what lent bytes may hold: no answer may depend on it
     got, want = rollout()
     assert torch.equal(got, want) and cache.buffer.data_ptr() == where[0]
+    for (name, mine), theirs in zip(engines[0].module.named_parameters(),
+                                    engines[1].parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+def test_a_window_open_across_a_rollout_keeps_no_gradient_its_backward_did_not_reach():
+    """A window's first backward reaches only the first layer, then a rollout takes the
+    lent memory back, then its second backward again reaches only the first layer: the
+    other layers' placed (zero) gradients are dropped, not kept, so AdamW's weight decay
+    leaves them as they are, as it does without lending; every weight equals the
+    non-lending engine's."""
+    engines, rollout, first_layer, _ = _lending_and_not()
+    rollout()
+    for e in engines:
+        e.backward(first_layer(e))
+    rollout()
+    for e in engines:
+        e.backward(first_layer(e))
+        e.step()
     for (name, mine), theirs in zip(engines[0].module.named_parameters(),
                                     engines[1].parameters(), strict=True):
         assert torch.equal(mine, theirs), name
