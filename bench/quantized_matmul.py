@@ -95,16 +95,7 @@ def replayed(call, weights: tuple[torch.Tensor, ...], device: torch.device,
     with torch.cuda.graph(graph):
         for i in range(calls):
             call(*copies[i % len(copies)])
-    times = []
-    for _ in range(max(3, repeats // 4)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph, copies
-    return sorted(times)[len(times) // 2]
+    return timed(graph.replay, device, max(3, repeats // 4)) / calls
 
 
 def copy_bandwidth(device: torch.device) -> float:
