@@ -194,7 +194,12 @@ class TrainEngine:
 
     def state_dict(self) -> dict:
         """Model and optimizer state, sharded as the model is (for a DCP checkpoint)."""
+        fresh = not self.optimizer.state
         model, optimizer = get_state_dict(self.module, self.optimizer)
+        if fresh:   # it made the moments by a zero-lr step: undo that step, keep its shapes
+            for state in optimizer["state"].values():
+                state["step"] = torch.zeros_like(state["step"])
+            self.optimizer.state.clear()
         return {"model": model, "optimizer": optimizer}
 
     def load_state_dict(self, state: dict) -> None:

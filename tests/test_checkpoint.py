@@ -21,9 +21,10 @@ from engine.trainer import TrainEngine
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 
 
-def engine_at(seed: int = 0) -> TrainEngine:
+def engine_at(seed: int = 0, warmup_steps: int = 2) -> TrainEngine:
     model = load_causal_lm("tiny-llama", byte_tokenizer(), seed=seed)
-    return TrainEngine(model, OptimConfig(warmup_steps=2), total_steps=10, runtime=CPU, lr=1e-2)
+    return TrainEngine(model, OptimConfig(warmup_steps=warmup_steps), total_steps=10,
+                       runtime=CPU, lr=1e-2)
 
 
 def train_steps(engine: TrainEngine, first: int, count: int) -> None:
@@ -50,6 +51,25 @@ def test_resumed_engine_continues_exactly(tmp_path):
                                  resumed.module.state_dict().values(), strict=True):
         assert torch.equal(got, want), name
     assert resumed.lr == engine.lr
+
+
+def test_a_checkpoint_before_any_update_leaves_the_optimizer_untouched(tmp_path):
+    """Taking the optimizer's state before its first update (every step so far skipped)
+    must neither count an Adam step here nor in the engine resumed from it: either would
+    shrink the first real update by its bias correction."""
+    def first_update(engine: TrainEngine) -> dict[str, torch.Tensor]:
+        train_steps(engine, 0, 1)
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+    want = first_update(engine_at(warmup_steps=0))
+    engine = engine_at(warmup_steps=0)
+    Checkpointer(tmp_path, CPU, every=1).save(1, {"actor": engine}, {})
+    assert not engine.optimizer.state
+    resumed = engine_at(seed=1, warmup_steps=0)
+    Checkpointer(tmp_path, CPU, every=1).load({"actor": resumed})
+    for got in (first_update(engine), first_update(resumed)):
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
 
 
 def test_only_complete_checkpoints_count_and_old_ones_go(tmp_path):
