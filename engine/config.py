@@ -43,9 +43,11 @@ def each(rule: Rule) -> Rule:
 
 POSITIVE, COUNT, NON_NEGATIVE = above(0), at_least(1), at_least(0)
 EVEN = Rule(lambda v: v >= 2 and v % 2 == 0, "give an even number of values, e.g. 64")
-SCHEDULERS = one_of("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                    "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau",
-                    "cosine_with_min_lr", "warmup_stable_decay")
+# transformers' schedules that need nothing beyond the warmup and the length (and
+# cosine_with_min_lr its floor); reduce_lr_on_plateau would need a metric to watch
+SCHEDULER_NAMES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                   "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr")
+SCHEDULERS = one_of(*SCHEDULER_NAMES)
 
 
 def val(default: Any, help: str = "", ok: Rule | None = None) -> Any:
@@ -68,6 +70,8 @@ class OptimConfig:
     weight_decay: float = val(0.0, ok=NON_NEGATIVE)
     lr_scheduler: str = val("cosine", ok=SCHEDULERS)
     warmup_steps: int = val(0, ok=NON_NEGATIVE)
+    min_lr_ratio: float = val(0.1, "cosine_with_min_lr's floor, a fraction of the learning "
+                              "rate", within(0, 1))
     grad_clip: float = val(1.0, "max gradient norm; 0 = off", NON_NEGATIVE)
 
 

@@ -54,6 +54,13 @@ def _param_groups(model: nn.Module, weight_decay: float, lr: float,
             for (lora, decay), params in groups.items()]
 
 
+def _schedule_kwargs(optim: OptimConfig) -> dict:
+    """What a schedule takes beyond its warmup and length."""
+    if optim.lr_scheduler == "cosine_with_min_lr":
+        return {"min_lr_rate": optim.min_lr_ratio}
+    return {}
+
+
 class TrainEngine:
     def __init__(self, model: nn.Module, optim: OptimConfig, total_steps: int,
                  runtime: Runtime, sharding: ShardSettings | None = None, *, lr: float,
@@ -70,7 +77,8 @@ class TrainEngine:
                                            lr=lr, betas=BETAS, fused=fused)
         self.scheduler = get_scheduler(optim.lr_scheduler, self.optimizer,
                                        num_warmup_steps=optim.warmup_steps,
-                                       num_training_steps=max(total_steps, 1))
+                                       num_training_steps=max(total_steps, 1),
+                                       scheduler_specific_kwargs=_schedule_kwargs(optim))
         self.micro_steps = self.steps = 0
         self.skipped_steps = self.skipped_in_a_row = 0
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=runtime.device)

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 import steps.ppo as ppo
-from engine.config import LoraConfig, OptimConfig
+from engine.config import SCHEDULER_NAMES, LoraConfig, OptimConfig
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
 from engine.export import atomic_directory
@@ -310,6 +310,26 @@ def test_grad_accumulation_matches_one_full_batch(tok):
     # one) shows up amplified, measured up to 2.7e-6. 5e-6 is 0.5% of the step.
     for name, value in after_full.items():
         torch.testing.assert_close(after_accum[name], value, atol=5e-6, rtol=0, msg=name)
+
+
+# Learning rate (of 1) after 4 of 6 steps with 2 of warmup: half-way through the decay.
+HALF_WAY_LR = {"linear": 0.5, "cosine": 0.5, "cosine_with_restarts": 0.5, "polynomial": 0.5,
+               "constant": 1.0, "constant_with_warmup": 1.0, "inverse_sqrt": 0.5 ** 0.5,
+               "cosine_with_min_lr": 0.1 + 0.9 * 0.5}
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_every_schedule_the_config_allows_trains(tok, name):
+    """Each allowed name builds and steps (three once allowed raised, one only at its
+    first step), at the hand-computed rate."""
+    engine = TrainEngine(load_causal_lm("tiny-llama", tok, seed=0),
+                         OptimConfig(lr_scheduler=name, warmup_steps=2), total_steps=6,
+                         runtime=CPU, lr=1.0)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for _ in range(4):
+        engine.backward(_loss(engine, ids))
+        assert engine.step() is not None
+    assert engine.lr == pytest.approx(HALF_WAY_LR[name], abs=1e-6)
 
 
 def test_lora_params_get_their_own_learning_rate(tok):
