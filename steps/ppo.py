@@ -181,6 +181,21 @@ def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
                     ppo.greedy_floor and gold is not None)
 
 
+def with_evaluations(s: Settings, eval_prompts: int) -> Settings:
+    """Export=best ranks evaluations: with no eval prompts there are none, and it would
+    export the SFT weights it keeps at the start. Refused when asked for by name; auto
+    falls back to the last policy."""
+    if not s.export_best or eval_prompts:
+        return s
+    if s.ppo.export == "best":
+        raise UserError("ppo.export=best ranks evaluations, and step 3 has no eval prompts: "
+                        "raise ppo.eval_prompts or data.eval_fraction (or data.max_prompt_len"
+                        ", if they were all too long), or set ppo.export=last")
+    log("step 3 has no eval prompts: it exports the last policy (ppo.export=auto ranks "
+        "evaluations where there are some)")
+    return s._replace(export_best=False, greedy_floor=False)
+
+
 # Advantage estimators: (ppo settings, rewards [B, N], scores [B], kl [B, N], values [B, N],
 # actions [B, N], the reward's KL weight, group size, dp) -> (advantages, returns) [B, N]
 def _gae(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
@@ -249,8 +264,9 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
     require_examples(3, "prompts", stats, data.max_prompt_len)
-    eval_prompts, _ = tokenize_prompts(eval_pairs[:cfg.ppo.eval_prompts], tokenizer,
-                                       data.max_prompt_len)
+    eval_prompts, eval_stats = tokenize_prompts(eval_pairs[:cfg.ppo.eval_prompts], tokenizer,
+                                                data.max_prompt_len)
+    report_tokenized("step 3 eval prompts", eval_stats, data.max_prompt_len)
     ptx = []
     if cfg.ppo.ptx.enabled:
         ptx, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
@@ -378,8 +394,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.trust_remote_code)
     prompts = load_prompts(cfg, tokenizer, pairs, ptx_pairs)
     rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
-    s = resolve(cfg, total_samples=cfg.ppo.epochs * len(prompts.train)
-                * cfg.ppo.samples_per_prompt)
+    s = with_evaluations(resolve(cfg, total_samples=cfg.ppo.epochs * len(prompts.train)
+                                 * cfg.ppo.samples_per_prompt), len(prompts.eval))
     updates = s.ppo.epochs * rounds * s.ppo.ppo_epochs * num_batches(
         s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
     reset_memory_peak(dp.device)

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from engine.config import OptimConfig
 from engine.data_parallel import DataParallel, Share
+from engine.errors import UserError
 from engine.hybrid import HybridEngine
 from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
 from engine.parallel import frozen
@@ -251,6 +252,19 @@ def test_export_best_keeps_no_policy_whose_greedy_answers_fall_below_the_sft_mod
     assert state.floored == (1 if floor else 0)
     assert s.greedy_floor == floor
     assert not settings(greedy_floor=True).greedy_floor   # without a gold score: no floor
+
+
+def test_export_best_without_eval_prompts_is_refused_or_falls_back_to_the_last_policy():
+    """Export=best ranks evaluations; with no eval prompts (ppo.eval_prompts=0, or all too
+    long) there are none, and it would export the SFT weights kept at the start: asked for
+    by name it is refused, under auto the last policy is exported."""
+    with pytest.raises(UserError, match="ppo.export=best .* no eval prompts"):
+        ppo.with_evaluations(settings(export="best"), eval_prompts=0)
+    auto = settings(export="auto", eval_reward_fn="steps.demo:score")
+    assert auto.export_best and auto.greedy_floor
+    fallen = ppo.with_evaluations(auto, eval_prompts=0)
+    assert not fallen.export_best and not fallen.greedy_floor
+    assert ppo.with_evaluations(auto, eval_prompts=3) == auto
 
 
 @pytest.mark.parametrize("best_of_n, budget", [(8, math.log(8) - 7 / 8), (4, math.log(4) - 3 / 4),
