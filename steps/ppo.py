@@ -196,16 +196,17 @@ def with_evaluations(s: Settings, eval_prompts: int) -> Settings:
     return s._replace(export_best=False, greedy_floor=False)
 
 
-# Advantage estimators: (ppo settings, rewards [B, N], scores [B], kl [B, N], values [B, N],
-# actions [B, N], the reward's KL weight, group size, dp) -> (advantages, returns) [B, N]
-def _gae(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
+# Advantage estimators: (ppo settings, rewards [B, N], scores [B], their penalty [B] or None,
+# kl [B, N], values [B, N], actions [B, N], the reward's KL weight, group size, dp)
+# -> (advantages, returns) [B, N]
+def _gae(ppo, rewards, scores, penalty, kl, values, actions, kl_coef, group_size, dp):
     advantages, returns = gae(rewards, values, actions, ppo.gamma, ppo.lam)
     if ppo.whiten_advantages:
         advantages = whiten(advantages, actions, moments=dp.masked_moments(advantages, actions))
     return advantages, returns
 
 
-def _returns_to_go(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
+def _returns_to_go(ppo, rewards, scores, penalty, kl, values, actions, kl_coef, group_size, dp):
     returns = returns_to_go(rewards, actions, ppo.gamma)
     return whiten(returns, actions, moments=dp.masked_moments(returns, actions)), returns
 
@@ -213,8 +214,8 @@ def _returns_to_go(ppo, rewards, scores, kl, values, actions, kl_coef, group_siz
 def _per_answer(baseline):
     """A critic-free estimator over each answer's reward (score minus its KL), compared
     within its group by `baseline(per_answer [B], group_size, ppo) -> [B]`."""
-    def estimate(ppo, rewards, scores, kl, values, actions, kl_coef, group_size, dp):
-        per_answer = sequence_rewards(scores, kl, actions, kl_coef, ppo.score_clip)
+    def estimate(ppo, rewards, scores, penalty, kl, values, actions, kl_coef, group_size, dp):
+        per_answer = sequence_rewards(scores, kl, actions, kl_coef, ppo.score_clip, penalty)
         advantage = baseline(per_answer, group_size, ppo)
         return advantage[:, None] * actions, per_answer[:, None] * actions
     return estimate
@@ -632,16 +633,18 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
         values = by_rows(lambda seq, mask: answer_values(critic, seq, mask, prompt_len))
         values = values * actions
         critic.train()
-    scores = _scores(models, answers, s, dp)
-    if s.ppo.missing_eos_penalty is not None:
+    scores, penalty = _scores(models, answers, s, dp), None
+    if s.ppo.missing_eos_penalty is not None:   # taken after score_clip, which cannot hide it
         cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
-        scores = scores - s.ppo.missing_eos_penalty * cut_off.to(scores.dtype)
+        penalty = s.ppo.missing_eos_penalty * cut_off.float()
 
     reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
-                                       s.ppo.score_clip, s.kl.estimator)
+                                       s.ppo.score_clip, s.kl.estimator, penalty)
     advantages, returns = ESTIMATORS[s.ppo.algorithm](
-        s.ppo, rewards, scores, kl, values, actions, reward_kl_coef, s.group, dp)
+        s.ppo, rewards, scores, penalty, kl, values, actions, reward_kl_coef, s.group, dp)
+    if penalty is not None:   # the logged score includes it, as before
+        scores = scores - penalty.to(scores.dtype)
     t2 = time.perf_counter()
     experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                             rewards, advantages, returns, scores, kl, vocab_kl)

@@ -240,8 +240,8 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
 
 @torch.no_grad()
 def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor,
-                         kl_coef: float, score_clip: float,
-                         estimator: str = "k1") -> RewardsOut:
+                         kl_coef: float, score_clip: float, estimator: str = "k1",
+                         penalty: Tensor | None = None) -> RewardsOut:
     """Per-token PPO reward (InstructGPT / DeepSpeed-Chat): KL penalty + clipped final score.
 
     Args:
@@ -252,10 +252,13 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
         kl_coef: weight of the KL penalty (0: none).
         score_clip: scores are clamped to [-score_clip, score_clip].
         estimator: the per-token KL estimate (``kl_estimate``); InstructGPT's is k1.
+        penalty: [B] subtracted from the clipped score (the missing-EOS penalty: after the
+            clip, which would otherwise absorb it from a score near the bound).
 
     Returns:
         RewardsOut(rewards [B, N], kl [B, N]) with ``kl = kl_estimate(...)`` on actions
-        and ``rewards = -kl_coef * kl``, plus the clipped score at the last action of each row.
+        and ``rewards = -kl_coef * kl``, plus the clipped score (less the penalty) at the
+        last action of each row.
         Both are 0 outside the mask; a row without actions gets no score. Detached.
     """
     kl = kl_estimate(logprobs, ref_logprobs, mask, estimator)
@@ -263,7 +266,7 @@ def kl_penalized_rewards(scores: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
     has_action = (mask != 0).any(dim=-1)  # [B]
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     last = torch.where(mask != 0, positions, torch.zeros_like(positions)).amax(dim=-1)  # [B]
-    score = scores.float().clamp(-score_clip, score_clip)
+    score = _clipped(scores, score_clip, penalty)
     score = torch.where(has_action, score, torch.zeros_like(score))
     rewards = rewards.scatter_add(-1, last.unsqueeze(-1), score.unsqueeze(-1))
     return RewardsOut(rewards=rewards, kl=kl)
@@ -320,13 +323,19 @@ def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 
 @torch.no_grad()
 def sequence_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
-                     score_clip: float) -> Tensor:
+                     score_clip: float, penalty: Tensor | None = None) -> Tensor:
     """[B] float32: one reward per answer for the critic-free group estimators, its score
-    [B] clamped to +-score_clip minus ``kl_coef`` (0 when the KL is a loss term instead) times
+    [B] clamped to +-score_clip, less ``penalty`` [B] (after the clip, as in
+    ``kl_penalized_rewards``), minus ``kl_coef`` (0 when the KL is a loss term instead) times
     its summed per-token KL ``kl`` [B, N] under ``mask`` [B, N]. A row without actions gets 0."""
     has_action = (mask != 0).any(dim=-1)
-    reward = scores.float().clamp(-score_clip, score_clip) - kl_coef * masked_sum(kl, mask, -1)
+    reward = _clipped(scores, score_clip, penalty) - kl_coef * masked_sum(kl, mask, -1)
     return torch.where(has_action, reward, torch.zeros_like(reward))
+
+
+def _clipped(scores: Tensor, score_clip: float, penalty: Tensor | None) -> Tensor:
+    score = scores.float().clamp(-score_clip, score_clip)
+    return score if penalty is None else score - penalty.float()
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:

@@ -12,7 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from engine.data_parallel import DataParallel
 from engine.errors import UserError
+from engine.runtime import Runtime
 from steps import algorithms, demo, ppo
 from steps.algorithms import load_reward_fn
 from steps.config import PPOConfig, RunConfig, validate
@@ -32,6 +34,8 @@ from steps.rlhf import (
     token_kl,
 )
 from steps.scoring import RewardFunction, Rewards
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 
 
 def close(got, want, tol=1e-6):
@@ -78,6 +82,24 @@ def test_sequence_rewards_subtract_the_weighted_kl_sum_from_the_clipped_score():
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [0, 0, 0]])
     # 3 - 0.5 * 0.3; clip(10) = 5, 5 - 0.5 * 0.5; a row without actions gets 0
     close(sequence_rewards(scores, kl, mask, 0.5, 5.0), [2.85, 4.75, 0.0])
+
+
+def test_the_missing_eos_penalty_is_taken_after_the_score_clip():
+    """A cut-off answer scoring at or above the clip keeps its whole penalty (taken before
+    the clip, a score of 7 with a penalty of 1 was clipped back to 5, no penalty at all),
+    in the per-token PPO reward and in the critic-free per-answer reward alike."""
+    scores, penalty = torch.tensor([7.0, 7.0, -4.5]), torch.tensor([1.0, 0.0, 1.0])
+    mask, zero = torch.ones(3, 2), torch.zeros(3, 2)
+    want = [4.0, 5.0, -5.5]
+    close(sequence_rewards(scores, zero, mask, 0.5, 5.0, penalty), want)
+    out = kl_penalized_rewards(scores, zero, zero, mask, 0.1, 5.0, penalty=penalty)
+    close(out.rewards, [[0.0, w] for w in want])
+    # step 3's estimators pass it on (the critic-free ones recompute the per-answer reward)
+    settings = PPOConfig(score_clip=5.0, gamma=1.0, lam=1.0)   # returns: the reward sums
+    for name, estimate in ppo.ESTIMATORS.items():
+        _, returns = estimate(settings, out.rewards, scores, penalty, zero, zero, mask, 0.1, 3,
+                              DataParallel(CPU))
+        torch.testing.assert_close(returns[:, 0], torch.tensor(want), msg=name)
 
 
 # -- KL estimators and the adaptive controller -----------------------------------------------
