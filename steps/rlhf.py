@@ -341,7 +341,10 @@ def _clipped(scores: Tensor, score_clip: float, penalty: Tensor | None) -> Tenso
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.dim() != 1 or group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(f"rewards {tuple(rewards.shape)} do not form groups of {group_size}")
-    return rewards.float().view(-1, group_size)
+    # float64: the mean of k equal float32 values is then exactly that value, so an
+    # all-equal group's deviations are 0 (in float32 a 1-ulp mean error over a 0 std made
+    # advantages of up to 0.24 at group sizes 3, 5, 6, 7)
+    return rewards.double().view(-1, group_size)
 
 
 @torch.no_grad()
@@ -363,7 +366,7 @@ def group_normalized_advantages(rewards: Tensor, group_size: int, scale: bool = 
     advantages = groups - groups.mean(dim=1, keepdim=True)
     if scale:
         advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
-    return advantages.flatten()
+    return advantages.float().flatten()
 
 
 @torch.no_grad()
@@ -374,7 +377,7 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     advantages (broadcast over each answer's tokens)."""
     groups = _groups(rewards, group_size)
     others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others).flatten()
+    return (groups - others).float().flatten()
 
 
 KL_PROPORTIONAL_GAIN = 1.0   # the coefficient's immediate answer to a KL e times the target: x e

@@ -64,6 +64,18 @@ def test_rloo_subtracts_the_mean_of_the_other_answers():
     close(leave_one_out_advantages(REWARDS, 4), [-2, -2 / 3, 2 / 3, 2, 0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("group_size", [3, 5, 6, 7])
+def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_its_size(group_size):
+    """Equal answers (common once a policy concentrates) carry no signal: in float32 the
+    group's mean of 0.7234 is one ulp off, and over a std of 0 that made every answer's
+    GRPO advantage -0.056 at size 7 (up to 0.24 for other values)."""
+    rewards = torch.full((2 * group_size,), 0.7234)
+    for advantages in (group_normalized_advantages(rewards, group_size),
+                       group_normalized_advantages(rewards, group_size, scale=False),
+                       leave_one_out_advantages(rewards, group_size)):
+        assert advantages.dtype == torch.float32 and not advantages.any()
+
+
 def test_groups_must_divide_the_batch():
     with pytest.raises(ValueError, match="groups of 3"):
         leave_one_out_advantages(REWARDS, 3)
