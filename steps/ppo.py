@@ -518,8 +518,9 @@ def next_kl_coef(state: Progress, observed_kl: float, answers: int, s: Settings)
     """The adaptive KL coefficient after a round of `answers` whose mean KL per answer was
     `observed_kl`. Its floor is ppo.kl_coef, or the coefficient it started at (see
     start_kl_coef) until the KL first reaches the target or KL_START_HORIZONS horizons of
-    samples have passed."""
-    if s.kl_target is None:
+    samples have passed. A reading that is not finite (log-probs of a round whose updates
+    the non-finite guard skipped) tells nothing: the coefficient stays."""
+    if s.kl_target is None or not math.isfinite(observed_kl):
         return state
     integral = math.log(state.kl_coef) if state.kl_integral is None else state.kl_integral
     coef, integral = adaptive_kl_coef(integral, observed_kl, s.kl_target, s.kl_horizon,

@@ -301,6 +301,8 @@ def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_unti
         assert state.kl_coef == pytest.approx(0.4)
     state = ppo.next_kl_coef(state, 2.0, 32, s)      # past it: raised at once
     assert state.kl_coef > 0.4 and state.kl_floor is None
+    for reading in (math.nan, math.inf):             # a reading that says nothing: held
+        assert ppo.next_kl_coef(state, reading, 32, s) == state
     for _ in range(200):
         state = ppo.next_kl_coef(state, 0.0, 32, s)
     assert state.kl_coef == pytest.approx(0.05)      # and free to fall to ppo.kl_coef
