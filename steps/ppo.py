@@ -703,11 +703,11 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
             if ptx:
                 ptx_batch = ptx_rows(ptx, ptx_batches, s.ppo.ptx.batch_size, s.seed,
                                      models.tokenizer.pad_token_id, dp)
-                ptx_batches += 1
             trained = train_on(rows, models, s, kl_coef, weights, count, ptx_batch, dp)
-            if trained is None:
+            if trained is None:   # target_kl: nothing trained, the PTX batch waits
                 stopped = True
                 break
+            ptx_batches += 1 if ptx else 0
             for totals, values in zip((sums, norm_sums), trained, strict=True):
                 for name, value in values.items():
                     totals[name] = totals.get(name, 0.0) + value
