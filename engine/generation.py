@@ -29,6 +29,7 @@ from transformers import (
 
 from engine import kernels
 from engine.errors import NonFiniteError
+from engine.parallel import hf_model
 
 # a per-step callback (streaming): called with the [B] tokens chosen at each step, pad after
 # a row's end; a true return ends generation there
@@ -243,12 +244,18 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
         [RefuseNonFinite()]
         + ([RowSeededSampling(sampling, row_seeds, input_ids.shape[1])] if row_seeded else []))
     stopping = StoppingCriteriaList([_OnToken(on_token)] if on_token is not None else [])
-    was_training = model.training
+    was_training, inner = model.training, hf_model(model)
+    # transformers fills what `config` leaves unset from the model's own generation config
+    # (a checkpoint's generation_config.json: Qwen2's repetition_penalty, say), which
+    # neither the inference decoder nor the log-probs know of: generate under a blank one
+    saved, inner.generation_config = inner.generation_config, GenerationConfig()
     model.eval()
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                         generation_config=config, logits_processor=processors,
-                         stopping_criteria=stopping,
-                         synced_gpus=synced if synced is not None
-                         else dist.is_initialized() and dist.get_world_size() > 1)
-    model.train(was_training)
-    return out
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                              generation_config=config, logits_processor=processors,
+                              stopping_criteria=stopping,
+                              synced_gpus=synced if synced is not None
+                              else dist.is_initialized() and dist.get_world_size() > 1)
+    finally:
+        inner.generation_config = saved
+        model.train(was_training)

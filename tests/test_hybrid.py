@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BloomConfig, BloomForCausalLM
+from transformers import BloomConfig, BloomForCausalLM, GenerationConfig
 
 from engine import decode
 from engine.config import HybridConfig, OptimConfig
@@ -425,6 +425,25 @@ def test_inference_form_matches_hf_generate_and_streams(preset, caplog):
     assert torch.equal(got, want[:, :ids.shape[1] + 3]) and len(seen) == 3
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(),
                                                  strict=True))
+
+
+def test_a_checkpoints_own_generation_settings_do_not_reach_generate():
+    """A checkpoint's generation_config.json (Qwen2-Instruct's repetition penalty, say) is
+    for its users' chats: transformers would apply it to every rollout through HF
+    generate, which the inference decoder and the log-probs know nothing of. Both paths
+    give the same answers, and the model keeps its config."""
+    model = load_causal_lm("tiny-llama", TOK, seed=3)
+    shipped = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8,
+                               repetition_penalty=1.3, no_repeat_ngram_size=2)
+    model.generation_config = shipped
+    form = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32)
+    ids, mask = _batch()
+    for sampling, seeds in ((SamplingSettings(24, do_sample=False), None),
+                            (SamplingSettings(24, temperature=0.1), torch.arange(len(ids)))):
+        kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=seeds)
+        assert torch.equal(generate(model, ids, mask, sampling, **kwargs),
+                           form.generate(ids, mask, sampling, **kwargs))
+    assert model.generation_config is shipped
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
