@@ -284,15 +284,16 @@ class HybridEngine(TrainEngine):
     def _plain_copy(self, inner: PreTrainedModel, dtype: torch.dtype,
                     device: torch.device) -> PreTrainedModel:
         """An empty plain transformers model like `inner` (without LoRA), its buffers
-        (rotary tables and the like, which FSDP does not shard) copied."""
+        (rotary tables and the like, which FSDP does not shard) copied in their own dtype:
+        a bf16 rotary inv_freq would turn position 4000's angles by up to 0.6 radians."""
         with torch.device("meta"):
             model = plain_class(inner)(inner.config)
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()
-        with torch.no_grad():
-            for name, buffer in inner.named_buffers():
-                if not is_lora_param(name):
-                    model.get_buffer(name.replace(".base_layer", "")).copy_(buffer)
+        for name, buffer in inner.named_buffers():
+            if not is_lora_param(name):
+                owner, _, attr = name.replace(".base_layer", "").rpartition(".")
+                setattr(model.get_submodule(owner), attr, buffer.detach().to(device, copy=True))
         return model.requires_grad_(False)
 
     def _group(self, source: str) -> int:

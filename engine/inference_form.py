@@ -62,6 +62,18 @@ class InferenceForm:
                                    synced=False, **kwargs)
 
 
+def _moved(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
+           ) -> PreTrainedModel:
+    """`model` on `device`, its parameters in `dtype` and its buffers in their own (as
+    from_pretrained keeps a bf16 model's rotary inv_freq in fp32)."""
+    buffers = {name: buffer.to(device) for name, buffer in model.named_buffers()}
+    model.to(device=device, dtype=dtype)
+    for name, buffer in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, buffer)
+    return model
+
+
 def inference_form(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
                    ) -> InferenceForm:
     """The inference form of `model`, a plain transformers causal LM, on `device` in
@@ -71,7 +83,7 @@ def inference_form(model: PreTrainedModel, device: torch.device, dtype: torch.dt
         the_plan = plan(model, layer_prefixes(model, transformer_blocks(model)))
     except (Unsupported, UserError) as why:
         log.warning("%s: %s; generating with the Hugging Face modules", type(model).__name__, why)
-        return InferenceForm(model.to(device=device, dtype=dtype).eval(), device,
+        return InferenceForm(_moved(model, device, dtype).eval(), device,
                              model.generation_config)
     decoder = allocate_decoder(the_plan, lambda source: model.get_parameter(source).shape,
                                dtype, device, fused_kernels=True)

@@ -427,6 +427,24 @@ def test_inference_form_matches_hf_generate_and_streams(preset, caplog):
                                                  strict=True))
 
 
+def test_the_fallback_copies_keep_their_buffers_dtype():
+    """A model without an inference plan (a sliding window, as Mistral-7B-v0.1's) generates
+    from a plain copy (the hybrid engine) or from itself moved (inference_form), in the
+    compute dtype: its buffers keep theirs, as from_pretrained keeps a bf16 model's rotary
+    inv_freq in fp32 (rounded to bf16, position 4000's angles turn by up to 0.6 rad)."""
+    bf16 = Runtime(torch.device("cpu"), torch.bfloat16, 0, 1, 0)
+    model = load_causal_lm("tiny-llama", TOK, seed=3)
+    model.config.sliding_window = 4096
+    want = model.model.rotary_emb.inv_freq.clone()
+    engine = HybridEngine(copy.deepcopy(model), OptimConfig(), 10, bf16, hybrid=HybridConfig(),
+                          lr=1e-3)
+    form = inference_form(model, torch.device("cpu"), torch.bfloat16)
+    assert not engine.injected and not form.injected
+    for generating in (engine._gather().model, form.model):
+        assert torch.equal(generating.model.rotary_emb.inv_freq, want)   # fp32, exactly
+        assert generating.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
 def test_a_checkpoints_own_generation_settings_do_not_reach_generate():
     """A checkpoint's generation_config.json (Qwen2-Instruct's repetition penalty, say) is
     for its users' chats: transformers would apply it to every rollout through HF
