@@ -117,12 +117,13 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
 def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, tokenizer,
                         tokenize: Callable) -> tuple[list, list]:
     """`pairs` split by data.eval_fraction, then tokenized by `tokenize` (tokenize_sft or
-    tokenize_pairs): (train, eval) examples; the training ones reported and checked."""
+    tokenize_pairs): (train, eval) examples, both reported; the training ones checked."""
     data = cfg.data
     train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
     train, stats = tokenize(train_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     report_tokenized(f"step {step} train", stats, data.max_prompt_len, data.max_answer_len)
-    evals, _ = tokenize(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
+    evals, eval_stats = tokenize(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
+    report_tokenized(f"step {step} eval", eval_stats, data.max_prompt_len, data.max_answer_len)
     require_examples(step, what, stats, data.max_prompt_len)
     return train, evals
 

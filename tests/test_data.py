@@ -8,7 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from engine.models import byte_tokenizer
+from steps.common import train_eval_examples
+from steps.config import RunConfig
 from steps.data import (
     DataError,
     PreferencePair,
@@ -366,3 +370,20 @@ def test_collate_prompts_left_pads():
     assert torch.equal(out["attention_mask"], torch.tensor([[1, 1, 1], [0, 0, 1]]))
     with pytest.raises(ValueError):
         collate_prompts([], pad_token_id=1)
+
+
+def test_every_tokenized_split_says_how_many_it_dropped(capsys):
+    """Held-out examples whose prompt is too long are dropped like training ones, and the
+    count is printed for both (the eval set used to shrink unsaid, to none: "eval
+    perplexity nan" with no reason)."""
+    pairs = [PreferencePair(("long " * 20 if i % 2 else "") + f"Q{i}", " a", " b")
+             for i in range(40)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"seed": 5, "data": {
+        "eval_fraction": 0.5, "max_prompt_len": 32, "max_answer_len": 8}})
+    train, evals = train_eval_examples(cfg, 1, "examples", pairs, byte_tokenizer(), tokenize_sft)
+    _, held_out = train_eval_split(pairs, 0.5, 5)
+    long = sum(p.prompt.startswith("long") for p in held_out)
+    assert 0 < long < len(held_out) and len(evals) == len(held_out) - long
+    printed = capsys.readouterr().out
+    assert f"step 1 eval: {len(evals)} examples, {long} dropped (prompt > data.max_prompt_len" \
+        in printed
