@@ -65,10 +65,7 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     if source == DEMO_SOURCE and not path.exists():
         raise DataError("data source 'demo' is the built-in demo task, not a file; use load_blend")
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and _data_suffix(p))
-        if not files:
-            raise DataError(f"data directory {source} has no .json/.jsonl/.jsonl.gz/.parquet "
-                            "files; put the preference data there or pass a file path in data.path")
+        files = _directory_files(path, source)
         results = [_pairs_from_columns(_read_file(f), f"data file {f}") for f in files]
         pairs = [pair for file_pairs, _ in results for pair in file_pairs]
         skipped = sum(file_skipped for _, file_skipped in results)
@@ -92,6 +89,26 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
                         "an empty answer or a rejected transcript that does not share the chosen "
                         "prompt); check the data")
     return pairs, skipped
+
+
+def _directory_files(path: Path, source: str) -> list[Path]:
+    """The data files directly in directory `path`, saying what else is there: other files
+    and subdirectories (not searched: a hub snapshot's train and test splits would both
+    land in the blend) are left out, counted, never read unsaid."""
+    entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    files = [p for p in entries if p.is_file() and _data_suffix(p)]
+    left_out = [p.name + ("/" if p.is_dir() else "") for p in entries if p not in files]
+    if not files:
+        raise DataError(f"data directory {source} has no .json/.jsonl/.jsonl.gz/.parquet "
+                        "files" + (f" (subdirectories are not searched: {', '.join(left_out)})"
+                                   if left_out else "")
+                        + "; put the preference data there or name the files in data.path")
+    if left_out:
+        log.warning("data directory %s: read %d data files, left out %d other entries (%s): "
+                    "subdirectories and other file types are not read; name them in data.path",
+                    source, len(files), len(left_out), ", ".join(left_out[:5])
+                    + (", ..." if len(left_out) > 5 else ""))
+    return files
 
 
 def _data_suffix(path: Path) -> str | None:

@@ -129,11 +129,22 @@ def test_empty_answers_skipped(tmp_path):
     assert load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records))) == (PROMPT_PAIRS, 2)
 
 
-def test_load_directory(tmp_path):
+def test_load_directory(tmp_path, caplog):
+    """The data files directly in it are read; what else is there is named and counted,
+    subdirectories included (a hub snapshot's data/ holds its train and test splits)."""
     write_json(tmp_path / "a.json", PROMPT_RECORDS[:1])
     write_parquet(tmp_path / "b.parquet", PROMPT_RECORDS[1:])
     (tmp_path / "notes.txt").write_text("not data")
+    (tmp_path / "sub").mkdir()
+    write_json(tmp_path / "sub" / "c.json", PROMPT_RECORDS)
     assert load_pairs(str(tmp_path)) == (PROMPT_PAIRS, 0)
+    assert "read 2 data files, left out 2 other entries (notes.txt, sub/)" in caplog.text
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "data").mkdir(parents=True)
+    write_json(snapshot / "data" / "train.json", PROMPT_RECORDS)
+    with pytest.raises(DataError, match=r"parquet files \(subdirectories are not searched: "
+                                        r"data/\); .* name the files in data\.path"):
+        load_pairs(str(snapshot))
 
 
 def test_real_hh_rlhf(hh_rlhf_path):
