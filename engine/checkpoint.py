@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.errors import NonFiniteError
+from engine.errors import NonFiniteError, UserError
 
 # DCP and engine.runtime (DTensor, FSDP: about 1 s to import) are imported where a
 # checkpoint is written or read: the launcher's process only looks for complete ones.
@@ -87,14 +87,23 @@ class Checkpointer:
         path = self.latest()
         if path is None:
             return None
-        state = json.loads((path / "state.json").read_text())
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-            dcp.load(stateful, checkpoint_id=str(path))
         rng = path / f"rng-rank{self.rt.rank}.pt"
-        if state["world_size"] == self.rt.world_size and rng.exists():
-            set_rng_state(torch.load(rng, weights_only=True))
-        elif self.rt.is_main:
+        try:
+            state = json.loads((path / "state.json").read_text())
+            if not (path / ".metadata").is_file():   # else DCP prints tracebacks, then fails
+                raise FileNotFoundError(f"no {path / '.metadata'}")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+                dcp.load(stateful, checkpoint_id=str(path))
+            same_world = state["world_size"] == self.rt.world_size
+            if same_world and rng.exists():
+                set_rng_state(torch.load(rng, weights_only=True))
+        except (Exception, dcp.CheckpointException) as err:   # damaged, or other settings
+            raise UserError(f"checkpoint {path} cannot be loaded ({_first_line(err)}): "
+                            "it is damaged or was written with other model settings; delete "
+                            "it to resume from an earlier one, or pass resume=false to start "
+                            "the step afresh") from None
+        if not same_world and self.rt.is_main:
             print(f"note: checkpoint {path} was written by {state['world_size']} ranks; "
                   f"resuming on {self.rt.world_size} with fresh RNG states", flush=True)
         return state
@@ -104,6 +113,16 @@ class Checkpointer:
         self.rt.barrier()
         if self.rt.is_main:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _first_line(err: BaseException) -> str:
+    """What went wrong, in a line: DCP wraps each rank's error in a CheckpointException
+    (a BaseException) whose own text is a traceback."""
+    failures = getattr(err, "failures", None)
+    if failures:   # rank -> (its exception, its traceback)
+        err = next(iter(failures.values()))[0]
+    text = str(err).strip()
+    return type(err).__name__ + (f": {text.splitlines()[0][:200]}" if text else "")
 
 
 class Tensors:

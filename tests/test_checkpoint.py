@@ -72,6 +72,26 @@ def test_a_checkpoint_before_any_update_leaves_the_optimizer_untouched(tmp_path)
             assert torch.equal(got[name], value), name
 
 
+@pytest.mark.parametrize("damage", ["truncated", "no metadata", "broken state"])
+def test_a_damaged_checkpoint_is_refused_in_one_line_saying_what_to_do(tmp_path, damage):
+    """A run that resumes (resume=auto, the default) from a damaged checkpoint used to
+    stop in a traceback, every later run into that directory too."""
+    engine = engine_at()
+    train_steps(engine, 0, 1)
+    path = Checkpointer(tmp_path, CPU, every=1).save(1, {"actor": engine}, {"x": 1})
+    if damage == "truncated":
+        shard = next(path.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "no metadata":
+        (path / ".metadata").unlink()
+    else:
+        (path / "state.json").write_text("{")
+    with pytest.raises(UserError, match=rf"checkpoint {path} cannot be loaded \(\w+.*\): .*"
+                                        "delete it .* or pass resume=false") as error:
+        Checkpointer(tmp_path, CPU, every=1).load({"actor": engine_at()})
+    assert "\n" not in str(error.value)
+
+
 def test_only_complete_checkpoints_count_and_old_ones_go(tmp_path):
     engine = engine_at()
     ckpt = Checkpointer(tmp_path, CPU, every=1, keep=2)
