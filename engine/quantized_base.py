@@ -213,6 +213,10 @@ def quantize_modules(model: PreTrainedModel, settings: QuantizedBaseConfig,
     for name in modules if modules is not None else [n for n, _ in model.named_modules()]:
         module = model.get_submodule(name)
         if type(module) not in _KINDS:
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter) and weight.dim() == 2:   # GPT-2's Conv1D
+                kept[f"{type(module).__name__} layers (only Linear and Embedding are "
+                     "quantized)"] += 1
             continue
         why = _why_not(module, name, settings.block, settings.bits, tied)
         if why:

@@ -188,6 +188,17 @@ def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tok, tmp_path):
                        device=torch.device("cpu"))
 
 
+def test_layers_of_other_kinds_are_counted_as_kept_in_full_precision(tok, tmp_path):
+    """GPT-2's projections are Conv1D, not Linear: left in full precision, and the load
+    line says so (it said "1 modules as int8" and nothing of the 8 others)."""
+    load_causal_lm("tiny-gpt2", tok, seed=0).save_pretrained(tmp_path)
+    _, report = load_quantized("causal_lm", str(tmp_path), tok, QuantizedBaseConfig(True),
+                               flag="--x", dtype=torch.float32, head_dtype=torch.float32,
+                               device=torch.device("cpu"))
+    line = qb.describe(report, "tiny-gpt2", QuantizedBaseConfig(True))
+    assert "8 Conv1D layers (only Linear and Embedding are quantized)" in line, line
+
+
 def _greedy_answers(actor, tok) -> torch.Tensor:
     prompts = [tok(text)["input_ids"] for text in ("Hello there", "What is 2+2?", "Hi")]
     batch = collate_prompts(prompts, tok.pad_token_id)
