@@ -16,15 +16,16 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
 
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException, OverrideParseException
+from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from engine.errors import UserError
 from steps.config import (
@@ -35,6 +36,8 @@ from steps.config import (
     listing,
     register,
     step_dir,
+    unknown_key,
+    unknown_keys,
     validate,
 )
 
@@ -159,18 +162,35 @@ def build_config(args: argparse.Namespace) -> DictConfig:
     no_models = args.actor_model is None and args.reward_model is None
     if no_models and not any(o.lstrip("+~").startswith("recipe=") for o in overrides):
         overrides.insert(0, "recipe=demo")
-    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        try:
-            cfg = compose("config", overrides=overrides)
-        except ValueError as err:  # hydra lets some malformed overrides (`=3`) through raw
-            raise UserError(f"bad override in {' '.join(args.overrides)}: "
-                            f"{str(err).splitlines()[0]}") from None
+    cfg = _compose(overrides, args.overrides)
     for rows in FLAGS.values():
         for flag, key, _, _ in rows:
             value = getattr(args, flag[2:].replace("-", "_"))
             if value is not None:
                 OmegaConf.update(cfg, key, sorted(set(value)) if key == "steps" else value)
     cfg.resume = str(cfg.resume).lower()
+    return cfg
+
+
+def _compose(overrides: list[str], given: list[str]) -> DictConfig:
+    """configs/config.yaml with `overrides` (from the command line `given`), holding only
+    the schema's keys."""
+    with initialize_config_dir(str(CONFIG_DIR), version_base=None):
+        try:
+            cfg = compose("config", overrides=overrides)
+        except ValueError as err:  # hydra lets some malformed overrides (`=3`) through raw
+            raise UserError(f"bad override in {' '.join(given)}: "
+                            f"{str(err).splitlines()[0]}") from None
+        except ConfigCompositionException as err:
+            # Hydra's advice for an unknown key is `+key=value`, which adds a key nothing reads
+            missing = err.__cause__
+            if isinstance(missing, ConfigAttributeError | ConfigKeyError) \
+                    and missing.full_key and missing.full_key not in DEFAULTS:
+                raise UserError(unknown_key(missing.full_key)) from None
+            raise
+    unknown = unknown_keys(cfg)   # `+key=` and `++key=` add keys Hydra does not check
+    if unknown:
+        raise UserError(unknown_key(unknown[0]))
     return cfg
 
 
@@ -184,11 +204,10 @@ def check_config(cfg: DictConfig) -> None:
                      if row[1] == err.key), "")
         raise UserError(f"{err.key}={err.value}{flag}: {err.allowed}") from None
     steps = list(cfg.steps)
-    out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--output-dir {out}: a file, not a directory; choose another path")
+    check_output_dir(Path(cfg.output_dir))
     if sum(cfg.data.split) <= 0:
         raise UserError(f"data.split={list(cfg.data.split)}: give at least one weight above 0")
+    check_launch(cfg)
     check_zeropp(cfg)
     if 1 in steps and not cfg.actor_model:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
@@ -206,6 +225,7 @@ def check_config(cfg: DictConfig) -> None:
     if len(cfg.data.split) != 3:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")
+    check_split_shares(cfg)
     if cfg.data.demo_task not in TASKS:
         raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
     if 3 in steps:
@@ -213,6 +233,63 @@ def check_config(cfg: DictConfig) -> None:
 
         check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
     plan_steps(cfg)
+
+
+def check_output_dir(out: Path) -> None:
+    """Step 1 makes --output-dir only once the data is loaded: refuse now a path that cannot
+    be made (under a file, or where this user cannot write)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {out}: a file, not a directory; choose another path")
+    # os.path.exists, not Path's: a directory we may not search is "not there", not an error
+    there = next(p for p in (out.absolute(), *out.absolute().parents) if os.path.exists(p))
+    if not there.is_dir():
+        raise UserError(f"--output-dir {out}: {there} is a file, not a directory; choose "
+                        "another path")
+    if not (os.access(there, os.W_OK | os.X_OK) and _can_make_dir_in(there)):
+        raise UserError(f"--output-dir {out}: cannot create it in {there} (not writable); "
+                        "choose another path")
+
+
+def _can_make_dir_in(directory: Path) -> bool:
+    """Whether a directory can be made in `directory` (made and removed): os.access says
+    yes to root everywhere, also in /proc or on a full disk."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".train-write-check-", dir=directory))
+    except OSError:
+        return False
+    return True
+
+
+# The rendezvous keys a run on one node ignores, by flag: on a cluster such a run would
+# start every node as a whole job of its own, all writing into the shared output dir.
+RENDEZVOUS_FLAGS = {"launch.nnodes": "--nnodes", "launch.node_rank": "--node-rank",
+                    "launch.master_addr": "--master-addr", "launch.hostfile": "--hostfile"}
+
+
+def check_launch(cfg: DictConfig) -> None:
+    """Rendezvous flags (or their keys) only with --deployment-type multi_node."""
+    if cfg.deployment_type == "multi_node":
+        return
+    for key, flag in RENDEZVOUS_FLAGS.items():
+        value = OmegaConf.select(cfg, key)
+        if value != DEFAULTS[key]:
+            raise UserError(f"{flag} {value} ({key}) is for several nodes: add --deployment-type "
+                            f"multi_node, or drop {flag}")
+
+
+def check_split_shares(cfg: DictConfig) -> None:
+    """Each selected step trains on its own share of data.split (step 3 on its prompts, and
+    with ppo.ptx on step 1's share too): a share of 0 would otherwise stop that step only
+    after the earlier ones ran, or silently leave ppo.ptx out."""
+    split = list(cfg.data.split)
+    for step in cfg.steps:
+        if split[step - 1] == 0:
+            raise UserError(f"data.split={split}: step {step} gets no data (its weight, entry "
+                            f"{step}, is 0); give it a weight above 0 or drop --step {step}")
+    if 3 in cfg.steps and cfg.ppo.ptx.enabled and split[0] == 0:
+        raise UserError(f"data.split={split}: ppo.ptx trains on step 1's share, and its "
+                        "weight (entry 1) is 0; give it a weight above 0 or set "
+                        "ppo.ptx.enabled=false")
 
 
 def check_zeropp(cfg: DictConfig) -> None:

@@ -6,6 +6,7 @@ objects as they are. Plain (not frozen) dataclasses: Hydra applies overrides to 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional  # noqa: UP035 - OmegaConf's schema needs Optional
@@ -18,17 +19,26 @@ class Rule(NamedTuple):
     allowed: str
 
 
+# The numeric rules refuse inf and nan (`sft.lr=inf`, YAML's .inf): OmegaConf takes them as
+# floats, and they would only fail once training produced non-finite weights or counts.
+# steps/config.py's `validate` says "not a finite number" for those, so the texts below
+# keep to the range.
+FINITE = Rule(math.isfinite, "give a finite number")
+
+
 def at_least(n: float) -> Rule:
-    return Rule(lambda v: v >= n, f"give {n} or more")
+    return Rule(lambda v: math.isfinite(v) and v >= n, f"give {n} or more")
 
 
 def above(n: float) -> Rule:
-    return Rule(lambda v: v > n, f"give a number above {n}")
+    return Rule(lambda v: math.isfinite(v) and v > n, f"give a number above {n}")
 
 
 def within(low: float, high: float, *, high_open: bool = False) -> Rule:
-    return Rule(lambda v: low <= v < high if high_open else low <= v <= high,
-                f"give a number in [{low}, {high}{')' if high_open else ']'}")
+    def test(v: float) -> bool:
+        return math.isfinite(v) and (low <= v < high if high_open else low <= v <= high)
+
+    return Rule(test, f"give a number in [{low}, {high}{')' if high_open else ']'}")
 
 
 def one_of(*choices: Any) -> Rule:

@@ -8,7 +8,9 @@ anything runs; `listing()` is what `train.py --help` prints."""
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional  # noqa: UP035 - OmegaConf's schema needs Optional
@@ -17,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 
 from engine.config import (
     COUNT,
+    FINITE,
     NON_NEGATIVE,
     POSITIVE,
     SCHEDULERS,
@@ -48,9 +51,9 @@ class DataConfig:
 
 @dataclass
 class LaunchConfig:
-    nnodes: int = 1
+    nnodes: int = val(1, ok=COUNT)
     node_rank: Optional[int] = val(None, "this node's rank (default 0, or its place in the "  # noqa: UP045
-                                   "hostfile)")
+                                   "hostfile)", NON_NEGATIVE)
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     hostfile: Optional[str] = val(None, 'DeepSpeed-style "host slots=N" lines: sets nnodes, '  # noqa: UP045
@@ -113,8 +116,9 @@ class PPOConfig(OptimConfig):
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
     reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer) -> float: "  # noqa: UP045
                                    "a rule-based reward (the demo's: steps.demo:score)")
-    reward_fn_weight: float = 1.0
-    reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)")
+    reward_fn_weight: float = val(1.0, ok=FINITE)
+    reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)",
+                                     FINITE)
     kl_coef: float = val(0.1, "the KL penalty's coefficient: with kl_target, the "
                          "controller's floor; it starts where best-of-n's samples put the "
                          "target (a KL in the reward), else here; 0: no KL penalty",
@@ -133,7 +137,7 @@ class PPOConfig(OptimConfig):
                                      "moved this far from the one that sampled it (approx. "
                                      "KL per token, Stable-Baselines3); null: off", POSITIVE)
     missing_eos_penalty: Optional[float] = val(None, "subtracted from the score of answers "  # noqa: UP045
-                                               "cut off without EOS")
+                                               "cut off without EOS", FINITE)
     loss_aggregation: str = val("token-mean", "token-mean | seq-mean (each answer's mean, "
                                 "then over answers)", one_of("token-mean", "seq-mean"))
     score_clip: float = val(5.0, ok=POSITIVE)
@@ -257,7 +261,45 @@ def validate(cfg: Any, schema: Any = None, prefix: str = "") -> None:
         rule = f.metadata.get("ok")
         if rule is not None and value is not None and not rule.test(value):
             shown = value if isinstance(value, str | int | float) else list(value)
-            raise BadValue(f"{prefix}{f.name}", shown, rule.allowed)
+            raise BadValue(f"{prefix}{f.name}", shown, _refusal(rule, shown))
+
+
+def _refusal(rule: Rule, value: Any) -> str:
+    """What a refused value is told: the rules' texts speak of ranges, so inf and nan (which
+    OmegaConf takes as floats) are named as what is wrong with them."""
+    values = value if isinstance(value, list) else [value]
+    finite = all(math.isfinite(v) for v in values if isinstance(v, float))
+    return rule.allowed if finite or rule is FINITE else f"not a finite number; {rule.allowed}"
+
+
+def unknown_keys(cfg: Any, schema: Any = None, prefix: str = "") -> list[str]:
+    """The dotted keys of a composed config that its schema does not declare: Hydra's
+    `+key=value` and `++key=value` add any key, which nothing would then read. A field
+    that is not a section (an `Any` such as lora.target_modules) may hold any mapping."""
+    schema = RunConfig() if schema is None else schema
+    sections = {f.name: getattr(schema, f.name) for f in fields(schema)}
+    unknown = []
+    for key in cfg:
+        if key not in sections:
+            unknown.append(f"{prefix}{key}")
+        elif is_dataclass(sections[key]) and cfg[key] is not None:
+            unknown += unknown_keys(cfg[key], sections[key], f"{prefix}{key}.")
+    return unknown
+
+
+def unknown_key(key: str) -> str:
+    """The one-line refusal of an unknown key, with the nearest known one: by its last part,
+    in its own section first (sft.epoch -> sft.epochs), then, closer, in any (sft.kl_coef ->
+    ppo.kl_coef); whole keys would pair unrelated siblings (sft.nope -> sft.lora)."""
+    section, _, name = key.rpartition(".")
+    by_name: dict[str, str] = {}
+    for known in DEFAULTS:
+        by_name.setdefault(known.rpartition(".")[2], known)
+    siblings = {k.rpartition(".")[2]: k for k in DEFAULTS if k.rpartition(".")[0] == section}
+    near = [choices[match] for choices, cutoff in ((siblings, 0.6), (by_name, 0.85))
+            for match in difflib.get_close_matches(name, choices, n=1, cutoff=cutoff)]
+    return f"unknown key {key} (" + (f"did you mean {near[0]}?)" if near else
+                                     "train.py --help lists every key)")
 
 
 def walk(section: Any, prefix: str = ""):

@@ -399,3 +399,107 @@ def test_an_unreadable_model_dir_is_one_line_and_leaves_nothing(capsys, tmp_path
     line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", str(broken),
                    "data.path=[demo]")
     assert f"--actor-model {broken}" in line and BROKEN[kind] in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# keys the schema lacks, flags the deployment ignores, output dirs that cannot be made,
+# non-finite numbers, steps without data: refused up front (in-process: checked by
+# check_config, so nothing would start if it failed to refuse)
+
+
+def refusal(*argv: str) -> str:
+    """check_config's one-line refusal of the run `argv`."""
+    with pytest.raises(train.UserError) as caught:
+        train.check_config(config(*argv))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("override, said", [
+    ("+sft.epoch=2", "unknown key sft.epoch (did you mean sft.epochs?)"),
+    ("++sft.epoch=2", "unknown key sft.epoch (did you mean sft.epochs?)"),
+    ("sft.epoch=2", "unknown key sft.epoch (did you mean sft.epochs?)"),  # Hydra: "use +"
+    ("+sft={epoch: 2}", "unknown key sft.epoch (did you mean sft.epochs?)"),
+    ("sft.lora={dmi: 8}", "unknown key sft.lora.dmi (did you mean sft.lora.dim?)"),
+    ("+sft.kl_coef=0.2", "unknown key sft.kl_coef (did you mean ppo.kl_coef?)"),
+    ("+foo=2", "unknown key foo (train.py --help lists every key)"),
+    ("+logging.wandb.tags=[a]", "unknown key logging.wandb.tags (train.py --help lists"),
+], ids=["plus", "plus-plus", "plain", "plus-mapping", "mapping", "other-section", "top-level",
+        "wandb"])
+def test_unknown_keys_are_refused_with_the_nearest_known_one(capsys, tmp_path, override, said):
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", "tiny-llama",
+                   override)
+    assert line.startswith(f"train.py: {said}"), line
+
+
+def test_a_free_form_key_still_takes_any_value():
+    cfg = config("--actor-model", "X", "ppo.actor_lora.target_modules=[q_proj,v_proj]")
+    assert list(cfg.ppo.actor_lora.target_modules) == ["q_proj", "v_proj"]
+    cfg.ppo.actor_lora.target_modules = {"q_proj": {"r": 4}}   # `Any`: not a section
+    assert steps.config.unknown_keys(cfg) == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (("--nnodes", "2", "--node-rank", "1"), "--nnodes 2 (launch.nnodes)"),
+    (("--node-rank", "1"), "--node-rank 1 (launch.node_rank)"),
+    (("--master-addr", "10.0.0.1"), "--master-addr 10.0.0.1 (launch.master_addr)"),
+    (("--hostfile", "hosts"), "--hostfile hosts (launch.hostfile)"),
+    (("--deployment-type", "single_node", "launch.nnodes=2"), "--nnodes 2 (launch.nnodes)"),
+], ids=["nnodes", "node-rank", "master-addr", "hostfile", "single-node"])
+def test_rendezvous_flags_need_multi_node(argv, said):
+    """Without multi_node a node would run the whole job alone, into the shared output dir."""
+    line = refusal(*argv)
+    assert line.startswith(said) and "add --deployment-type multi_node" in line, line
+
+
+def test_rendezvous_flags_pass_with_multi_node():
+    train.check_launch(config("--deployment-type", "multi_node", "--nnodes", "2",
+                              "--node-rank", "1", "--master-addr", "10.0.0.1"))
+    train.check_launch(config("--nnodes", "1"))   # one node is what it runs anyway
+
+
+def test_an_output_dir_that_cannot_be_made_is_refused(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("{}\n")
+    assert refusal("--output-dir", str(data / "out" / "run")) == (
+        f"--output-dir {data / 'out' / 'run'}: {data} is a file, not a directory; choose "
+        "another path")
+    if Path("/proc/self").is_dir():   # Linux: made by no one, root included
+        assert refusal("--output-dir", "/proc/nope") == (
+            "--output-dir /proc/nope: cannot create it in /proc (not writable); choose "
+            "another path")
+    train.check_output_dir(tmp_path / "new" / "run")   # a writable place passes...
+    assert list(tmp_path.iterdir()) == [data]          # ...and is left as it was
+
+
+@pytest.mark.parametrize("override, said", [
+    ("data.split=[inf,1,1]", "data.split=[inf, 1.0, 1.0]: not a finite number; give 0 or more, "
+                             "for every entry"),
+    ("sft.lr=inf", "sft.lr=inf: not a finite number; give a number above 0"),
+    ("ppo.kl_coef=1e999", "ppo.kl_coef=inf: not a finite number; give 0 or more"),
+    ("ppo.gamma=nan", "ppo.gamma=nan: not a finite number; give a number in [0, 1]"),
+    ("ppo.reward_fn_weight=inf", "ppo.reward_fn_weight=inf: give a finite number"),
+], ids=["split", "lr", "overflow", "nan", "unruled-float"])
+def test_non_finite_numbers_are_refused(override, said):
+    assert refusal(override) == said
+
+
+def test_a_yaml_inf_is_refused():
+    yaml = OmegaConf.create("sft:\n  lr: .inf\nppo:\n  score_clip: .inf\n")
+    cfg = OmegaConf.merge(OmegaConf.structured(steps.config.RunConfig), yaml)
+    with pytest.raises(steps.config.BadValue, match=r"^sft.lr=inf: not a finite number"):
+        steps.config.validate(cfg)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (("--step", "2", "data.split=[1,0,0]"), "step 2 gets no data (its weight, entry 2, is 0)"),
+    (("--step", "1", "data.split=[0,1,1]"), "step 1 gets no data (its weight, entry 1, is 0)"),
+    (("--step", "3", "data.split=[1,1,0]", "ppo.reward_fn=steps.demo:score",
+      "ppo.reward_model_weight=0"), "step 3 gets no data (its weight, entry 3, is 0)"),
+    (("--step", "3", "data.split=[0,1,1]", "ppo.ptx.enabled=true"),
+     "ppo.ptx trains on step 1's share, and its weight (entry 1) is 0"),
+], ids=["step2", "step1", "step3-reward-fn", "ptx"])
+def test_a_selected_step_without_data_is_refused_naming_the_split(argv, said):
+    """Before step 1 runs, not blamed on data.max_prompt_len once step 2 finds no pairs."""
+    line = refusal(*argv)
+    assert line.startswith("data.split=[") and said in line, line
+    train.check_config(config("--step", "3", "data.split=[0,1,1]"))   # step 3 alone: fine
