@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 # torch, transformers and the engine are imported once the arguments and the model path are
 # checked: a mistyped flag or path fails at once, not after seconds of imports
 from engine.errors import UserError
-from engine.model_source import adapter_base, model_source
+from engine.model_source import adapter_base, model_source, require_tokenizer_files
 
 if TYPE_CHECKING:
     import torch
@@ -207,12 +207,25 @@ def parse_args(argv=None):
     return args
 
 
+def check_path(path: str, base: str | None) -> None:
+    """Refuse, before the heavy imports, a --path that cannot be chatted with: a bad path, a
+    preset (random weights: nothing trained to talk to), a directory without a tokenizer
+    (chat.py has no option to bring one). `base`: the model under an adapter `path`."""
+    kind = model_source(base or path, "--path")
+    if kind == "preset" and base is None:
+        raise UserError(f"--path {path}: a built-in preset, random weights with nothing "
+                        "trained; pass a trained model directory (e.g. output/step3/actor)")
+    if kind == "local" or base is not None:   # the tokenizer is the directory's own
+        require_tokenizer_files(path, "--path", "copy the tokenizer files of the model it was "
+                                "trained from into it (train.py saves them with each model)")
+
+
 def load(args: argparse.Namespace, progress: bool = True):
     """(tokenizer, model in its inference form, device, dtype, prompt budget in tokens)
     for the parsed arguments; a UserError for anything that cannot load. `progress`: show
     transformers' loading bars."""
     base = adapter_base(args.path)     # a LoRA adapter (ppo.export_weights=adapter)
-    model_source(base or args.path, "--path")   # a bad path fails before the imports below
+    check_path(args.path, base)        # a bad path fails before the imports below
     from transformers.utils import logging as hf_logging
 
     from engine.inference_form import inference_form
@@ -232,7 +245,7 @@ def load(args: argparse.Namespace, progress: bool = True):
                              trust_remote_code=remote)
     else:
         model = load_causal_lm(args.path, tokenizer, flag="--path", dtype=dtype,
-                               trust_remote_code=remote)
+                               trust_remote_code=remote, trained_head=True)
     # leave room for the reply inside the model's context window
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     budget = max_pos - args.max_new_tokens if max_pos else None

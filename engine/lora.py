@@ -6,28 +6,56 @@ import peft
 import torch
 from peft import PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
+from peft.utils.error import NoMatchingPeftModuleError
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from engine.config import LoraConfig
+from engine.errors import UserError
 from engine.models import head_reduced
 from engine.parallel import resharded
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+def apply_lora(model: nn.Module, lora: LoraConfig, key: str = "lora") -> nn.Module:
     """Wrap `model` with LoRA adapters (no-op when lora.dim == 0). Without
     `only_optimize_lora` the base weights keep training too (DeepSpeed-Chat's default); a
-    sequence-classification `score` head always trains, since it starts random."""
+    sequence-classification `score` head always trains, since it starts random. `key`: the
+    config section `lora` came from (e.g. sft.lora), which errors name."""
     if lora.dim <= 0:
         return model
     targets = lora.target_modules   # a name pattern, or a list of module names
+    targets = targets if isinstance(targets, str) else list(targets)
     config = peft.LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=targets if isinstance(targets, str) else list(targets),
-                             exclude_modules=["score", "lm_head"])
-    peft_model = get_peft_model(model, config)
+                             target_modules=targets, exclude_modules=["score", "lm_head"])
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as err:
+        why = _unusable_targets(err)
+        if why is None:
+            raise
+        shown = targets if isinstance(targets, str) else f"[{','.join(targets)}]"
+        raise UserError(f"{key}.target_modules={shown}: {why}; name some of its Linear "
+                        f"modules ({', '.join(linear_names(model)[:8])}) or use all-linear"
+                        ) from None
     for name, param in peft_model.named_parameters():
         is_head = name.split(".")[-2:-1] == ["score"]
         param.requires_grad_(is_lora_param(name) or is_head or not lora.only_optimize_lora)
     return peft_model
+
+
+def _unusable_targets(err: ValueError) -> str | None:
+    """What is wrong with target_modules, from peft's error; None for any other error."""
+    if isinstance(err, NoMatchingPeftModuleError):
+        return "matches no module of the model"
+    first = str(err).split(". ")[0]   # "Target module LlamaRMSNorm(...) is not supported"
+    return f"{first}: LoRA adapts Linear layers" if first.endswith("is not supported") else None
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The distinct names (last part) of the Linear layers LoRA can target, heads left out."""
+    names = {name.rsplit(".", 1)[-1]: None for name, module in model.named_modules()
+             if isinstance(module, nn.Linear | Conv1D)}
+    return [name for name in names if name not in ("score", "lm_head")]
 
 
 def merged(model: nn.Module) -> nn.Module:

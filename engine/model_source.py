@@ -119,9 +119,11 @@ def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
         require_tokenizer_files(spec, flag)
 
 
-def require_tokenizer_files(directory: str, flag: str) -> None:
-    """Refuse a local directory that holds none of the files a tokenizer loads from."""
+def require_tokenizer_files(directory: str, flag: str,
+                            remedy: str = "save the tokenizer into it or pass tokenizer=DIR"
+                            ) -> None:
+    """Refuse a local directory that holds none of the files a tokenizer loads from;
+    `remedy` is what to do, in the words of the entry point (train.py's by default)."""
     if not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
         raise UserError(f"{flag} {directory}: the directory has no tokenizer files (one of "
-                        f"{', '.join(TOKENIZER_FILES)}); save the tokenizer into it or pass "
-                        "tokenizer=DIR")
+                        f"{', '.join(TOKENIZER_FILES)}); {remedy}")

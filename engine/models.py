@@ -10,6 +10,7 @@ engine/model_source.py tells which (without importing transformers); this file l
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.errors import UserError
 from engine.model_source import (
@@ -161,8 +163,47 @@ def preset_config(spec: str, tok: PreTrainedTokenizerBase, **overrides) -> Pretr
                  eos_token_id=tok.eos_token_id, **overrides)
 
 
+# What each loader's checkpoint must be to bring its head, as README's users call it.
+_KINDS = {AutoModelForCausalLM: ("a causal LM", "a causal-LM directory (e.g. output/actor "
+                                 "or output/step3/actor)"),
+          AutoModelForSequenceClassification: ("a reward model", "a reward-model directory "
+                                               "(step 2's output/reward)")}
+
+
+def _kind_of(architecture: str) -> type | None:
+    """The auto class whose head an `architectures` entry of config.json has; None for one
+    this cannot tell (a headless base, custom code): such a directory is let through."""
+    if architecture.endswith("ForSequenceClassification"):
+        return AutoModelForSequenceClassification
+    if architecture.endswith(("ForCausalLM", "LMHeadModel")) \
+            or architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return AutoModelForCausalLM
+    return None
+
+
+def require_head(auto_cls, architectures: list[str] | None, spec: str, flag: str) -> None:
+    """Refuse a checkpoint whose config.json names a model of another kind than `auto_cls`:
+    loaded anyway, its head would be freshly initialised (random rewards, a random LM head)
+    and nothing would say so. Wanted where the head must come trained: a step-3 reward model
+    or actor, a model to chat with; not where a fresh head is the point (step 2, the critic)."""
+    kinds = {_kind_of(name) for name in architectures or ()} - {None}
+    if not kinds or auto_cls in kinds:
+        return
+    found, wanted = _KINDS[kinds.pop()][0], _KINDS[auto_cls]
+    raise UserError(f"{flag} {spec}: {found} ({', '.join(architectures)}), not {wanted[0]}: "
+                    f"its head would start random; pass {wanted[1]}")
+
+
+def _local_architectures(directory: str) -> list[str] | None:
+    try:   # unreadable: from_pretrained says why next
+        return json.loads((Path(directory) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype: torch.dtype,
-          trust_remote_code: bool, seed: int, **kwargs) -> PreTrainedModel:
+          trust_remote_code: bool, seed: int, trained_head: bool = False,
+          **kwargs) -> PreTrainedModel:
     kind = model_source(spec, flag)
     if spec in SHAPES:
         raise UserError(f"{flag} {spec}: a shape preset is built straight into a quantized "
@@ -172,8 +213,13 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return auto_cls.from_config(preset_config(spec, tok, **kwargs), dtype=dtype)
+    if trained_head and kind == "local":   # before the weights: a big model loads slowly
+        require_head(auto_cls, _local_architectures(spec), spec, flag)
     model = _from_hub_or_dir(auto_cls.from_pretrained, spec, kind, flag, "model", dtype=dtype,
                              trust_remote_code=trust_remote_code, **kwargs)
+    if trained_head:   # a hub model's too: its loaded config keeps config.json's architectures
+        require_head(auto_cls, model.config.architectures, spec, flag)
+    _require_vocabulary(model, tok, spec, flag)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     return model
@@ -187,10 +233,12 @@ def _snapshot(spec: str, local_files_only: bool = False) -> Path:
 
 def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings, *,
                    flag: str | None = None, dtype: torch.dtype, head_dtype: torch.dtype,
-                   device: torch.device, trust_remote_code: bool = False, seed: int = 0):
+                   device: torch.device, trust_remote_code: bool = False, seed: int = 0,
+                   trained_head: bool = False):
     """A causal LM (`kind` "causal_lm") or one-label reward model ("reward_model") with its
     frozen Linear/Embedding weights quantized while loading (engine/quantized_base.py),
-    never materialized in full precision; returns (model, LoadReport)."""
+    never materialized in full precision; returns (model, LoadReport). `trained_head`: the
+    checkpoint must be of that kind (see require_head)."""
     auto_cls, extra = ((AutoModelForCausalLM, {}) if kind == "causal_lm"
                        else (AutoModelForSequenceClassification, {"num_labels": 1}))
     flag = flag or ("--actor-model" if kind == "causal_lm" else "--reward-model")
@@ -202,9 +250,12 @@ def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings,
             _from_hub_or_dir(_snapshot, spec, source, flag, "model")
         config = _from_hub_or_dir(AutoConfig.from_pretrained, str(checkpoint), "local", flag,
                                   "model config", trust_remote_code=trust_remote_code, **extra)
+        if trained_head:
+            require_head(auto_cls, config.architectures, spec, flag)
     model, report = build_quantized(auto_cls, config, settings, dtype=dtype,
                                          head_dtype=head_dtype, device=device,
                                          checkpoint=checkpoint, seed=seed)
+    _require_vocabulary(model, tok, spec, flag)
     if kind == "reward_model" or model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     return model, report
@@ -212,10 +263,11 @@ def load_quantized(kind: str, spec: str, tok: PreTrainedTokenizerBase, settings,
 
 def load_causal_lm(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--actor-model",
                    dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                   seed: int = 0) -> PreTrainedModel:
-    """A causal LM from a preset, directory or hub name (random init for presets)."""
+                   seed: int = 0, trained_head: bool = False) -> PreTrainedModel:
+    """A causal LM from a preset, directory or hub name (random init for presets).
+    `trained_head`: refuse a checkpoint of another kind (see require_head)."""
     return _load(AutoModelForCausalLM, spec, tok, flag=flag, dtype=dtype,
-                 trust_remote_code=trust_remote_code, seed=seed)
+                 trust_remote_code=trust_remote_code, seed=seed, trained_head=trained_head)
 
 
 def load_adapter(directory: str, base: str, tok: PreTrainedTokenizerBase, *, flag: str,
@@ -229,19 +281,60 @@ def load_adapter(directory: str, base: str, tok: PreTrainedTokenizerBase, *, fla
     from peft import PeftModel  # chat.py's path alone needs it
 
     model = load_causal_lm(base, tok, flag=f"{flag} {directory}'s base", dtype=dtype,
-                           trust_remote_code=trust_remote_code)
+                           trust_remote_code=trust_remote_code, trained_head=True)
     return PeftModel.from_pretrained(model, directory).merge_and_unload()
 
 
 def load_reward_model(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--reward-model",
                       dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                      seed: int = 0) -> PreTrainedModel:
+                      seed: int = 0, trained_head: bool = False) -> PreTrainedModel:
     """A one-label `AutoModelForSequenceClassification`. From a causal-LM checkpoint the
-    transformer is reused and the score head is freshly initialised (as in InstructGPT)."""
+    transformer is reused and the score head is freshly initialised (as in InstructGPT),
+    unless `trained_head` (a frozen reward model) refuses it (see require_head)."""
     model = _load(AutoModelForSequenceClassification, spec, tok, flag=flag, dtype=dtype,
-                  trust_remote_code=trust_remote_code, seed=seed, num_labels=1)
+                  trust_remote_code=trust_remote_code, seed=seed, trained_head=trained_head,
+                  num_labels=1)
     model.config.pad_token_id = tok.pad_token_id
     return model
+
+
+# Learned absolute position tables (GPT-2's `wpe`, OPT's `embed_positions`, ...): a position
+# past the end indexes out of range deep in the forward. Rotary (Llama, GPT-NeoX) and ALiBi
+# models have none, and may run past max_position_embeddings.
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def learned_positions(model: torch.nn.Module) -> int | None:
+    """How many positions a model with learned absolute position embeddings reads; None for
+    one without them (no hard limit)."""
+    inner = hf_model(model)
+    if not any(name.rsplit(".", 1)[-1] in _POSITION_TABLES for name, _ in inner.named_modules()):
+        return None
+    return getattr(inner.config.get_text_config(), "max_position_embeddings", None)
+
+
+def require_positions(model: torch.nn.Module, tokens: int, settings: str, where: str) -> None:
+    """Refuse, before training, sequences of `tokens` (made by `settings`, e.g.
+    "data.max_prompt_len=2000 + data.max_answer_len=2000") longer than the learned position
+    embeddings of `model` (`where`: its flag and path) reach."""
+    limit = learned_positions(model)
+    if limit is not None and tokens > limit:
+        kind = hf_model(model).config.model_type
+        raise UserError(f"{settings}: sequences of up to {tokens} tokens, but {where} ({kind}, "
+                        f"learned position embeddings) reads at most {limit}; lower them to fit")
+
+
+def _require_vocabulary(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spec: str,
+                        flag: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embeddings (tokenizer=DIR of
+    another model): its ids past the table would fail deep in the first forward."""
+    table = model.get_input_embeddings()
+    rows = getattr(table, "num_embeddings", None) or model.config.get_text_config().vocab_size
+    if len(tok) > rows:
+        name = f" {tok.name_or_path}" if tok.name_or_path else ""
+        raise UserError(f"{flag} {spec}: the model embeds {rows} tokens, the tokenizer{name} "
+                        f"has {len(tok)}: ids past the model's table; use the tokenizer the "
+                        "model was trained with")
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

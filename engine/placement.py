@@ -52,17 +52,20 @@ class Placement:
     zeropp_quantize: bool = True         # False: ZeRO++'s hooks send exact values (tests)
 
     def causal_lm(self, spec: str, tokenizer, *, trained: bool,
-                  lora: LoraConfig | None = None, **kwargs) -> nn.Module:
-        """A causal LM (a policy); a trained one gets its LoRA adapters (`lora`) here."""
-        return self._load("causal_lm", spec, tokenizer, trained, lora, **kwargs)
+                  lora: LoraConfig | None = None, lora_key: str = "lora",
+                  **kwargs) -> nn.Module:
+        """A causal LM (a policy); a trained one gets its LoRA adapters (`lora`, the config
+        section `lora_key`, which errors name) here."""
+        return self._load("causal_lm", spec, tokenizer, trained, lora, lora_key, **kwargs)
 
     def reward_model(self, spec: str, tokenizer, *, trained: bool,
-                     lora: LoraConfig | None = None, **kwargs) -> nn.Module:
+                     lora: LoraConfig | None = None, lora_key: str = "lora",
+                     **kwargs) -> nn.Module:
         """A one-label sequence scorer; LoRA as for causal_lm."""
-        return self._load("reward_model", spec, tokenizer, trained, lora, **kwargs)
+        return self._load("reward_model", spec, tokenizer, trained, lora, lora_key, **kwargs)
 
     def _load(self, kind: str, spec: str, tokenizer, trained: bool, lora: LoraConfig | None,
-              **kwargs) -> nn.Module:
+              lora_key: str, **kwargs) -> nn.Module:
         lora, rt, quantized = lora or LoraConfig(), self.runtime, self.engine.quantized_base
         if trained and quantized.enabled and lora.dim > 0:
             # filled module by module where it will run (sharding moves blocks to the device)
@@ -84,7 +87,7 @@ class Placement:
             return model
         # an adapter export names its base (peft's base_model_name_or_path) by this
         model.name_or_path = str(Path(spec).resolve()) if Path(spec).is_dir() else str(spec)
-        model = apply_lora(model, lora)
+        model = apply_lora(model, lora, lora_key)
         if frozen_base(model):   # no master copy for weights that never update
             for param in model.parameters():
                 if not param.requires_grad and param.is_floating_point():

@@ -59,6 +59,7 @@ from engine.models import (
     is_preset,
     load_tokenizer,
     position_ids,
+    require_positions,
 )
 from engine.placement import Placement
 from engine.profiling import IterationProfiler
@@ -298,9 +299,12 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     if reward_path is not None:
         reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path",
                                           trust_remote_code=trc)
-        reward = place.frozen(place.reward_model(reward_path, reward_tokenizer, trained=False,
-                                                 flag="ppo.reward_path", trust_remote_code=trc),
-                              family="scorer")
+        # trained_head: a causal LM here would score with a random head, silently
+        reward = place.reward_model(reward_path, reward_tokenizer, trained=False,
+                                    flag="ppo.reward_path", trust_remote_code=trc,
+                                    trained_head=True)
+        _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
+        reward = place.frozen(reward, family="scorer")
         scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
         if scorer.same_tokenizer:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
@@ -316,9 +320,13 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     critic = None
     if ALGORITHMS[ppo.algorithm].critic:
         critic = place.reward_model(**critic_start, tokenizer=tokenizer, trained=True,
-                                    lora=ppo.critic_lora, trust_remote_code=trc)
+                                    lora=ppo.critic_lora, lora_key="ppo.critic_lora",
+                                    trust_remote_code=trc)
+        _require_context(cfg, critic, f"{critic_start['flag']} {critic_start['spec']}")
     actor = place.causal_lm(actor_path, tokenizer, trained=True, trust_remote_code=trc,
-                            lora=ppo.actor_lora)
+                            lora=ppo.actor_lora, lora_key="ppo.actor_lora",
+                            flag="ppo.actor_path", trained_head=True)
+    _require_context(cfg, actor, f"ppo.actor_path {actor_path}", ptx=ppo.ptx.enabled)
     if ppo.disable_dropout:   # else old and new log-probs differ before any update
         disable_dropout(actor)
         if critic is not None:
@@ -329,9 +337,24 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         critic = place.trainer(critic, ppo, updates, family="scorer", name="critic",
                                lr=ppo.critic_lr, lora_lr=ppo.critic_lora.learning_rate)
     # the policy the actor started from; LoRA over a frozen base: the actor, adapters off
-    reference = place.frozen_start(actor, actor_path, tokenizer, trust_remote_code=trc)
+    reference = place.frozen_start(actor, actor_path, tokenizer, trust_remote_code=trc,
+                                   flag="ppo.actor_path", trained_head=True)
     return Models(actor, critic, reference, rewards, tokenizer,
                   critic_tokenizer if critic is not None else None)
+
+
+def _require_context(cfg: DictConfig, model, where: str, *, scored: bool = False,
+                     ptx: bool = False) -> None:
+    """Refuse a step-3 model (`where`: its flag and path) whose learned position embeddings
+    cannot read a whole rollout: prompt + answer (+ the EOS a cut-off answer gets, for the
+    reward model: `scored`), or a PTX example (`ptx`)."""
+    prompt, answer, new = cfg.data.max_prompt_len, cfg.data.max_answer_len, cfg.ppo.max_new_tokens
+    settings = (f"data.max_prompt_len={prompt} + ppo.max_new_tokens={new} (data.max_answer_len "
+                "unless set)" + (" + the EOS the reward model reads" if scored else ""))
+    require_positions(model, prompt + new + scored, settings, where)
+    if ptx:
+        require_positions(model, prompt + answer, f"data.max_prompt_len={prompt} + "
+                          f"data.max_answer_len={answer} (PTX examples)", where)
 
 
 def check_merged_export(models: Models, ema: bool, output_dir: Path) -> None:

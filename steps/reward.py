@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.models import load_tokenizer
+from engine.models import load_tokenizer, require_positions
 from engine.runtime import Runtime
 from steps import supervised
 from steps.common import batches, placement, to_device, train_eval_examples
@@ -55,7 +55,11 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
-                               lora=rm.lora, trust_remote_code=cfg.trust_remote_code)
+                               lora=rm.lora, lora_key="rm.lora",
+                               trust_remote_code=cfg.trust_remote_code)
+    require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
+                      f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
+                      f"{cfg.data.max_answer_len}", f"--reward-model {cfg.reward_model}")
     pad, nan = tokenizer.pad_token_id, float("nan")
     task = supervised.Task(
         step=2, name="reward model", role="reward", family="scorer", section=rm, examples=train,

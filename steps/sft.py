@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.models import load_tokenizer, position_ids
+from engine.models import load_tokenizer, position_ids, require_positions
 from engine.runtime import Runtime
 from steps import supervised
 from steps.common import batches, placement, to_device, train_eval_examples
@@ -54,8 +54,13 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                                trust_remote_code=cfg.trust_remote_code)
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
 
+    # trained_head: a reward model's directory here would train a random LM head
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,
-                            lora=sft.lora, trust_remote_code=cfg.trust_remote_code)
+                            lora=sft.lora, lora_key="sft.lora", trained_head=True,
+                            trust_remote_code=cfg.trust_remote_code)
+    require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
+                      f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
+                      f"{cfg.data.max_answer_len}", f"--actor-model {cfg.actor_model}")
     pad = tokenizer.pad_token_id
     task = supervised.Task(
         step=1, name="SFT", role="actor", family="policy", section=sft, examples=train,

@@ -471,6 +471,28 @@ def test_error_unreadable_model_dir(tmp_path, capsys, broken, said):
     assert chat.main(["--path", str(model)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--path {model}" in err and said in err, err
+    assert "tokenizer=DIR" not in err   # train.py's option: chat.py has none
+
+
+def test_error_a_reward_model_or_a_preset(tmp_path, capsys, monkeypatch):
+    """A reward model would chat through a random LM head, a preset is random weights:
+    both refused in one line that says what to pass."""
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = byte_tokenizer()
+    reward = tmp_path / "reward"
+    tokenizer.save_pretrained(reward)
+    AutoModelForSequenceClassification.from_config(
+        preset_config("tiny-llama", tokenizer, num_labels=1)).save_pretrained(reward)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))   # were it loaded: no turns, rc 0
+    capsys.readouterr()
+    assert chat.main(["--path", str(reward)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--path {reward}: a reward model" in err, err
+    assert "not a causal LM" in err and "output/step3/actor" in err
+    assert chat.main(["--path", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--path tiny-llama: a built-in preset" in err, err
 
 
 def test_error_hub_name_offline(monkeypatch, tmp_path, capsys):

@@ -2,6 +2,7 @@
 gradient accumulation, and the masks of steps/ppo.make_experience on scripted rollouts."""
 
 import copy
+import json
 import time
 from typing import NamedTuple
 
@@ -16,7 +17,7 @@ from transformers import (
 )
 
 import steps.ppo as ppo
-from engine.config import SCHEDULER_NAMES, LoraConfig, OptimConfig
+from engine.config import SCHEDULER_NAMES, LoraConfig, OptimConfig, QuantizedBaseConfig
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
 from engine.export import atomic_directory
@@ -26,17 +27,21 @@ from engine.models import (
     PRESETS,
     SHAPES,
     byte_tokenizer,
+    learned_positions,
     load_causal_lm,
+    load_quantized,
     load_reward_model,
     load_tokenizer,
     position_ids,
     preset_config,
+    require_positions,
     sequence_scores,
     token_values,
 )
 from engine.parallel import frozen
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
+from steps.common import placement
 from steps.config import RunConfig
 from steps.rlhf import loss_weights, sft_loss
 from steps.scoring import Rewards, RewardScorer
@@ -493,3 +498,127 @@ def test_forward_batches_equal_one_pass(tok, monkeypatch):
     assert any(not torch.equal(p, q) for p, q in zip(
         actor, [p.detach() for p in scripted_step3(tok, "tiny-llama").models.actor.parameters()],
         strict=True))   # the first update did move the actor
+
+
+# ---------------------------------------------------------------------------------------------
+# loading checkpoints: of the right kind, fitting the data and the tokenizer
+
+
+def saved(model: PreTrainedModel, tok, directory) -> str:
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+def step3_models(actor: str, reward: str, engine: dict | None = None,
+                 **ppo_settings) -> ppo.Models:
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig),
+                          {"ppo": ppo_settings, "engine": engine or {}})
+    return ppo.build_models(cfg, placement(cfg, CPU), byte_tokenizer(), actor, reward, 1)
+
+
+def test_step3_refuses_a_checkpoint_of_the_wrong_kind(tok, tmp_path):
+    """A causal LM as ppo.reward_path, a reward model as ppo.actor_path: one line each,
+    rather than a freshly initialised (random) score or LM head training on silently."""
+    lm = saved(load_causal_lm("tiny-llama", tok), tok, tmp_path / "actor")
+    rm = saved(load_reward_model("tiny-llama", tok), tok, tmp_path / "reward")
+    with pytest.raises(UserError, match=rf"^ppo.reward_path {lm}: a causal LM "
+                                        r"\(LlamaForCausalLM\), not a reward model: .*random"):
+        step3_models(lm, lm)
+    with pytest.raises(UserError, match=rf"^ppo.actor_path {rm}: a reward model "
+                                        r"\(LlamaForSequenceClassification\), not a causal LM"):
+        step3_models(rm, rm)
+    with pytest.raises(UserError, match=rf"^ppo.actor_path {rm}: a reward model"):
+        step3_models(rm, rm, {"quantized_base": {"enabled": True}}, actor_lora={"dim": 4})
+    models = step3_models(lm, rm)   # the critic starts from the reward model
+    assert models.critic is not None and models.rewards.scorer is not None
+
+
+def test_a_fresh_head_is_still_made_where_it_is_wanted(tok, tmp_path):
+    """Step 2's reward model and the critic start from a causal LM with a new score head;
+    a config.json without `architectures` cannot tell its kind, so it loads."""
+    lm = saved(load_causal_lm("tiny-llama", tok), tok, tmp_path / "actor")
+    assert load_reward_model(lm, tok).config.num_labels == 1
+    place = placement(OmegaConf.structured(RunConfig), CPU)
+    critic = place.reward_model(lm, tok, trained=True, flag="ppo.actor_path")
+    assert critic.config.architectures == ["LlamaForCausalLM"]
+    config = tmp_path / "actor" / "config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items()
+                                  if k != "architectures"}))
+    assert load_reward_model(lm, tok, trained_head=True).config.num_labels == 1
+
+
+@pytest.mark.parametrize("preset, limit", [("tiny-gpt2", 1024), ("tiny-opt", 1024),
+                                           ("tiny-llama", None), ("tiny-gpt-neox", None)])
+def test_learned_position_embeddings_bound_the_sequence_length(tok, preset, limit):
+    """GPT-2 and OPT index a table of positions (one past it: IndexError deep in the
+    forward); rotary Llama and GPT-NeoX have no such bound."""
+    model = load_causal_lm(preset, tok)
+    assert learned_positions(model) == limit
+    if limit is not None:
+        with pytest.raises(IndexError):
+            model(input_ids=torch.full((1, limit + 1), 5))
+        require_positions(model, limit, "data.max_prompt_len=1000 + x=24", "--actor-model m")
+        with pytest.raises(UserError, match=rf"^data.max_prompt_len=1000 \+ x=25: sequences of "
+                                            rf"up to {limit + 1} tokens, but --actor-model m "
+                                            rf"\({model.config.model_type}, .*most {limit}"):
+            require_positions(model, limit + 1, "data.max_prompt_len=1000 + x=25",
+                              "--actor-model m")
+    else:
+        require_positions(model, 10**6, "data.max_prompt_len", "--actor-model m")
+
+
+def test_step3_refuses_rollouts_longer_than_learned_positions(tok, tmp_path):
+    """tiny-gpt2 reads 1024 positions: a rollout of 1000 + 24 tokens fits the actor, not the
+    reward model, which reads one more (the EOS a cut-off answer gets)."""
+    lm = saved(load_causal_lm("tiny-gpt2", tok), tok, tmp_path / "actor")
+    rm = saved(load_reward_model("tiny-gpt2", tok), tok, tmp_path / "reward")
+
+    def build(prompt: int, answer: int):
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"data": dict(
+            max_prompt_len=prompt, max_answer_len=answer)})
+        return ppo.build_models(cfg, placement(cfg, CPU), tok, lm, rm, 1)
+
+    with pytest.raises(UserError, match=rf"^data.max_prompt_len=2000 \+ ppo.max_new_tokens=2000 "
+                                        rf".*but ppo.reward_path {rm} \(gpt2, .* 1024"):
+        build(2000, 2000)
+    with pytest.raises(UserError, match=rf"EOS the reward model reads: .*ppo.reward_path {rm}"):
+        build(1000, 24)
+    assert build(1000, 23).critic is not None
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tok, tmp_path, opt_tokenizer_path):
+    """tokenizer=DIR of another model (OPT's 50k tokens over a 260-token model): one line
+    naming both, on every load path, rather than an IndexError in the first forward."""
+    model = saved(load_causal_lm("tiny-llama", tok), tok, tmp_path / "m")
+    opt = load_tokenizer(model, tokenizer=str(opt_tokenizer_path))
+    said = rf"^--actor-model {model}: the model embeds 260 tokens, the tokenizer .*opt has 50265"
+    with pytest.raises(UserError, match=said):
+        load_causal_lm(model, opt)
+    with pytest.raises(UserError, match=said.replace("--actor-model", "--reward-model")):
+        load_reward_model(model, opt)
+    with pytest.raises(UserError, match=said):
+        load_quantized("causal_lm", model, opt, QuantizedBaseConfig(True), dtype=torch.float32,
+                       head_dtype=torch.float32, device=torch.device("cpu"))
+    assert load_causal_lm(model, tok).config.vocab_size == len(tok)
+
+
+@pytest.mark.parametrize("preset, linear", [("tiny-llama", "q_proj, k_proj"),
+                                            ("tiny-gpt2", "c_attn, c_proj, c_fc")])  # Conv1D
+def test_lora_targets_that_match_nothing_are_named(tok, preset, linear):
+    """peft's NoMatchingPeftModuleError (or its 'not supported' ValueError) as one line naming
+    the key and some Linear layers the model has."""
+    with pytest.raises(UserError, match=rf"^sft.lora.target_modules=\[nonexistent\]: matches "
+                                        rf"no module of the model; .*\({linear}.*all-linear$"):
+        apply_lora(load_causal_lm(preset, tok), LoraConfig(dim=4, target_modules=["nonexistent"]),
+                   "sft.lora")
+    with pytest.raises(UserError, match=r"^lora.target_modules=\[ln_f,norm\]: .*Linear"):
+        apply_lora(load_causal_lm(preset, tok), LoraConfig(dim=4, target_modules=["ln_f", "norm"]))
+
+
+def test_step3_names_its_lora_section(tok, tmp_path):
+    lm = saved(load_causal_lm("tiny-llama", tok), tok, tmp_path / "actor")
+    rm = saved(load_reward_model("tiny-llama", tok), tok, tmp_path / "reward")
+    for key in ("actor_lora", "critic_lora"):
+        with pytest.raises(UserError, match=rf"^ppo.{key}.target_modules=\[nope\]: matches no"):
+            step3_models(lm, rm, **{key: {"dim": 4, "target_modules": ["nope"]}})
