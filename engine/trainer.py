@@ -80,6 +80,7 @@ class TrainEngine:
                                        num_training_steps=max(total_steps, 1),
                                        scheduler_specific_kwargs=_schedule_kwargs(optim))
         self.micro_steps = self.steps = 0
+        self._in_window, self._window_ends = 0, False   # micro-steps in the open window
         self.skipped_steps = self.skipped_in_a_row = 0
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=runtime.device)
         self._lent: list[torch.Tensor] = []          # bytes lent for gradients (lend)
@@ -92,13 +93,18 @@ class TrainEngine:
                                                     autocast=not self.runtime.distributed):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, ends_window: bool | None = None) -> None:
         """Accumulate the gradient of this rank's share of the loss; ranks exchange
-        gradients only on the last micro-step of an accumulation window."""
-        if self.micro_steps % self.grad_accum == 0:
+        gradients only on the last micro-step of an accumulation window: every grad_accum-th,
+        or where `ends_window` says (a short last window, whose losses the caller
+        normalises over the micro-batches it really has)."""
+        if self._in_window == 0:
             self._place_gradients()
         self.micro_steps += 1
-        set_gradient_sync(self.module, self.micro_steps % self.grad_accum == 0)
+        self._in_window += 1
+        self._window_ends = (self._in_window == self.grad_accum if ends_window is None
+                             else ends_window)
+        set_gradient_sync(self.module, self._window_ends)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync
         # FSDP2 averages gradients over ranks; the objective is their sum (see above)
         with self.runtime.precision.trained_backward(self.runtime.device):
@@ -107,8 +113,9 @@ class TrainEngine:
     def step(self) -> float | None:
         """Apply the optimizer at the end of an accumulation window; returns the gradient
         norm before clipping then (NaN or inf when the update was skipped), else None."""
-        if self.micro_steps % self.grad_accum != 0:
+        if not self._window_ends:
             return None
+        self._in_window, self._window_ends = 0, False
         for param in self._in_lent:   # placed but never reached: no gradient, as autograd's
             if id(param) not in self._touched:
                 param.grad = None
@@ -139,6 +146,7 @@ class TrainEngine:
         optimizer and schedule as they are. Only where each step is one backward
         (grad_accum 1), so no accumulation window is left half counted."""
         assert self.grad_accum == 1, "discard() with gradient accumulation"
+        self._in_window, self._window_ends = 0, False
         self._drop_gradients()
         self._loss_nonfinite.zero_()
 

@@ -21,8 +21,8 @@ from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
 
 def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample]
               ) -> tuple[torch.Tensor, dict]:
-    """This process's share of the batch's pairwise loss and accuracy; `batch` holds its
-    chosen rows, then its rejected rows."""
+    """This process's share of the pairwise loss and accuracy over `examples` (the batch,
+    or its accumulation window); `batch` holds its chosen rows, then its rejected rows."""
     chosen, rejected = model.sequence_scores(batch["input_ids"],
                                              batch["attention_mask"]).chunk(2)
     out = pairwise_reward_loss(chosen, rejected, len(examples))

@@ -27,8 +27,9 @@ def trained_tokens(examples: list[SFTExample]) -> int:
 
 def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[SFTExample]
                ) -> tuple[torch.Tensor, dict]:
-    """This process's share of the mean answer-token cross entropy of `examples` (the
-    whole batch), from its collated rows `batch`."""
+    """This process's share of the mean answer-token cross entropy over `examples` (the
+    whole batch, or the accumulation window it is part of), from its collated rows
+    `batch`."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=position_ids(batch["attention_mask"])).logits
     return sft_loss(logits, batch["labels"], num_tokens=trained_tokens(examples)), {}

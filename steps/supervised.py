@@ -5,7 +5,7 @@ then evaluation and export. A step passes what differs as a `Task`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,8 +27,9 @@ from steps.common import (
 )
 from steps.config import TrainConfig
 
-# (engine, this process's collated rows, the whole batch's examples) -> (the loss, and
-# statistics to log), each this process's share: sums over processes give the batch's value
+# (engine, this process's collated rows, the examples its mean is over: the accumulation
+# window's) -> (the loss, and statistics to log), each these rows' share: sums over the
+# window's batches and the processes give the window's value
 LossFn = Callable[[TrainEngine, dict[str, torch.Tensor], list],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -56,7 +57,8 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     out = start_step(cfg, task.step, dp, resume=resume)
     section = task.section
     steps_per_epoch = num_batches(len(task.examples), section.batch_size)
-    engine = place.trainer(model, section, section.epochs * steps_per_epoch // section.grad_accum,
+    engine = place.trainer(model, section, num_batches(section.epochs * steps_per_epoch,
+                                                       section.grad_accum),
                            family=task.family, name=task.role, lr=section.lr,
                            lora_lr=section.lora.learning_rate, grad_accum=section.grad_accum)
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
@@ -80,45 +82,63 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     return summary
 
 
-def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
-           ckpt: StepCheckpoints, tracker: Tracker, position: dict) -> dict:
-    """The epochs from `position` on; returns the final position. Logged statistics are
-    those of a whole optimizer step: the mean over its accumulation window's batches."""
-    section = task.section
-    steps_per_epoch = num_batches(len(task.examples), section.batch_size)
-    start = time.perf_counter() - position["seconds"]
-    tokens, loss = position["tokens"], position["loss"]
-    window: dict[str, float] = {}   # this process's sums over the window's batches
+def _windows(cfg: DictConfig, task: Task, position: dict, dp: DataParallel
+             ) -> Iterator[tuple[int, int, list[list]]]:
+    """The accumulation windows from `position` on: (epoch, number of its last batch in
+    that epoch, its batches of examples). A window may span two epochs; the last one holds
+    what is left (fewer than grad_accum batches)."""
+    section, window = task.section, []
     for epoch in range(position["epoch"], section.epochs):
         for index, examples in epoch_batches(
                 task.examples, section.batch_size, seed=cfg.seed + epoch,
                 skip=position["batch"] if epoch == position["epoch"] else 0,
                 desc=f"step {task.step} epoch {epoch + 1}/{section.epochs}",
                 enabled=cfg.logging.progress and dp.reports):
+            window.append(examples)
+            if len(window) == section.grad_accum:
+                yield epoch, index, window
+                window = []
+    if window:
+        yield epoch, index, window
+
+
+def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
+           ckpt: StepCheckpoints, tracker: Tracker, position: dict) -> dict:
+    """The accumulation windows from `position` on, an optimizer step each; returns the
+    final position. Each batch's loss is its share of the window's mean (over all of the
+    window's answer tokens or pairs), so k batches of b train what one batch of k*b does,
+    whatever their lengths; logged statistics are the window's."""
+    section = task.section
+    steps_per_epoch = num_batches(len(task.examples), section.batch_size)
+    start = time.perf_counter() - position["seconds"]
+    tokens, loss = position["tokens"], position["loss"]
+    for epoch, index, window in _windows(cfg, task, position, dp):
+        everything = [example for examples in window for example in examples]
+        sums: dict[str, float] = {}   # this process's, over the window's batches
+        for number, examples in enumerate(window, start=1):
             share = dp.share(examples)
             batch = to_device(task.collate(share.rows), dp.device)
-            batch_loss, stats = task.loss(engine, batch, examples)
-            engine.backward(batch_loss * share.weight)
+            batch_loss, stats = task.loss(engine, batch, everything)
+            # x grad_accum: the engine divides by it, and the loss is the window's already
+            engine.backward(batch_loss * share.weight * section.grad_accum,
+                            ends_window=number == len(window))
             tokens += task.tokens(examples)
             for name, value in {"train/loss": batch_loss, **stats}.items():
-                window[name] = window.get(name, 0.0) + float(value.detach()) * share.weight
-            try:
-                grad_norm = engine.step()
-            except NonFiniteError as err:
-                raise NonFiniteError(f"step {task.step} epoch {epoch + 1} batch {index}: "
-                                     f"{err}") from None
-            if grad_norm is None:
-                continue
-            means = {name: total / section.grad_accum
-                     for name, total in zip(window, dp.sum(*window.values()), strict=True)}
-            window, loss = {}, means["train/loss"]
-            if engine.steps % section.log_every == 0:
-                tracker.log({**means, "train/lr": engine.lr, "train/grad_norm": grad_norm,
-                             "train/skipped_steps": engine.skipped_steps, "epoch": epoch},
-                            engine.steps)
-            epoch_done = index == steps_per_epoch
-            ckpt.save_if_due(engine.steps, {
-                "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
-                "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start},
-                tracker)
+                sums[name] = sums.get(name, 0.0) + float(value.detach()) * share.weight
+        try:
+            grad_norm = engine.step()
+        except NonFiniteError as err:
+            raise NonFiniteError(f"step {task.step} epoch {epoch + 1} batch {index}: "
+                                 f"{err}") from None
+        means = dict(zip(sums, dp.sum(*sums.values()), strict=True))
+        loss = means["train/loss"]
+        if engine.steps % section.log_every == 0:
+            tracker.log({**means, "train/lr": engine.lr, "train/grad_norm": grad_norm,
+                         "train/skipped_steps": engine.skipped_steps, "epoch": epoch},
+                        engine.steps)
+        epoch_done = index == steps_per_epoch
+        ckpt.save_if_due(engine.steps, {
+            "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
+            "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start},
+            tracker)
     return {"tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start}

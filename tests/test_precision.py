@@ -163,6 +163,7 @@ def test_a_checkpointed_forward_is_recomputed_under_the_forwards_attention_choic
 
     block = Block()
     engine = SimpleNamespace(runtime=runtime, micro_steps=0, grad_accum=1, module=block,
+                             _in_window=0,
                              _loss_nonfinite=torch.zeros((), dtype=torch.bool),
                              _place_gradients=lambda: None)
     monkeypatch.setattr("engine.trainer.set_gradient_sync", lambda *_: None)

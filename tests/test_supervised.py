@@ -1,0 +1,93 @@
+"""Steps 1 and 2's shared loop (steps/supervised.py): what an accumulation window trains."""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.config import OptimConfig
+from engine.data_parallel import DataParallel
+from engine.errors import UserError
+from engine.models import byte_tokenizer, load_causal_lm, load_reward_model
+from engine.runtime import Runtime
+from engine.trainer import TrainEngine
+from steps import reward, sft, supervised
+from steps.common import num_batches
+from steps.config import RunConfig
+from steps.data import PreferencePair
+from steps.tokenize import collate_sft, tokenize_sft
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+TOK = byte_tokenizer()
+# answers of 3 to 43 tokens: a mean per micro-batch would weigh the short ones' tokens more
+EXAMPLES = tokenize_sft([PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (1 + 4 * i),
+                                        " no") for i in (2, 0, 1, 4, 3)], TOK, 64, 64)[0]
+
+
+def train(batch_size: int, grad_accum: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Step 1's loop over EXAMPLES for one epoch: its logged rows and final weights."""
+    section = SimpleNamespace(epochs=1, batch_size=batch_size, grad_accum=grad_accum,
+                              log_every=1)
+    steps = num_batches(num_batches(len(EXAMPLES), batch_size), grad_accum)
+    engine = TrainEngine(load_causal_lm("tiny-llama", TOK, seed=0),
+                         OptimConfig(lr_scheduler="constant", grad_clip=0), steps, CPU,
+                         lr=1e-3, grad_accum=grad_accum)
+    task = SimpleNamespace(step=1, section=section, examples=EXAMPLES, loss=sft.batch_loss,
+                           collate=partial(collate_sft, pad_token_id=TOK.pad_token_id),
+                           tokens=sft.trained_tokens)
+    rows = []
+    supervised._train(OmegaConf.create({"seed": 0, "logging": {"progress": False}}), task,
+                      engine, DataParallel(CPU), SimpleNamespace(save_if_due=lambda *a: None),
+                      SimpleNamespace(log=lambda row, step: rows.append(row)),
+                      {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": 0.0})
+    assert engine.steps == steps == len(rows)
+    return rows, {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def test_k_batches_of_b_train_what_one_batch_of_k_times_b_does():
+    """Batches of 1 accumulated in windows of 2 against batches of 2: the same windows of
+    examples (5 of them: 2, 2, then a short last 1), so the same gradients, losses and
+    weights. A micro-batch's own mean weighed a 3-token answer's tokens like a 43-token
+    one's (the gradient differed by 83%), and the short last window was never applied."""
+    (whole, whole_weights), (accumulated, accumulated_weights) = train(2, 1), train(1, 2)
+    for one, other in zip(whole, accumulated, strict=True):
+        for name in ("train/loss", "train/grad_norm"):
+            assert other[name] == pytest.approx(one[name], rel=1e-5), name
+    # the weights' change as a whole: Adam moves each weight by about its lr, and where a
+    # gradient is near Adam's eps, summing it in two halves shows up amplified in that one
+    # weight (2 of 65536 off by 1.6e-5 after 3 steps), as in test_engine's window test
+    start = load_causal_lm("tiny-llama", TOK, seed=0).state_dict()
+    moved = torch.cat([(whole_weights[n] - start[n]).flatten() for n in start])
+    differ = torch.cat([(accumulated_weights[n] - whole_weights[n]).flatten() for n in start])
+    assert float(differ.norm() / moved.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("step", [sft, reward])
+def test_steps_1_and_2_refuse_lengths_past_learned_positions_before_training(step, tmp_path):
+    """tiny-gpt2 reads 1024 positions: 1000 + 100 tokens would stop in an IndexError deep
+    in the first forward; refused in one line naming both keys and the model."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-gpt2", "reward_model": "tiny-gpt2", "output_dir": str(tmp_path),
+        "data": {"max_prompt_len": 1000, "max_answer_len": 100}})
+    flag = "--actor-model" if step is sft else "--reward-model"
+    with pytest.raises(UserError, match=rf"^data.max_prompt_len=1000 \+ data.max_answer_len=100:"
+                                        rf" .* but {flag} tiny-gpt2 \(gpt2, .* 1024"):
+        step.run(cfg, pairs, CPU)
+    assert not any(tmp_path.iterdir())   # nothing written
+
+
+def test_step_1_refuses_a_reward_model_as_its_actor(tmp_path):
+    """Its LM head would start random: refused, naming the flag (as step 3 does)."""
+    load_reward_model("tiny-llama", TOK).save_pretrained(tmp_path / "reward")
+    TOK.save_pretrained(tmp_path / "reward")
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": str(tmp_path / "reward"), "output_dir": str(tmp_path / "out")})
+    with pytest.raises(UserError, match=r"^--actor-model .*reward: a reward model .*, not a "
+                                        r"causal LM"):
+        sft.run(cfg, pairs, CPU)
