@@ -102,7 +102,8 @@ class TrainEngine:
             self._place_gradients()
         self.micro_steps += 1
         self._in_window += 1
-        self._window_ends = (self._in_window == self.grad_accum if ends_window is None
+        # >=: with grad_accum 1, a step may follow several backwards (step 3's row chunks)
+        self._window_ends = (self._in_window >= self.grad_accum if ends_window is None
                              else ends_window)
         set_gradient_sync(self.module, self._window_ends)
         self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync

@@ -737,7 +737,7 @@ def test_first_ppo_update_has_ratio_one_despite_dropout(tmp_path, disable, tempe
 def test_logged_losses_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch):
     """Step 3 logs each statistic as its mean over the iteration's updates (2 PPO epochs x
     2 micro-batches), and step 1 its loss as the mean over an accumulation window's
-    batches, not the last micro-batch's."""
+    batches (each batch's loss is its share of that mean), not the last micro-batch's."""
     from steps import ppo, sft
 
     seen_ppo, seen_sft = [], []
@@ -766,7 +766,7 @@ def test_logged_losses_are_the_mean_over_the_micro_batches(tmp_path, monkeypatch
     for i, row in enumerate(rows):
         window = seen_sft[2 * i:2 * i + 2]
         # (metrics.jsonl rounds)
-        assert row["train/loss"] == pytest.approx(sum(window) / 2, rel=1e-6, abs=1e-6)
+        assert row["train/loss"] == pytest.approx(sum(window), rel=1e-6, abs=1e-6)
         assert row["train/loss"] != pytest.approx(window[-1], rel=1e-4)
 
     rows = [r for r in metrics(out / "step3" / "metrics.jsonl") if "train/policy_loss" in r]
