@@ -245,6 +245,9 @@ def _paths(cfg: DictConfig) -> tuple[str, str | None]:
                             (critic_path, "critic's starting model", "ppo.critic_path")):
         if path is not None and not (Path(path) / "config.json").exists() \
                 and not (key != "ppo.reward_path" and is_preset(path)):
+            if OmegaConf.select(cfg, key) is not None:   # the user's own path: no such model
+                raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "
+                                "model directory; check the path")
             alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
                      if key == "ppo.reward_path" else "")
             raise UserError(f"step 3 needs the {what} at {path}: run its step first "

@@ -319,3 +319,16 @@ def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_unti
     assert ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.01, s).kl_coef == 0.05
     grpo = settings(kl_coef=0.05, algorithm="grpo", samples_per_prompt=4)
     assert ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.4, grpo).kl_coef == 0.05
+
+
+def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path):
+    """The default paths (a step not run yet) say to run it; a path the user gave that
+    holds no model says so, rather than to run a step that would not write there."""
+    def paths(**ppo_keys):
+        return ppo._paths(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "output_dir": str(tmp_path), "ppo": ppo_keys}))
+
+    with pytest.raises(UserError, match=r"step 3 needs the step-1 actor at .*: run its step"):
+        paths()
+    with pytest.raises(UserError, match=rf"^ppo.critic_path={tmp_path}: no config.json"):
+        paths(actor_path="tiny-llama", reward_model_weight=0, critic_path=str(tmp_path))
