@@ -8,6 +8,8 @@ world size, full fine-tuning, LoRA, a frozen quantized base):
            Under FSDP2 its MixedPrecisionPolicy casts the gathered weights; in a single
            process the trained model's forward runs under autocast.
   reduce   fp32: gradients summed over ranks
+  scale    fp16 only: the loss scaled dynamically before backward (LossScale), so that
+           small gradients survive fp16's narrow range; bf16 has fp32's range
   export   the master weights (fp32), as Hugging Face's Trainer writes them under autocast;
            a quantized base is written in the compute dtype it ran in
 
@@ -80,3 +82,42 @@ class Precision:
         with sdpa_kernel(_TRAINING_ATTENTION) if device.type == "cuda" else \
                 contextlib.nullcontext():
             yield
+
+
+class LossScale:
+    """Dynamic loss scaling, on where the compute dtype is fp16 (as DeepSpeed's fp16 and
+    torch.amp's GradScaler): the loss is multiplied by `value` before backward, so that
+    gradients too small for fp16 (below 6e-8) survive its backward, and the gradients are
+    divided by it before clipping. A non-finite gradient norm from a finite loss is an
+    overflow of the scale, not of the model: the update is skipped and the scale halved
+    (never below 1), and GROWTH_INTERVAL clean updates in a row double it. bf16 has fp32's
+    range and needs none: `value` stays 1."""
+
+    INITIAL, GROWTH_INTERVAL = 2.0**16, 1000
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.value = self.INITIAL if enabled else 1.0
+        self.clean = 0        # updates since the last overflow or growth
+        self.overflows = 0    # updates skipped for one, in all
+
+    def can_lower(self) -> bool:
+        """Whether an overflow can be answered by halving the scale."""
+        return self.enabled and self.value > 1.0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.value, self.clean = max(self.value / 2, 1.0), 0
+            self.overflows += 1
+            return
+        self.clean += 1
+        if self.clean == self.GROWTH_INTERVAL:
+            self.value, self.clean = self.value * 2, 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "clean": self.clean, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.clean, self.overflows = state["value"], state["clean"], state["overflows"]

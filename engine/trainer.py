@@ -37,6 +37,7 @@ from engine.export import merged_export_size, save_adapter, save_hf
 from engine.lora import is_lora_param
 from engine.models import head_reduced, sequence_scores, token_values
 from engine.parallel import ShardSettings, resharded, set_gradient_sync, shard
+from engine.precision import LossScale
 from engine.runtime import Runtime
 
 BETAS = (0.9, 0.95)   # AdamW's
@@ -82,6 +83,7 @@ class TrainEngine:
         self.micro_steps = self.steps = 0
         self._in_window, self._window_ends = 0, False   # micro-steps in the open window
         self.skipped_steps = self.skipped_in_a_row = 0
+        self.loss_scale = LossScale(runtime.dtype == torch.float16)
         self._loss_nonfinite = torch.zeros((), dtype=torch.bool, device=runtime.device)
         self._lent: list[torch.Tensor] = []          # bytes lent for gradients (lend)
         self._in_lent: list[nn.Parameter] = []       # parameters whose gradient is in them
@@ -109,11 +111,13 @@ class TrainEngine:
         self._loss_nonfinite |= ~torch.isfinite(loss.detach())   # checked in step(), no sync
         # FSDP2 averages gradients over ranks; the objective is their sum (see above)
         with self.runtime.precision.trained_backward(self.runtime.device):
-            (loss * (self.runtime.world_size / self.grad_accum)).backward()
+            (loss * (self.runtime.world_size * self.loss_scale.value / self.grad_accum)
+             ).backward()
 
     def step(self) -> float | None:
         """Apply the optimizer at the end of an accumulation window; returns the gradient
-        norm before clipping then (NaN or inf when the update was skipped), else None."""
+        norm before clipping then (NaN or inf when the update was skipped: a non-finite loss
+        or gradient, or in fp16 an overflow of the loss scale), else None."""
         if not self._window_ends:
             return None
         self._in_window, self._window_ends = 0, False
@@ -121,6 +125,9 @@ class TrainEngine:
             if id(param) not in self._touched:
                 param.grad = None
         params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.loss_scale.value != 1.0:
+            for param in params:
+                param.grad.div_(self.loss_scale.value)
         max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(grad_norm, "full_tensor"):  # DTensor when sharded
@@ -129,11 +136,15 @@ class TrainEngine:
         loss_bad = float(self.runtime.all_sum(self._loss_nonfinite.float()))
         grad_norm = float(grad_norm)
         self._loss_nonfinite.zero_()
-        if loss_bad or not math.isfinite(grad_norm):
+        overflow = not loss_bad and not math.isfinite(grad_norm)
+        if overflow and self.loss_scale.can_lower():   # fp16's scale, not the model
+            self.loss_scale.update(overflow=True)
+        elif loss_bad or overflow:
             self._skip("loss" if loss_bad else f"gradient norm ({grad_norm})")
         else:
             self.skipped_in_a_row = 0
             self.optimizer.step()
+            self.loss_scale.update(overflow=False)
         with warnings.catch_warnings():   # a skipped first update: the schedule moves on
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
             self.scheduler.step()
@@ -227,13 +238,16 @@ class TrainEngine:
         """Counters and schedule: plain values, stored beside the tensors."""
         return {"steps": self.steps, "micro_steps": self.micro_steps,
                 "skipped_steps": self.skipped_steps, "skipped_in_a_row": self.skipped_in_a_row,
-                "scheduler": self.scheduler.state_dict()}
+                "scheduler": self.scheduler.state_dict(),
+                "loss_scale": self.loss_scale.state_dict()}
 
     def load_progress_state(self, state: dict) -> None:
         self.steps, self.micro_steps = state["steps"], state["micro_steps"]
         self.skipped_steps = state.get("skipped_steps", 0)
         self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
         self.scheduler.load_state_dict(state["scheduler"])
+        if "loss_scale" in state:
+            self.loss_scale.load_state_dict(state["loss_scale"])
 
     @property
     def lr(self) -> float:

@@ -133,8 +133,11 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
         means = dict(zip(sums, dp.sum(*sums.values()), strict=True))
         loss = means["train/loss"]
         if engine.steps % section.log_every == 0:
+            scale = engine.loss_scale
             tracker.log({**means, "train/lr": engine.lr, "train/grad_norm": grad_norm,
-                         "train/skipped_steps": engine.skipped_steps, "epoch": epoch},
+                         "train/skipped_steps": engine.skipped_steps, "epoch": epoch,
+                         **({"train/loss_scale": scale.value,
+                             "train/scale_overflows": scale.overflows} if scale.enabled else {})},
                         engine.steps)
         epoch_done = index == steps_per_epoch
         ckpt.save_if_due(engine.steps, {

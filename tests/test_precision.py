@@ -7,6 +7,7 @@ sampling from non-finite scores, and log-probs at the sampling temperature."""
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +28,7 @@ from engine.inference_form import inference_form
 from engine.lora import BaseWithoutAdapters
 from engine.models import LinearReduced, byte_tokenizer, head_reduced, load_causal_lm
 from engine.placement import Placement
-from engine.precision import Precision
+from engine.precision import LossScale, Precision
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 from steps.ppo import answer_logprobs
@@ -163,7 +164,7 @@ def test_a_checkpointed_forward_is_recomputed_under_the_forwards_attention_choic
 
     block = Block()
     engine = SimpleNamespace(runtime=runtime, micro_steps=0, grad_accum=1, module=block,
-                             _in_window=0,
+                             _in_window=0, loss_scale=LossScale(False),
                              _loss_nonfinite=torch.zeros((), dtype=torch.bool),
                              _place_gradients=lambda: None)
     monkeypatch.setattr("engine.trainer.set_gradient_sync", lambda *_: None)
@@ -468,3 +469,50 @@ def test_a_head_with_work_after_it_gets_its_whole_logits_reduced():
         got = reduced_logprobs(model, ids, mask, 4, 1.0, chunk=25 * 4096)
         want = full_logprobs(model, ids, mask, 4, 1.0)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def _fp16_step(tok, factor: float, dtype=torch.float16, scaled: bool = True):
+    """One update of tiny-llama on a loss times `factor`: (grad norm, engine, start)."""
+    engine = TrainEngine(load_causal_lm("tiny-llama", tok, seed=0),
+                         OptimConfig(lr_scheduler="constant"), 10,
+                         Runtime(device=torch.device("cpu"), dtype=dtype), lr=1e-3)
+    if not scaled:
+        engine.loss_scale = LossScale(False)
+    start = copy.deepcopy(engine.module.state_dict())
+    ids = torch.randint(4, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss * factor)
+    return engine.step(), engine, start
+
+
+def test_fp16_scales_the_loss_so_small_gradients_survive_and_an_overflow_lowers_it(tok):
+    """fp16's smallest gradient is 6e-8: a loss times 2^-20 lost half its gradient norm
+    unscaled (2^-30: all of it); with the loss scale it is the fp32 run's. An overflow of
+    the scale halves it and skips that update without counting it as a failure (only a
+    non-finite loss, or an overflow at a scale of 1, is one); the next update trains."""
+    want, _, _ = _fp16_step(tok, 2**-20, torch.float32)
+    scaled, engine, _ = _fp16_step(tok, 2**-20)
+    unscaled, _, _ = _fp16_step(tok, 2**-20, scaled=False)
+    assert scaled == pytest.approx(want, rel=1e-3) and unscaled < 0.7 * want
+    assert engine.loss_scale.state_dict() == {"value": 2.0**16, "clean": 1, "overflows": 0}
+    assert not _fp16_step(tok, 1.0, torch.bfloat16)[1].loss_scale.enabled
+
+    norm, engine, start = _fp16_step(tok, 1e8)   # overflows fp16 at 2^16, not in fp32
+    assert not math.isfinite(norm) and engine.skipped_steps == 0
+    assert engine.loss_scale.state_dict() == {"value": 2.0**15, "clean": 0, "overflows": 1}
+    assert all(torch.equal(value, start[name]) for name, value in
+               engine.module.state_dict().items())
+    resumed = _fp16_step(tok, 1.0)[1]
+    resumed.load_progress_state(engine.progress_state())
+    assert resumed.loss_scale.value == 2.0**15
+
+
+def test_the_loss_scale_grows_after_its_interval_of_clean_updates_and_stays_above_one():
+    scale = LossScale(True)
+    for _ in range(LossScale.GROWTH_INTERVAL - 1):
+        scale.update(overflow=False)
+    assert scale.value == 2.0**16
+    scale.update(overflow=False)
+    assert scale.value == 2.0**17 and scale.clean == 0
+    for _ in range(40):
+        scale.update(overflow=True)
+    assert scale.value == 1.0 and not scale.can_lower() and scale.overflows == 40
