@@ -411,6 +411,7 @@ class Progress(NamedTuple):
     before: dict | None = None   # evaluation of the SFT policy, and its best-of-n baseline
     baseline: dict | None = None
     best: dict | None = None     # the best evaluation so far (export=best), with its iteration
+    last_eval: dict | None = None   # the latest one, with its iteration
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
@@ -445,8 +446,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     state, mean_times = train(cfg, s, models, prompts, kept, ckpt, tracker, dp, state, rounds,
                               profiler)
     models.actor.eval()
-    after = evaluate(models, prompts, s, dp)
-    state = keep_if_best(state, after, s, kept, models.actor)
+    after = (state.last_eval or {}).copy()
+    if after.pop("iteration", None) != state.iteration:   # else the loop's last evaluation
+        after = evaluate(models, prompts, s, dp)          # was of these very weights
+        state = keep_if_best(state, after, s, kept, models.actor)
     return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
 
 
@@ -518,6 +521,7 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
                                 state.ptx_batches, kept.ema, state.iteration, state.kl_coef)
     t2 = time.perf_counter()
     kl_stops = state.kl_stops + int(stats.pop("stopped"))
+    trained_tokens = stats.pop("trained_tokens")
     metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id,
                                            s.kl_target is not None, dp),
                "kl_coef": state.kl_coef, "train/kl_stops": kl_stops,
@@ -526,7 +530,7 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
     if models.critic is not None:
         metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
-                            answers, metrics.pop("answer/tokens"), s.ppo.ppo_epochs)
+                            answers, metrics.pop("answer/tokens"), trained_tokens)
     iteration = state.iteration + 1
     if iteration % s.ppo.log_every == 0:
         lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
@@ -714,10 +718,11 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
     `batch_size` answers) in micro-batches, each one optimizer step of the actor and critic
     (and a PTX batch, an EMA update), until the policy has moved `ppo.target_kl` from the
     one that sampled the round. Returns the statistics' means over the updates ("stopped":
-    1.0 when target_kl cut the round short) and the PTX stream's new position."""
+    1.0 when target_kl cut the round short; "trained_tokens": the answer tokens of the
+    updates made, all ranks') and the PTX stream's new position."""
     sums: dict[str, float] = {}
     norm_sums: dict[str, float] = {}
-    updates, stopped = 0, False
+    updates, stopped, tokens = 0, False, 0.0
     for ppo_epoch in range(s.ppo.ppo_epochs):
         order = torch.tensor(permutation(batch_size, s.seed + iteration * 131 + ppo_epoch))
         for micro in order.split(s.ppo.micro_batch_size):
@@ -738,13 +743,16 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
                 for name, value in values.items():
                     totals[name] = totals.get(name, 0.0) + value
             updates += 1
+            tokens = tokens + rows.action_mask.sum()   # a tensor: read once, at the end
             if ema is not None:
                 ema_update(ema.tensors.values(), models.actor.parameters(), s.ppo.ema.beta)
         if stopped:
             break
-    totals = dict(zip(sums, dp.sum(*sums.values()), strict=True))
+    *summed, tokens = dp.sum(*sums.values(), float(tokens))
+    totals = dict(zip(sums, summed, strict=True))
     means = {name: total / max(updates, 1) for name, total in {**totals, **norm_sums}.items()}
-    return {**means, "train/updates": updates, "stopped": float(stopped)}, ptx_batches
+    return {**means, "train/updates": updates, "stopped": float(stopped),
+            "trained_tokens": tokens}, ptx_batches
 
 
 def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float,
@@ -1007,6 +1015,7 @@ def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,
     """An evaluation between iterations: logged, and kept if it is the best so far."""
     metrics = evaluate(models, prompts, s, dp)
     tracker.log({f"eval/{k}": v for k, v in metrics.items()}, state.iteration)
+    state = state._replace(last_eval={**metrics, "iteration": state.iteration})
     return keep_if_best(state, metrics, s, kept, models.actor)
 
 
@@ -1092,16 +1101,17 @@ PHASES = ("gather", "generate", "experience", "train")   # an iteration's, with 
 
 
 def _time_breakdown(phases: dict[str, float], seconds: float, samples: int, tokens: float,
-                    ppo_epochs: int) -> dict[str, float]:
+                    trained_tokens: float) -> dict[str, float]:
     """One iteration's wall time split as DeepSpeed-Chat's hybrid engine reports it
     (gather, generate, experience, train, other; `phases` may hold parts of those too) and
     its throughput: samples/s end to end, generated tokens/s (all ranks' tokens over the
-    generation time), trained tokens/s."""
+    generation time), trained tokens/s (of the updates made: ppo.target_kl may stop a
+    round's before its ppo_epochs passes)."""
     other = seconds - sum(phases[f"time/{name}"] for name in PHASES)
     return {**phases, "time/other": other, "time/iteration": seconds,
             "time/samples_per_s": samples / seconds,
             "time/generate_tokens_per_s": tokens / max(phases["time/generate"], 1e-9),
-            "time/train_tokens_per_s": tokens * ppo_epochs / max(phases["time/train"], 1e-9)}
+            "time/train_tokens_per_s": trained_tokens / max(phases["time/train"], 1e-9)}
 
 
 def _breakdown_line(times: dict[str, float]) -> str:

@@ -454,8 +454,13 @@ def score(prompt, answer):
 def test_export_best_writes_the_policy_of_the_best_evaluation(llama_run, tmp_path, monkeypatch,
                                                              schedule, peak, lora):
     """A gold score that peaks and then falls: the step-3 actor written is the peak's. At
-    iteration 0 that is the step-1 actor itself, to the last bit (LoRA: adapters at 0)."""
+    iteration 0 that is the step-1 actor itself, to the last bit (LoRA: adapters at 0).
+    The policy of the last iteration is evaluated once, not again after the loop."""
+    from steps import ppo
+
     src, _ = llama_run
+    evaluations, evaluate = [], ppo.evaluate
+    monkeypatch.setattr(ppo, "evaluate", lambda *a: evaluations.append(1) or evaluate(*a))
     module = f"gold_{peak}_{lora}"
     (tmp_path / f"{module}.py").write_text(GOLD_SCHEDULE.format(schedule=schedule))
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -468,6 +473,7 @@ def test_export_best_writes_the_policy_of_the_best_evaluation(llama_run, tmp_pat
         "ppo.micro_batch_size": 8, "data.eval_fraction": 0.25}).check()
     summary = metrics(out / "step3" / "metrics.jsonl")[-1]
     assert summary["iterations"] >= 3
+    assert len(evaluations) == 1 + summary["iterations"]   # the SFT policy's, then each one
     assert summary["eval/iteration_exported"] == peak
     assert summary["eval/ground_truth_exported"] == max(schedule)
     assert f"exported the best evaluated policy (iteration {peak}:" in run.stdout

@@ -87,10 +87,13 @@ def test_target_kl_stops_a_round_early():
         exp = experience(models, s, rows=4)
         share = Share(list(range(4)), list(range(4)), 1.0)
         stats, _ = ppo.update(exp, share, 4, models, s, DataParallel(CPU), [], 0, None, 0, 0.0)
-        runs[target_kl] = (stats, models.actor.steps)
-    (free, free_steps), (held, held_steps) = runs[None], runs[1e-3]
+        runs[target_kl] = (stats, models.actor.steps, float(exp.action_mask.sum()))
+    (free, free_steps, tokens), (held, held_steps, _) = runs[None], runs[1e-3]
     assert free["train/updates"] == free_steps == 8 and free["stopped"] == 0.0
     assert held["stopped"] == 1.0 and 1 <= held["train/updates"] == held_steps < 8
+    # the tokens trained on (time/train_tokens_per_s): both passes, or only those made
+    assert free["trained_tokens"] == 2 * tokens
+    assert 0 < held["trained_tokens"] < free["trained_tokens"]
 
 
 def test_best_of_n_equals_a_direct_computation():
