@@ -9,6 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from engine.models import byte_tokenizer
 from steps.common import train_eval_examples
@@ -398,3 +400,40 @@ def test_every_tokenized_split_says_how_many_it_dropped(capsys):
     printed = capsys.readouterr().out
     assert f"step 1 eval: {len(evals)} examples, {long} dropped (prompt > data.max_prompt_len" \
         in printed
+
+
+def _sentencepiece_like():
+    """A tokenizer built as Llama-2's tokenizer.json is (a "▁" prepended to every text and
+    standing for spaces, BPE within words, byte fallback), trained here on two lines."""
+    core = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                            normalizers.Replace(" ", "▁")])
+    core.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    core.train_from_iterator(["Human: hi there\n\nAssistant: yes I can help",
+                              "Human: what is 2+2\n\nAssistant: the answer is 4"] * 50,
+                             trainers.BpeTrainer(vocab_size=120,
+                                                 special_tokens=["<unk>", "<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<unk>")
+
+
+def test_an_answer_is_tokenized_as_it_follows_its_prompt():
+    """With a tokenizer that marks the start of every text (Llama-2's, Mistral's), an answer
+    tokenized alone began with a lone "▁" that generating after the prompt never makes,
+    and decoded to a double space; its ids are now those of prompt + answer after the
+    prompt's, for SFT and reward-model examples alike. OPT's and the byte tokenizer's ids
+    are unchanged (their answers tokenize the same either way)."""
+    tok = _sentencepiece_like()
+    pair = PreferencePair("\n\nHuman: hi there\n\nAssistant:", " yes I can help", " the answer")
+    whole = tok(pair.prompt + pair.chosen, add_special_tokens=False)["input_ids"]
+    assert tok(pair.chosen, add_special_tokens=False)["input_ids"][0] == tok.convert_tokens_to_ids(
+        "▁")   # the lone marker the answer alone starts with
+    (sft,), _ = tokenize_sft([pair], tok, 64, 64)
+    answer = sft.input_ids[len(tok(pair.prompt)["input_ids"]):-1]   # between prompt and EOS
+    assert tok(pair.prompt, add_special_tokens=False)["input_ids"] + answer == whole
+    (pairs,), _ = tokenize_pairs([pair], tok, 64, 64)
+    for ids, answer in ((sft.input_ids, pair.chosen), (pairs.chosen_ids, pair.chosen),
+                        (pairs.rejected_ids, pair.rejected)):
+        assert tok.decode(ids, skip_special_tokens=True) == pair.prompt + answer
