@@ -267,8 +267,13 @@ RENDEZVOUS_FLAGS = {"launch.nnodes": "--nnodes", "launch.node_rank": "--node-ran
 
 
 def check_launch(cfg: DictConfig) -> None:
-    """Rendezvous flags (or their keys) only with --deployment-type multi_node."""
+    """Rendezvous flags (or their keys) only with --deployment-type multi_node, and a node
+    rank among the nodes (one past them would wait in the rendezvous for ever)."""
+    lc = cfg.launch
     if cfg.deployment_type == "multi_node":
+        if not lc.hostfile and lc.node_rank is not None and lc.node_rank >= lc.nnodes:
+            raise UserError(f"--node-rank {lc.node_rank}: --nnodes {lc.nnodes} ranks the nodes "
+                            f"0 to {lc.nnodes - 1}")
         return
     for key, flag in RENDEZVOUS_FLAGS.items():
         value = OmegaConf.select(cfg, key)
@@ -461,10 +466,20 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
         print(f"train.py: {where}{reason}" + (f" ({cause})" if cause else ""), file=sys.stderr)
         return 2
     except (UserError, DataError) as err:
-        if not rank:
-            print(f"train.py: {err}", file=sys.stderr)
+        _user_error(err, rank)
         return 2
     return 0
+
+
+def _user_error(err: Exception, rank: int | None) -> None:
+    """A user error, in one line: printed by one process, or by rank 0 of a torchrun job,
+    whose other ranks leave theirs for the launcher (which prints the one that failed first
+    if it is not rank 0's)."""
+    from engine.launch import record_error
+
+    record_error(f"train.py: rank {rank}: {err}" if rank else f"train.py: {err}")
+    if not rank:
+        print(f"train.py: {err}", file=sys.stderr, flush=True)
 
 
 def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
@@ -482,8 +497,7 @@ def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
     try:
         run(cfg)
     except (UserError, DataError) as err:
-        if rank == 0:
-            print(f"train.py: {err}", file=sys.stderr, flush=True)
+        _user_error(err, rank)
         os._exit(2)
     except BaseException as err:  # noqa: BLE001 - any failure must stop the whole job
         if lost_peer(err):

@@ -5,9 +5,11 @@ its own rendezvous flags. No launcher of our own: a user with a cluster can equa
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,15 @@ def lost_peer(err: BaseException) -> bool:
 
     return isinstance(err, dist.DistError) or (
         isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST))
+
+
+def record_error(message: str) -> None:
+    """Leave this rank's one-line error in the file torchrun names for it, which its
+    launcher reads back (run_torchrun): a rank other than 0 prints nothing itself, so that
+    an error every rank meets is printed once, by rank 0."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,9 @@ def from_hostfile(path: str, node_rank: int | None, master_port: int) -> Launch:
             raise UserError(f"--hostfile {path}: this machine ({socket.gethostname()}) is not "
                             "listed once; pass --node-rank")
         node_rank = matches[0]
+    if node_rank >= len(hosts):
+        raise UserError(f"--node-rank {node_rank}: --hostfile {path} lists {len(hosts)} "
+                        f"nodes, ranked 0 to {len(hosts) - 1}")
     return Launch(nproc_per_node=slots.pop(), nnodes=len(hosts), node_rank=node_rank,
                   master_addr=hosts[0][0], master_port=master_port, standalone=False)
 
@@ -95,8 +109,9 @@ def torchrun_args(launch: Launch, script: str, script_args: list[str]) -> list[s
 
 
 def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
-    """Run `script` on every process of this node; returns 0, or 1 after saying which rank
-    failed first (its own error is printed above by the rank itself)."""
+    """Run `script` on every process of this node; returns 0, or the exit code of the rank
+    that failed first (2: a user error, else 1) after saying which one it was and, if that
+    rank did not print it (only rank 0 prints a user error), its error."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -112,8 +127,10 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
         rank, failure = min((culprits or err.failures).items(), key=lambda rf: rf[1].timestamp)
         how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else \
             f"killed by signal {-failure.exitcode}"
+        if "timestamp" in failure.error_file_data and rank != 0:   # record_error's
+            print(failure.message, file=sys.stderr)
         print(f"{Path(script).name}: rank {rank} failed ({how})"
               f"{'; its error is printed above' if failure.exitcode > 0 else ''}; all "
               f"{launch.nproc_per_node * launch.nnodes} ranks stopped", file=sys.stderr)
-        return 1
+        return 2 if failure.exitcode == 2 else 1
     return 0

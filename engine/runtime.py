@@ -12,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from engine.errors import UserError
 from engine.launch import launched_by_torchrun
@@ -96,6 +97,9 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                     timeout=timedelta(seconds=timeout_s))
+        # groups made later without a timeout (ZeRO++'s node levels, FSDP2's hpZ mesh)
+        # take c10d's default, 30 minutes on gloo: make timeout_s theirs too
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     seed_everything(seed)
     per_node = procs_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:

@@ -312,6 +312,16 @@ def test_failed_or_hung_rank_stops_the_job_and_is_named(single, tmp_path):
     assert not any((tmp_path / case / "actor").exists() for case in ("raise", "hang"))
 
 
+def test_a_user_error_on_another_rank_than_0_is_printed_once_with_its_exit_code(tmp_path):
+    """A rank other than 0 prints nothing itself (an error every rank meets is printed once,
+    by rank 0): the launcher prints its error, and exits 2 as one process would."""
+    result = _train(tmp_path, "--step", "1", "engine.procs=2", fault="refuse:1")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("injected refusal on rank 1") == 1, result.stderr
+    assert "train.py: rank 1: injected refusal on rank 1" in result.stderr
+    assert "faulty_train.py: rank 1 failed (exit code 2)" in result.stderr
+
+
 def test_one_process_resume_flag_needs_an_interrupted_run(tmp_path):
     assert train.main(["--output-dir", str(tmp_path), "--resume", *ARGS]) == 2
 

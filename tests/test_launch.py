@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,19 @@ def test_bad_hostfile_is_one_line(tmp_path, text, message):
         from_hostfile(str(hostfile), None, 29500)
 
 
+def test_a_node_rank_past_the_nodes_is_refused(tmp_path):
+    """It would wait in the rendezvous for ever (or make ranks past WORLD_SIZE)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    with pytest.raises(UserError, match="--node-rank 2: --hostfile .* lists 2 nodes"):
+        from_hostfile(str(hostfile), 2, 29500)
+    with pytest.raises(UserError, match="--node-rank 2: --nnodes 2 ranks the nodes 0 to 1"):
+        train.check_launch(cfg_of("--deployment-type", "multi_node", "--nnodes", "2",
+                                  "--node-rank", "2"))
+    train.check_launch(cfg_of("--deployment-type", "multi_node", "--nnodes", "2",
+                              "--node-rank", "1"))
+
+
 def test_missing_hostfile(tmp_path):
     with pytest.raises(UserError, match="--hostfile .*cannot read it"):
         read_hostfile(str(tmp_path / "nope"))
@@ -100,3 +114,26 @@ def test_the_launchers_process_checks_a_run_without_the_training_stack(tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "launching 2 processes on this node through torchrun", "[]"], done.stdout
+
+
+def test_every_process_group_gets_the_runs_timeout(monkeypatch):
+    """engine.timeout_s bounds every collective: also those of groups made after the
+    default one without a timeout of their own (ZeRO++'s node levels, FSDP2's hpZ mesh),
+    which took c10d's default, 30 minutes on gloo. One rank of a torchrun-like job here."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from engine.runtime import setup_runtime
+    from tests.harness.environment import free_port
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):   # restored after
+        monkeypatch.setattr(c10d, name, getattr(c10d, name))
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    setup_runtime("cpu", "float32", timeout_s=7)
+    try:
+        assert c10d._get_default_timeout(dist.Backend.GLOO) == timedelta(seconds=7)
+    finally:
+        dist.destroy_process_group()

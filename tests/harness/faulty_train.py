@@ -4,6 +4,8 @@
                          the n-th checkpoint of step <step> is complete
   raise:<rank>:<n>       rank <rank> raises at its n-th call of TrainEngine.step
   hang:<rank>:<n>        rank <rank> stops responding there instead (sleeps)
+  refuse:<rank>          rank <rank> of the torchrun job refuses its config (a user error,
+                         as a path missing on one node would be)
 
 Run it like train.py; with several processes torchrun starts this file on every rank.
 """
@@ -49,6 +51,15 @@ def _inject(fault: str) -> None:
             return step(self)
 
         trainer.TrainEngine.step = faulty_step
+    elif kind == "refuse":
+        check = train.check_config
+
+        def refusing_check(cfg):
+            if os.environ.get("RANK") == args[0]:
+                raise train.UserError(f"injected refusal on rank {args[0]}")
+            check(cfg)
+
+        train.check_config = refusing_check
     elif kind:
         raise SystemExit(f"RLHF_TEST_FAULT={fault}: unknown fault")
 
