@@ -148,7 +148,8 @@ class EngineConfig:
                           v.startswith("cuda:") and v[5:].isdigit()),
                            "choose auto, cpu, cuda or cuda:N"))
     dtype: str = val("auto", "compute dtype: auto (bf16 on CUDA, fp32 on CPU) | float32 | "
-                     "bfloat16; trained weights and optimizer state stay fp32",
+                     "bfloat16 | float16 (with dynamic loss scaling); trained weights and "
+                     "optimizer state stay fp32",
                      one_of("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"))
     procs: int = val(1, "processes on this node; >1 starts them through torchrun (gloo on "
                      "CPU, NCCL on CUDA)", COUNT)
