@@ -134,6 +134,10 @@ class ReplyStreamer:
             self.shown = text
 
 
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
 def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
     """Generate (and stream to `out`) the assistant's reply with `model`, an inference form
     (engine.inference_form); returns its raw text."""
@@ -148,7 +152,8 @@ def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
         sampling = SamplingSettings(args.max_new_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k)
     streamer = ReplyStreamer(tokenizer, prompt_ids, out)
-    eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+    # the tokenizer's EOS, which training taught it to end with, and the checkpoint's own
+    eos = sorted({tokenizer.eos_token_id, *_ids(model.generation_config.eos_token_id)})
     out_ids = model.generate(input_ids, torch.ones_like(input_ids), sampling, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id, on_token=streamer)
     streamer.end()
@@ -211,7 +216,9 @@ def check_path(path: str, base: str | None) -> None:
     """Refuse, before the heavy imports, a --path that cannot be chatted with: a bad path, a
     preset (random weights: nothing trained to talk to), a directory without a tokenizer
     (chat.py has no option to bring one). `base`: the model under an adapter `path`."""
-    kind = model_source(base or path, "--path")
+    flag = (f"--path {path}: its adapter_config.json's base_model_name_or_path" if base
+            else "--path")   # the base a copied output dir names may be elsewhere now
+    kind = model_source(base or path, flag)
     if kind == "preset" and base is None:
         raise UserError(f"--path {path}: a built-in preset, random weights with nothing "
                         "trained; pass a trained model directory (e.g. output/step3/actor)")
@@ -281,14 +288,17 @@ def main(argv=None) -> int:
 def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
              interactive: bool) -> None:
     """Read user turns until EOF or quit, and stream each reply."""
-    def encode(text: str) -> list[int]:
-        return tokenizer(text)["input_ids"]  # default special tokens, as in training (BOS)
+    def encode(text: str) -> list[int]:   # default special tokens, as in training (BOS);
+        # quietly: fit_history cuts a history longer than the model's context
+        return tokenizer(text, verbose=False)["input_ids"]
 
     history = ""
     while True:
         try:
             line = input("Human: " if interactive else "")
         except EOFError:
+            if interactive:   # the shell's prompt on a line of its own
+                print()
             break
         except KeyboardInterrupt:
             print()

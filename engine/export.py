@@ -5,6 +5,7 @@ holds more than one full layer beyond its shards."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
@@ -121,7 +122,11 @@ def save_adapter(model: PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
         def write(tmp: Path) -> None:
             save_file({k: v.contiguous() for k, v in full.items()},
                       str(tmp / "adapter_model.safetensors"))
-            model.peft_config[model.active_adapter].save_pretrained(tmp)
+            # with its task, so peft's AutoPeftModelFor* find the base's class
+            config = copy.copy(model.peft_config[model.active_adapter])
+            config.task_type = "SEQ_CLS" if hasattr(hf_model(model), "score") else "CAUSAL_LM"
+            config.inference_mode = True
+            config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
 
         atomic_directory(out_dir, write)

@@ -232,7 +232,17 @@ def test_reply_cuts_at_next_human_turn(tokenizer, capsys):
     # greedy: no sampling knobs; the model's own stop ids
     call = model.calls[0]
     assert call["sampling"] == SamplingSettings(max_new_tokens=50, do_sample=False)
-    assert call["pad_token_id"] == tokenizer.pad_token_id and call["eos_token_id"] == 2
+    assert call["pad_token_id"] == tokenizer.pad_token_id and call["eos_token_id"] == [2]
+
+
+def test_replies_stop_on_the_eos_training_taught_and_the_checkpoints_own(tokenizer):
+    """A generation_config.json whose stop ids leave out the tokenizer's EOS (the one SFT
+    taught the model to end with) made replies run on past it."""
+    model = ScriptedModel(tokenizer, " ok")
+    model.generation_config.eos_token_id = [50118, 3]
+    args = SimpleNamespace(max_new_tokens=5, greedy=True)
+    chat.reply(model, tokenizer, [2], args, out=io.StringIO())
+    assert model.calls[0]["eos_token_id"] == sorted({tokenizer.eos_token_id, 3, 50118})
 
 
 def test_reply_sampling_args(tokenizer):
@@ -449,6 +459,13 @@ def test_an_adapter_directory_loads_merged_into_its_base(tmp_path, capsys, monke
     assert chat.main(["--path", str(tmp_path / "probe")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "an adapter over the preset tiny-llama" in err
+    # an output dir copied elsewhere: its base path is gone, and the message says whose
+    config = tmp_path / "adapter" / "adapter_config.json"
+    config.write_text(config.read_text().replace(str(base), str(tmp_path / "moved")))
+    assert chat.main(["--path", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err
+    assert f"--path {tmp_path / 'adapter'}: its adapter_config.json's base_model_name_or_path" \
+        in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("broken, said", [

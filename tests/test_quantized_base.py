@@ -298,7 +298,7 @@ def test_adapter_export_is_lora_alone_and_reloads_over_its_base(tok, tmp_path):
     """ppo.export_weights=adapter: peft's adapter directory holds LoRA's weights alone; over
     the dequantized base it gives the live model's logits. With `weights` (export=best's
     copy) those are written and the live adapters are left as they were."""
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from safetensors.torch import load_file
 
     model = quantized_lora_model(tok, 4)
@@ -325,6 +325,15 @@ def test_adapter_export_is_lora_alone_and_reloads_over_its_base(tok, tmp_path):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(live, plain_twin(model, tok)(ids).logits, atol=1e-3)
         torch.testing.assert_close(model(input_ids=ids).logits, live, rtol=0, atol=0)
+    # with its task named, peft's own auto class loads it over its base (as OpenRLHF's and
+    # TRL's users load adapters); here the base is the dequantized twin, saved
+    assert (config["task_type"], config["inference_mode"]) == ("CAUSAL_LM", True)
+    plain_twin(model, tok).save_pretrained(tmp_path / "base")
+    (tmp_path / "actor" / "adapter_config.json").write_text(json.dumps(
+        {**config, "base_model_name_or_path": str(tmp_path / "base")}))
+    with torch.no_grad():
+        auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "actor").eval()
+        torch.testing.assert_close(auto(input_ids=ids).logits, live, rtol=1e-5, atol=1e-5)
 
 
 def test_a_merged_export_that_cannot_fit_is_refused_before_training(tok, tmp_path,
