@@ -163,8 +163,9 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
                 isinstance(exc, ValueError) and "corresponds to no data" in str(exc)):
             return {}
         kind = "Parquet" if builder == "parquet" else "JSON (an array of records or JSON lines)"
-        raise DataError(f"cannot read data file {path}: {_short(exc)}; check that it is valid "
-                        f"{kind}") from exc
+        where = _bad_json_line(path) if builder == "json" else None
+        raise DataError(f"cannot read data file {path}: {where or _short(exc)}; check that it "
+                        f"is valid {kind}") from exc
     if mixed and builder == "json":
         # `datasets` stores a JSON column of mixed types as text and decodes it lossily
         # (" 4" and 4 both come back as 4); re-read those columns exactly from the file.
@@ -172,6 +173,24 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
         n_records = len(next(iter(columns.values())))
         columns.update({k: v for k, v in raw.items() if len(v) == n_records})
     return columns
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """The first line of a JSON-lines file that does not parse, numbered from 1 as editors
+    number it (`datasets` names rows from 0); None for a JSON array or when all parse."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if number == 1 and line.lstrip().startswith("["):
+                    return None
+                if line.strip():
+                    json.loads(line)
+    except json.JSONDecodeError as err:
+        return f"line {number}: {err.msg} (column {err.colno})"
+    except (OSError, UnicodeDecodeError):
+        return None
+    return None
 
 
 def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:

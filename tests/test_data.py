@@ -180,6 +180,15 @@ def test_malformed_json(tmp_path):
     assert f"cannot read data file {path}: " in one_line(exc)
 
 
+def test_a_bad_json_line_is_named_by_its_line_number(tmp_path):
+    """As an editor numbers it (from 1; `datasets` said "row 2" for the third line)."""
+    good = json.dumps(PROMPT_RECORDS[0])
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f"{good}\n\n{good}\n{good[:-1]},}}\n{good}\n")
+    with pytest.raises(DataError, match=rf"^cannot read data file {path}: line 4: .*column"):
+        load_pairs(str(path))
+
+
 def test_missing_rejected(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "chosen": "c"}])
     with pytest.raises(DataError) as exc:
