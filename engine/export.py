@@ -75,6 +75,9 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
     quantized = any(k.endswith(".weight_scale") for k in full)
     if quantized:   # LoRA merges into the dequantized base, in fp32
         full = dequantize_state_dict(full, torch.float32)
+    elif isinstance(model, PeftModel):   # and into a frozen bf16 base in fp32 too: merged in
+        # bf16, the adapters' small delta was rounded away (8% of q_proj's at B ~ 1e-3)
+        full = {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
     copy.load_state_dict(full, strict=False, assign=True)
     copy = merged(copy)
     if quantized:   # written in the dtype the model ran in
