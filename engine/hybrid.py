@@ -45,7 +45,13 @@ from engine.config import HybridConfig, OptimConfig
 from engine.decode import DecodeTimes
 from engine.export import plain_class
 from engine.generation import SamplingSettings, generate
-from engine.inference_form import InferenceForm, allocate_decoder, copy_sources, layer_prefixes
+from engine.inference_form import (
+    InferenceForm,
+    allocate_decoder,
+    copy_sources,
+    layer_prefixes,
+    put_buffer,
+)
 from engine.inference_modules import weight_bytes
 from engine.inference_plans import Unsupported, plan
 from engine.lora import active_adapters, is_lora_param
@@ -292,8 +298,8 @@ class HybridEngine(TrainEngine):
         model.tie_weights()
         for name, buffer in inner.named_buffers():
             if not is_lora_param(name):
-                owner, _, attr = name.replace(".base_layer", "").rpartition(".")
-                setattr(model.get_submodule(owner), attr, buffer.detach().to(device, copy=True))
+                put_buffer(model, name.replace(".base_layer", ""),
+                           buffer.detach().to(device, copy=True))
         return model.requires_grad_(False)
 
     def _group(self, source: str) -> int:

@@ -69,9 +69,14 @@ def _moved(model: PreTrainedModel, device: torch.device, dtype: torch.dtype
     buffers = {name: buffer.to(device) for name, buffer in model.named_buffers()}
     model.to(device=device, dtype=dtype)
     for name, buffer in buffers.items():
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, buffer)
+        put_buffer(model, name, buffer)
     return model
+
+
+def put_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set `model`'s buffer `name` (dotted) to `value`, dtype and all (copy_ would cast)."""
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, value)
 
 
 def inference_form(model: PreTrainedModel, device: torch.device, dtype: torch.dtype

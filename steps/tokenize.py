@@ -49,14 +49,15 @@ def _eos_id(tokenizer: Any) -> int:
     return int(eos)
 
 
-def _following(prompts: list[str], answers: list[str], tokenizer: Any) -> list[list[int]]:
+def _following(prompts: list[str], bare: list[list[int]], answers: list[str],
+               tokenizer: Any) -> list[list[int]]:
     """Each answer's token ids as they follow its prompt: the tail of prompt + answer
-    tokenized together, wherever the prompt's own ids are its head (else the answer alone).
+    tokenized together, wherever the prompt's own ids (`bare`: without special tokens) are
+    its head (else the answer alone).
     Tokenized alone, an answer gets what a tokenizer puts at the start of every text:
     SentencePiece's Llama-2 and Mistral prepend a space marker, so every answer would start
     with a spurious "▁" token that generating after the prompt never makes (and decode to
     a double space); the reward model would be scored on texts tokenized otherwise."""
-    bare = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     joint = tokenizer([p + a for p, a in zip(prompts, answers, strict=True)],
                       add_special_tokens=False)["input_ids"]
     ids = [whole[len(head):] if whole[:len(head)] == head else None
@@ -69,12 +70,11 @@ def _following(prompts: list[str], answers: list[str], tokenizer: Any) -> list[l
     return ids
 
 
-def _answer_ids(prompts: list[str], answers: list[str], tokenizer: Any, eos_id: int,
-                max_answer_len: int, keep_eos: bool = False
-                ) -> tuple[list[list[int]], list[bool]]:
+def _answer_ids(following: list[list[int]], eos_id: int, max_answer_len: int,
+                keep_eos: bool = False) -> tuple[list[list[int]], list[bool]]:
     """answer ids (as they follow their prompts) + [eos], cut to max_answer_len tokens
     (`keep_eos`: the cut answer still ends in EOS); returns (ids, was_truncated)."""
-    ids = [a + [eos_id] for a in _following(prompts, answers, tokenizer)]
+    ids = [a + [eos_id] for a in following]
     end = [eos_id] if keep_eos else []
     cut = [a if len(a) <= max_answer_len else a[:max_answer_len - len(end)] + end for a in ids]
     return cut, [len(a) > max_answer_len for a in ids]
@@ -95,8 +95,10 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
         return [], TokenizeStats(0, 0, 0)
     texts = [p.prompt for p in pairs]
     prompts = tokenizer(texts)["input_ids"]
-    answers = [_answer_ids(texts, [getattr(p, side) for p in pairs], tokenizer, eos,
-                           max_answer_len, keep_eos) for side in sides]
+    bare = tokenizer(texts, add_special_tokens=False)["input_ids"] if sides else []
+    answers = [_answer_ids(_following(texts, bare, [getattr(p, side) for p in pairs],
+                                      tokenizer), eos, max_answer_len, keep_eos)
+               for side in sides]
     kept = [i for i, prompt in enumerate(prompts) if len(prompt) <= max_prompt_len]
     examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
     truncated = sum(any(was_cut[i] for _, was_cut in answers) for i in kept)
