@@ -106,8 +106,7 @@ def shard(model: nn.Module, rt: Runtime, settings: ShardSettings, *,
         hooks = zeropp
         if any(p in kept_whole for p in unit.parameters()):
             # no qwZ where a quantized base is kept whole: from torch 2.12 on such a unit's
-            # group mixes dtypes and is gathered exactly, and quantizing the rest (scales and
-            # LoRA weights in shared blocks) would round the adapters' small updates away
+            # group mixes dtypes and is gathered exactly anyway
             hooks = replace(zeropp, qwz=False)
         fully_shard(unit, **{**kwargs, **overrides})
         if hooks.qwz or hooks.qgz:

@@ -1,8 +1,9 @@
 """ZeRO++ (Wang et al. 2023) on FSDP2: the three ways it cuts ZeRO-3's cross-node traffic,
 as FSDP2 custom collectives and one `fully_shard` argument.
 
-  qwZ  quantized weight all-gather: each rank quantizes its flat shard block-wise
-       (engine/quantize.py: int8 or int4 + one fp32 scale per `block` values), the ranks
+  qwZ  quantized weight all-gather: each rank quantizes its flat shard block-wise, each
+       parameter's part in blocks of its own (engine/quantize.py: int8 or int4 + one fp32
+       scale per `block` values; `block_layout`), the ranks
        all-gather the uint8 wire buffers, and every rank dequantizes all of them into the
        buffer FSDP expects. Bytes per gathered value: 1 + 4/block (8 bits) or
        0.5 + 4/block (4 bits), against 4 (fp32) or 2 (bf16).
@@ -32,7 +33,8 @@ at world 4, flat or hierarchical).
 
 Falls back to the default collective, logged once per reason: all-gathers of a mixed-dtype
 (uint8) group; reductions other than SUM and AVG (e.g. PREMUL_SUM). Sizes need not divide
-the block: chunks are zero-padded to a multiple of it before quantizing. Hierarchical qgZ
+the block: each parameter's part is zero-padded to a multiple of it before quantizing (qgZ
+likewise, over the parts of the trained parameters' gradients). Hierarchical qgZ
 falls back to the one-level all-to-all (also logged once) when the group is not the whole
 world in rank order with `ranks_per_node` dividing it.
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -117,26 +120,63 @@ def _nodes(ranks: Sequence[int], ranks_per_node: int | None) -> int:
     return 1 if ranks_per_node is None else len({r // ranks_per_node for r in ranks})
 
 
-def _quantize_rows(rows: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """rows [k, m] float -> wire buffers uint8 [k, wire_bytes(m padded to block)]."""
+class BlockLayout(NamedTuple):
+    """Where each value of a flat row [m] sits once every parameter's part of it (a
+    `segment`) is padded to whole blocks, so that no block mixes two parameters: a layer
+    norm's ones and a LoRA B of 1e-4 in one block would put the B on the ones' grid of
+    1/127. `index` is None when the segments' blocks fall on the row's own blocks already
+    (every segment but the last a multiple of the block: the common case for big models)."""
+    padded: int                    # the row's length padded per segment
+    index: torch.Tensor | None     # long [m]: each value's place in the padded row
+
+
+_layouts: dict[tuple, BlockLayout] = {}
+
+
+def block_layout(m: int, segments: Sequence[int] | None, block: int,
+                 device: torch.device) -> BlockLayout:
+    """The layout of a row [m] made of `segments` (their sizes, in order; None or sizes
+    not adding up to m: one segment). Cached."""
+    segments = tuple(segments or ()) if sum(segments or ()) == m else ()
+    key = (m, segments, block, str(device))
+    if key not in _layouts:
+        if all(size % block == 0 for size in segments[:-1]):
+            _layouts[key] = BlockLayout(_round_up(m, block), None)
+        else:
+            index, at = [], 0
+            for size in segments:
+                index.append(torch.arange(at, at + size))
+                at += _round_up(size, block)
+            _layouts[key] = BlockLayout(at, torch.cat(index).to(device))
+    return _layouts[key]
+
+
+def _quantize_rows(rows: torch.Tensor, bits: int, layout: BlockLayout,
+                   block: int) -> torch.Tensor:
+    """rows [k, m] float -> wire buffers uint8 [k, wire_bytes(layout.padded)]."""
     k, m = rows.shape
-    padded = _round_up(m, block)
-    if padded != m:
-        rows = F.pad(rows, (0, padded - m))
-    wire = torch.empty(k, wire_bytes(padded, bits, block), dtype=torch.uint8,
+    if layout.index is not None:
+        spread = rows.new_zeros(k, layout.padded)
+        spread[:, layout.index] = rows
+        rows = spread
+    elif layout.padded != m:
+        rows = F.pad(rows, (0, layout.padded - m))
+    wire = torch.empty(k, wire_bytes(layout.padded, bits, block), dtype=torch.uint8,
                        device=rows.device)
     for row, buf in zip(rows, wire, strict=True):
         quantize(row.contiguous(), bits, block, out=buf)
     return wire
 
 
-def _dequantize_rows(wire: torch.Tensor, m: int, bits: int, block: int,
+def _dequantize_rows(wire: torch.Tensor, bits: int, layout: BlockLayout, block: int,
                      out: torch.Tensor) -> torch.Tensor:
-    """wire [k, wire_bytes] -> out [k, m] (values beyond m, the padding, are dropped)."""
-    padded = _round_up(m, block)
+    """wire [k, wire_bytes] -> out [k, m] (the padding is dropped)."""
+    m = out.size(1)
     for buf, row in zip(wire, out, strict=True):
-        q = unpack_wire(buf, bits, block, padded)
-        if padded == m and row.is_contiguous():
+        q = unpack_wire(buf, bits, block, layout.padded)
+        if layout.index is not None:
+            row.copy_(dequantize(q, out.dtype)[layout.index])
+        elif layout.padded == m and row.is_contiguous():
             dequantize(q, out=row)
         else:
             row.copy_(dequantize(q, out.dtype)[:m])
@@ -148,12 +188,14 @@ class QuantizedAllGather(AllGather):
     module's parameters, in the param dtype), output [n * m], rank i's shard at [i*m:(i+1)*m]
     (FSDP lays the input there already). Quantized: each rank sends
     wire_bytes(m padded to block) bytes; all ranks, the sender included, see the same
-    dequantized values. Runs synchronously (returns None)."""
+    dequantized values. Runs synchronously (returns None). `segments`: the sizes of the
+    parameters' parts of the shard, in order, each quantized in blocks of its own
+    (`block_layout`)."""
 
     def __init__(self, bits: int = 8, block: int = 256, *, quantize: bool = True,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, segments: Sequence[int] | None = None):
         self.bits, self.block, self.quantize = bits, block, quantize
-        self.ranks_per_node = ranks_per_node
+        self.ranks_per_node, self.segments = ranks_per_node, segments
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -164,10 +206,11 @@ class QuantizedAllGather(AllGather):
         if not self._quantized(input_tensor, group):
             return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         n, m = group.size(), input_tensor.numel()
-        wire = _quantize_rows(input_tensor.view(1, m), self.bits, self.block)
+        layout = _checked_layout(m, self.segments, self.block, input_tensor.device, "qwZ")
+        wire = _quantize_rows(input_tensor.view(1, m), self.bits, layout, self.block)
         gathered = torch.empty(n, wire.size(1), dtype=torch.uint8, device=wire.device)
         _all_gather(gathered.view(-1), wire.view(-1), group=group)
-        _dequantize_rows(gathered, m, self.bits, self.block, output_tensor.view(n, m))
+        _dequantize_rows(gathered, self.bits, layout, self.block, output_tensor.view(n, m))
         return None
 
     def _quantized(self, x: torch.Tensor, group: dist.ProcessGroup) -> bool:
@@ -190,12 +233,15 @@ class QuantizedReduceScatter(ReduceScatter):
       one level:     (n-1) * w, of them (N-1) * L * w cross-node
       hierarchical:  (L-1) * N * w inside the node + (N-1) * w cross-node
     Subgroups for the hierarchical form are created at construction, a collective call:
-    every rank of the world must construct it (as FSDP's wrapping is done on all ranks)."""
+    every rank of the world must construct it (as FSDP's wrapping is done on all ranks).
+    `segments`: the sizes of the gradients' parts of a chunk, in order (the trained
+    parameters'), each quantized in blocks of its own (`block_layout`)."""
 
     def __init__(self, bits: int = 8, block: int = 256, *, quantize: bool = True,
-                 ranks_per_node: int | None = None, group: dist.ProcessGroup | None = None):
+                 ranks_per_node: int | None = None, group: dist.ProcessGroup | None = None,
+                 segments: Sequence[int] | None = None):
         self.bits, self.block, self.quantize = bits, block, quantize
-        self.ranks_per_node = ranks_per_node
+        self.ranks_per_node, self.segments = ranks_per_node, segments
         if group is not None and ranks_per_node is not None:
             _node_levels(group, ranks_per_node)
 
@@ -217,32 +263,39 @@ class QuantizedReduceScatter(ReduceScatter):
                 dist.get_process_group_ranks(group), self.ranks_per_node) > 1:
             _log_once("qgZ: the group is not the whole world of whole nodes (or was not "
                       "given at construction): one-level all-to-all")
+        segments = None
+        if self.quantize:
+            layout = _checked_layout(m, self.segments, self.block, input_tensor.device, "qgZ")
+            segments = self.segments if layout.index is not None else None
         if levels is None:
-            total = self._sum_exchanged(chunks, group)
+            total = self._sum_exchanged(chunks, group, segments)
         else:
             intra, cross = levels
             per, n_nodes = intra.size(), cross.size()
             # [node, local, m] -> [local, node, m]: what goes to each local peer
             by_local = chunks.view(n_nodes, per, m).transpose(0, 1).reshape(per, n_nodes * m)
-            partial = self._sum_exchanged(by_local, intra)     # [n_nodes * m]
-            total = self._sum_exchanged(partial.view(n_nodes, m), cross)
+            partial = self._sum_exchanged(by_local, intra,    # [n_nodes * m]
+                                          None if segments is None else [*segments] * n_nodes)
+            total = self._sum_exchanged(partial.view(n_nodes, m), cross, segments)
         if op == dist.ReduceOp.AVG:
             total /= n
         output_tensor.copy_(total)
         return None
 
-    def _sum_exchanged(self, rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """rows [k, c] (row j for the group's rank j) -> fp32 [c]: the sum, in rank order,
-        of the rows the k ranks sent this rank."""
+    def _sum_exchanged(self, rows: torch.Tensor, group: dist.ProcessGroup,
+                       segments: Sequence[int] | None) -> torch.Tensor:
+        """rows [k, c] (row j for the group's rank j; each row made of `segments`) -> fp32
+        [c]: the sum, in rank order, of the rows the k ranks sent this rank."""
         k, c = rows.shape
         if self.quantize:
-            send = _quantize_rows(rows, self.bits, self.block)
+            layout = block_layout(c, segments, self.block, rows.device)
+            send = _quantize_rows(rows, self.bits, layout, self.block)
         else:
             send = rows.contiguous()
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
         if self.quantize:
-            received = _dequantize_rows(received, c, self.bits, self.block,
+            received = _dequantize_rows(received, self.bits, layout, self.block,
                                         torch.empty(k, c, device=rows.device))
         total = received[0].float().clone()
         for row in received[1:]:
@@ -262,12 +315,36 @@ def apply_zeropp(module: FSDPModule, zeropp: ZeroPPConfig, *,
                         f"{type(module).__name__}")
     if zeropp.qwz:
         module.set_custom_all_gather(QuantizedAllGather(
-            zeropp.weight_bits, zeropp.block, quantize=quantize, ranks_per_node=ranks_per_node))
+            zeropp.weight_bits, zeropp.block, quantize=quantize, ranks_per_node=ranks_per_node,
+            segments=shard_segments(module)))
     if zeropp.qgz:
         group = _shard_group(module) if ranks_per_node is not None else None
         module.set_custom_reduce_scatter(QuantizedReduceScatter(
             zeropp.grad_bits, zeropp.block, quantize=quantize, ranks_per_node=ranks_per_node,
-            group=group))
+            group=group, segments=shard_segments(module, trained_only=True)))
+
+
+def shard_segments(module: FSDPModule, *, trained_only: bool = False) -> list[int] | None:
+    """The sizes of the parameters' parts of a rank's flat shard, in FSDP's order: the
+    layout of the all-gather input, and with `trained_only` of a reduce-scatter chunk
+    (gradients of the parameters that require them). None when FSDP's private state is not
+    where it was (then the whole shard is cut in blocks as one)."""
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    params = getattr(group, "fsdp_params", None)
+    if params is None or not all(hasattr(p, "padded_sharded_param_size") for p in params):
+        return None
+    return [p.padded_sharded_param_size.numel() for p in params
+            if p.sharded_param.requires_grad or not trained_only]
+
+
+def _checked_layout(m: int, segments: Sequence[int] | None, block: int,
+                    device: torch.device, hook: str) -> BlockLayout:
+    """`block_layout`, logging once when the segments do not make up the row (a step whose
+    gradients skip a parameter, FSDP's layout changed): then one segment."""
+    if segments is not None and sum(segments) != m:
+        _log_once(f"{hook}: the flat buffer of {m} values is not the parameters' parts "
+                  f"({sum(segments)} values): blocks may span two parameters")
+    return block_layout(m, segments, block, device)
 
 
 def _shard_group(module: FSDPModule) -> dist.ProcessGroup | None:

@@ -96,6 +96,33 @@ def test_quantized_collectives_stay_within_the_block_bound(world2, world4):
             assert run["loss"] < 1e-3 and run["after"] < 5e-2 and run["grads_rel"] < 0.05
 
 
+def test_each_parameter_is_quantized_on_its_own_blocks(world2, world4):
+    """A norm's ~1 values and a LoRA B's ~1e-3 in one block of the flat shard: cut per
+    parameter, every value stays within half a step of its own parameter's blocks; cut as
+    one row (what the hooks did before), the B's first block sits on the norm's grid of
+    ~1/127 and its gradient sum is wrong by most of its size."""
+    for world in (world2, world4):
+        checks = world["collectives"]
+        for bits in (8, 4):
+            assert checks[f"all_gather_{bits}_segmented_excess"] <= 0
+            assert checks[f"all_gather_{bits}_unsegmented_excess"] > 1e-3
+        for layout in ("flat", "hier"):
+            assert checks[f"reduce_scatter_{layout}_8_segmented_small"] < 0.02
+            assert checks[f"reduce_scatter_{layout}_8_unsegmented_small"] > 0.2
+
+
+def test_hooks_read_the_parameters_parts_of_a_lora_unit(world2):
+    """Tiny Llama, hidden 64, LoRA r=4 on q/v, world 2: a layer's shard is its 13
+    parameters' halves (q 32x64 = 2048, its A 2x64, its B 32x4, ..., the two norms 32 each)
+    and its gradient chunk the 4 adapters' halves; forward and backward ran without a
+    layout that does not match its buffer."""
+    lora = world2["lora"]
+    assert lora["segments"] == [2048, 128, 128, 1024, 1024, 128, 64, 2048, 4096, 4096, 4096,
+                                32, 32]
+    assert lora["trained"] == [128, 128, 128, 64]
+    assert not [w for w in lora["warnings"] if "parameters' parts" in w]
+
+
 def test_hpz_alone_is_zero3_with_node_local_backward_gathers(world4):
     hpz, base = world4["model"]["hpz"], world4["model"]["base_meter"]
     assert [hpz[k] for k in ("loss", "after", "grads", "weights")] == [0, 0, 0, 0]

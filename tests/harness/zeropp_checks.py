@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -35,7 +37,9 @@ from engine.zeropp import (  # noqa: E402
     QuantizedReduceScatter,
     apply_zeropp,
     hpz_kwargs,
+    shard_segments,
 )
+from engine.zeropp import _logged as zeropp_logged  # noqa: E402
 from steps.tokenize import collate_prompts  # noqa: E402
 from tests.harness.ranks import run_ranks  # noqa: E402
 
@@ -92,6 +96,7 @@ def collective_errors() -> dict:
         excess = (got - exact).abs() - bound * (1 + 1e-4)
         out[f"all_gather_{bits}_excess"] = float(excess.max())
         out[f"all_gather_{bits}_error"] = float((got - exact).abs().max())
+    out.update(segmented_errors(n, rank, m, group))
     exact_ag = torch.empty(n * m)
     exact_ag.view(n, m)[rank].copy_(x)
     QuantizedAllGather(8, BLOCK, quantize=False)(exact_ag, exact_ag.view(n, m)[rank], group)
@@ -108,6 +113,44 @@ def collective_errors() -> dict:
             comm(got, grads.clone(), group, dist.ReduceOp.AVG)
             key = f"reduce_scatter_{label}_{bits if quant else 'off'}"
             out[key] = float((got - want).abs().max() / want.abs().max())
+    return out
+
+
+def segmented_errors(n: int, rank: int, m: int, group: dist.ProcessGroup) -> dict:
+    """A shard of two parameters' parts that share a block: a norm's ~1 values, then a
+    LoRA B's ~1e-3. Cut per parameter, each value stays within half a step of its own
+    parameter's blocks; cut as one row, the B's first block is on the norm's grid."""
+    segments = [BLOCK // 2 + 5, m - BLOCK // 2 - 5]
+    gen = torch.Generator().manual_seed(20 + rank)
+    x = torch.cat([1 + 0.1 * torch.randn(segments[0], generator=gen),
+                   1e-3 * torch.randn(segments[1], generator=gen)])
+    exact = torch.empty(n, m)
+    _all_gather(exact.view(-1), x, group)
+    own = [F.pad(part, (0, -part.size(1) % BLOCK)) for part in exact.split(segments, 1)]
+    bound = torch.cat([
+        part.view(n, -1, BLOCK).abs().amax(-1, keepdim=True).expand(-1, -1, BLOCK)
+        .reshape(n, -1)[:, :size] for part, size in zip(own, segments, strict=True)], 1)
+    out = {}
+    for bits in (8, 4):
+        for label, cut in (("segmented", segments), ("unsegmented", None)):
+            got = torch.empty(n, m)
+            got[rank].copy_(x)
+            QuantizedAllGather(bits, BLOCK, segments=cut)(got.view(-1), got[rank], group)
+            excess = (got - exact).abs() - bound / (2 * QMAX[bits]) * (1 + 1e-4)
+            out[f"all_gather_{bits}_{label}_excess"] = float(excess.max())
+    grads = torch.cat([torch.randn(n, segments[0], generator=gen),
+                       1e-3 * torch.randn(n, segments[1], generator=gen)], 1)
+    want = torch.empty(m)
+    _reduce_scatter(want, grads.clone().view(-1), group)
+    small = slice(segments[0], None)
+    for label, per_node in (("flat", None), ("hier", PER_NODE)):
+        for cut_label, cut in (("segmented", segments), ("unsegmented", None)):
+            got = torch.empty(m)
+            QuantizedReduceScatter(8, BLOCK, ranks_per_node=per_node, group=group,
+                                   segments=cut)(got, grads.clone().view(-1), group,
+                                                 dist.ReduceOp.SUM)
+            err = (got[small] - want[small]).abs().max() / want[small].abs().max()
+            out[f"reduce_scatter_{label}_8_{cut_label}_small"] = float(err)
     return out
 
 
@@ -185,6 +228,22 @@ def model_checks() -> dict:
         out["bf16_qwz8_meter"] = train_step(ZeroPPConfig(qwz=True, block=BLOCK),
                                             bf16=True)["meter"]
     return out
+
+
+def lora_step() -> dict:
+    """One forward/backward of a LoRA model under qwZ + qgZ, whose units hold a frozen base
+    and trained adapters: a layer's segments as the hooks see them, and the ZeRO++
+    warnings logged so far (a layout that does not match its buffer is one)."""
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for unit in [*model.base_model.model.model.layers, model]:
+        fully_shard(unit)
+        apply_zeropp(unit, ZeroPPConfig(qwz=True, qgz=True, block=BLOCK),
+                     ranks_per_node=PER_NODE)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    layer = model.base_model.model.model.layers[0]
+    return dict(segments=shard_segments(layer), trained=shard_segments(layer, trained_only=True),
+                warnings=sorted(zeropp_logged))
 
 
 def hybrid_checks() -> dict:
@@ -304,6 +363,7 @@ def main() -> None:
     results["model"] = model_checks()
     if dist.get_world_size() == 4:
         results["hybrid"] = hybrid_checks()
+    results["lora"] = lora_step()
     if dist.get_rank() == 0:
         print(json.dumps(results), flush=True)
     dist.barrier()
