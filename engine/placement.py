@@ -37,7 +37,7 @@ from engine.hybrid import HybridEngine
 from engine.lora import BaseWithoutAdapters, apply_lora, frozen_base
 from engine.models import load_causal_lm, load_quantized, load_reward_model
 from engine.parallel import ShardSettings, frozen
-from engine.quantized_base import describe
+from engine.quantized_base import QUANTIZED, describe
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 
@@ -68,13 +68,8 @@ class Placement:
               lora_key: str, **kwargs) -> nn.Module:
         lora, rt, quantized = lora or LoraConfig(), self.runtime, self.engine.quantized_base
         if trained and quantized.enabled and lora.dim > 0:
-            # filled module by module where it will run (sharding moves blocks to the device)
-            model, report = load_quantized(
-                kind, spec, tokenizer, quantized, dtype=rt.dtype,
-                head_dtype=rt.precision.master, device=torch.device("cpu") if rt.distributed
-                else rt.device, **kwargs)
-            if rt.is_main:
-                tqdm.write(describe(report, spec, quantized))
+            model = self._quantized(kind, spec, tokenizer, head_dtype=rt.precision.master,
+                                    **kwargs)
             lora = replace(lora, only_optimize_lora=True)   # integer weights cannot train
         else:
             if trained and quantized.enabled and rt.is_main:
@@ -92,6 +87,18 @@ class Placement:
             for param in model.parameters():
                 if not param.requires_grad and param.is_floating_point():
                     param.data = param.data.to(rt.dtype)
+        return model
+
+    def _quantized(self, kind: str, spec: str, tokenizer, *, head_dtype: torch.dtype,
+                   **kwargs) -> nn.Module:
+        """`spec` with its frozen weights INT8/INT4 (engine.quantized_base), filled module by
+        module where it will run (sharding moves blocks to the device)."""
+        rt, settings = self.runtime, self.engine.quantized_base
+        model, report = load_quantized(
+            kind, spec, tokenizer, settings, dtype=rt.dtype, head_dtype=head_dtype,
+            device=torch.device("cpu") if rt.distributed else rt.device, **kwargs)
+        if rt.is_main:
+            tqdm.write(describe(report, spec, settings))
         return model
 
     def _sharding(self, family: Family) -> ShardSettings:
@@ -122,8 +129,15 @@ class Placement:
     def frozen_start(self, trained: TrainEngine, spec: str, tokenizer, **kwargs):
         """The policy `trained` started from, `spec` (step 3's KL anchor), forward only:
         `trained` itself with its adapters disabled when it is LoRA over a frozen base (and
-        engine.share_reference), else `spec` loaded again as a frozen policy."""
-        if self.engine.share_reference and frozen_base(trained.module):
+        engine.share_reference), else `spec` loaded again as a frozen policy, quantized as
+        `trained`'s base is (the policy started from the integers, not from `spec` in full
+        precision: its first KL would be the quantization error)."""
+        if frozen_base(trained.module) and self.engine.share_reference:
             return BaseWithoutAdapters(trained.module)
-        return self.frozen(self.causal_lm(spec, tokenizer, trained=False, **kwargs),
-                           family="policy")
+        if frozen_base(trained.module) and any(
+                isinstance(m, QUANTIZED) for m in trained.module.modules()):
+            model = self._quantized("causal_lm", spec, tokenizer, head_dtype=self.runtime.dtype,
+                                    **kwargs)
+        else:
+            model = self.causal_lm(spec, tokenizer, trained=False, **kwargs)
+        return self.frozen(model, family="policy")

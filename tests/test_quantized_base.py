@@ -125,6 +125,23 @@ def test_adapters_disabled_give_the_reference_log_probs(tok):
         assert torch.equal(model(input_ids=ids).logits, actor), "adapters are back on"
 
 
+def test_a_separate_reference_is_quantized_as_the_actors_base(tok):
+    """engine.share_reference=false loads the reference again, quantized as the actor's base
+    is: it gives the untrained actor's logits exactly (the first KL is 0). Loaded in full
+    precision, it was off by the INT4 quantization error."""
+    place = Placement(CPU, EngineConfig(share_reference=False,
+                                        quantized_base=QuantizedBaseConfig(True, 4, 64)),
+                      {"policy": 3, "scorer": 3})
+    model = place.causal_lm("tiny-llama", tok, trained=True, lora=LORA, seed=3)
+    actor = TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3)
+    reference = place.frozen_start(actor, "tiny-llama", tok, seed=3)
+    assert not isinstance(reference, BaseWithoutAdapters)
+    assert sum(isinstance(m, qb.QUANTIZED) for m in reference.modules()) == 16
+    ids = torch.randint(4, 250, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reference(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_only_lora_parameters_train(tok):
     model = quantized_lora_model(tok, 8)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
