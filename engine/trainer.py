@@ -260,6 +260,11 @@ class TrainEngine:
         """This process's parameters (its shards, when sharded)."""
         return self.module.parameters()
 
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """This process's parameters that train, in `copy_weights(trainable_only=True)`'s
+        order."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
     def state_bytes(self) -> int:
         """Bytes this process holds of the model's parameters and the optimizer's state
         (its shards, when sharded)."""

@@ -430,7 +430,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
     if s.ppo.export_weights == "merged":
         check_merged_export(models, s.ppo.ema.enabled, Path(cfg.output_dir))
-    kept = Kept(models.actor.copy_weights() if s.ppo.ema.enabled else None,
+    # the trained parameters alone (all of them, unless LoRA over a frozen base, whose
+    # weights never move: a second copy of a 70B INT4 base would be 37 GB)
+    kept = Kept(models.actor.copy_weights(trainable_only=True) if s.ppo.ema.enabled else None,
                 models.actor.copy_weights(trainable_only=True) if s.export_best else None)
     engines = {"actor": models.actor, **({"critic": models.critic} if models.critic else {})}
     ckpt = StepCheckpoints(cfg, 3, rt, engines, extra={k: v for k, v in kept._asdict().items()
@@ -745,7 +747,8 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
             updates += 1
             tokens = tokens + rows.action_mask.sum()   # a tensor: read once, at the end
             if ema is not None:
-                ema_update(ema.tensors.values(), models.actor.parameters(), s.ppo.ema.beta)
+                ema_update(ema.tensors.values(), models.actor.trained_parameters(),
+                           s.ppo.ema.beta)
         if stopped:
             break
     *summed, tokens = dp.sum(*sums.values(), float(tokens))

@@ -597,9 +597,8 @@ def ema_update(ema_params: Iterable[Tensor], params: Iterable[Tensor], beta: flo
 
     Args:
         ema_params: tensors updated in place (any shape; each matches its partner in ``params``).
-        params: source tensors, same order and shapes. beta: EMA decay in [0, 1].
-            Integer tensors (a quantized frozen base) are frozen: left as they are.
+        params: source tensors, same order and shapes (floating point: trained ones).
+        beta: EMA decay in [0, 1].
     """
     for ema, param in zip(ema_params, params, strict=True):
-        if ema.is_floating_point():
-            ema.lerp_(param.detach().to(device=ema.device, dtype=ema.dtype), 1.0 - beta)
+        ema.lerp_(param.detach().to(device=ema.device, dtype=ema.dtype), 1.0 - beta)
