@@ -79,9 +79,9 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
         # bf16, the adapters' small delta was rounded away (8% of q_proj's at B ~ 1e-3)
         full = {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
     copy.load_state_dict(full, strict=False, assign=True)
+    # written in fp32 as merged: cast to bf16, a LoRA delta below half a bf16 step of its
+    # base weight (B ~ 1e-4 over an INT8 base: 60% of its entries) was rounded away
     copy = merged(copy)
-    if quantized:   # written in the dtype the model ran in
-        copy = copy.to(rt.dtype)
     copy.tie_weights()
     meta = [name for name, t in copy.state_dict().items() if t.is_meta]
     if meta:
@@ -137,10 +137,10 @@ def save_adapter(model: PeftModel, tokenizer: PreTrainedTokenizerBase, out_dir: 
     return Path(out_dir)
 
 
-def merged_export_size(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+def merged_export_size(model: nn.Module) -> tuple[int, int]:
     """(host bytes, disk bytes) that writing `model` merged (save_hf) takes at the least:
     every weight on the CPU in fp32 (where LoRA merges; a quantized base is dequantized to
-    take it), then written in `dtype`. Counted from full shapes: sharded or quantized alike."""
+    take it), then written in fp32. Counted from full shapes: sharded or quantized alike."""
     values, seen = 0, set()
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -151,7 +151,7 @@ def merged_export_size(model: nn.Module, dtype: torch.dtype) -> tuple[int, int]:
                 values += effective_shape(module).numel() if name == "weight" else 0
             else:
                 values += param.numel()
-    return values * 4, values * dtype.itemsize
+    return values * 4, values * 4
 
 
 def host_memory_bytes() -> int:

@@ -320,7 +320,7 @@ class TrainEngine:
 
     def merged_size(self) -> tuple[int, int]:
         """(host bytes, disk bytes) that `export` without `adapter` takes at the least."""
-        return merged_export_size(self.module, self.runtime.dtype)
+        return merged_export_size(self.module)
 
     def eval(self) -> None:
         self.module.eval()

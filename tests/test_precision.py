@@ -29,6 +29,7 @@ from engine.lora import BaseWithoutAdapters
 from engine.models import LinearReduced, byte_tokenizer, head_reduced, load_causal_lm
 from engine.placement import Placement
 from engine.precision import LossScale, Precision
+from engine.quantized_base import effective_weight
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
 from steps.ppo import answer_logprobs
@@ -518,25 +519,29 @@ def test_the_loss_scale_grows_after_its_interval_of_clean_updates_and_stays_abov
     assert scale.value == 1.0 and not scale.can_lower() and scale.overflows == 40
 
 
-def test_a_lora_models_merged_export_keeps_its_delta_over_a_bf16_base(tok, tmp_path):
-    """LoRA over a frozen base held in the compute dtype (bf16): merged in bf16, the small
-    delta the adapters trained was partly rounded away (8% of its norm at B ~ 1e-3, more
-    when smaller) and the export was bf16. It is merged and written in fp32, as every
-    trained export is (a quantized base is written in its compute dtype, as documented)."""
-    place = Placement(CPU_BF16, EngineConfig(), {"policy": 0, "scorer": 0})
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-base", "int8-base"])
+def test_a_lora_models_merged_export_keeps_its_delta_over_a_bf16_base(tok, tmp_path,
+                                                                       quantized):
+    """LoRA over a frozen base held in the compute dtype (bf16), or INT8 with bf16 compute:
+    merged in bf16, or merged in fp32 and cast to bf16 (the INT8 base, before), the small
+    delta the adapters trained was partly rounded away (8% of its norm at B ~ 1e-3; at
+    1e-4, 60% of its entries). It is merged and written in fp32, as every trained export
+    is."""
+    settings = QuantizedBaseConfig(True, 8, 64) if quantized else QuantizedBaseConfig()
+    place = Placement(CPU_BF16, EngineConfig(quantized_base=settings), {"policy": 0, "scorer": 0})
     model = place.causal_lm("tiny-llama", tok, trained=True, seed=0,
                             lora=LoraConfig(dim=4, only_optimize_lora=True))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 1e-3)
+                param.copy_(torch.randn(param.shape, generator=gen) * 1e-4)
     TrainEngine(model, OptimConfig(), 1, CPU_BF16, lr=1e-3).export(tok, tmp_path / "actor")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor")
     assert loaded.dtype == torch.float32
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
-        base = q_proj.base_layer.weight.float()
+        base = effective_weight(q_proj.base_layer, torch.float32)
         delta = q_proj.scaling["default"] * (q_proj.lora_B["default"].weight
                                              @ q_proj.lora_A["default"].weight)
     torch.testing.assert_close(loaded.model.layers[0].self_attn.q_proj.weight, base + delta,

@@ -356,7 +356,7 @@ def test_adapter_export_is_lora_alone_and_reloads_over_its_base(tok, tmp_path):
 def test_a_merged_export_that_cannot_fit_is_refused_before_training(tok, tmp_path,
                                                                      monkeypatch):
     """The merged export's size counts the full weights (the dequantized base's and LoRA's)
-    in fp32 on the host and in the run's dtype on disk; step 3 refuses a host or disk too
+    in fp32 on the host and on disk; step 3 refuses a host or disk too
     small for it in one line, before training (a 70B probe was killed in its export)."""
     from types import SimpleNamespace
 
