@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from engine import kernels
 from engine.config import QuantizedBaseConfig
@@ -235,23 +237,36 @@ def quantize_modules(model: PreTrainedModel, settings: QuantizedBaseConfig,
 # -- loading one module at a time -----------------------------------------------------------
 
 class _Safetensors:
-    """The tensors of a directory's *.safetensors files, by the model's parameter names
-    (checkpoint keys with or without the model's base prefix, as from_pretrained takes)."""
+    """The tensors of a directory's *.safetensors files, by the model's parameter names:
+    checkpoint keys renamed as from_pretrained renames them (transformers' conversion
+    mapping for the model, e.g. GPT-NeoX's `embed_out` -> `lm_head`; the base prefix added
+    or dropped). Keys transformers would convert (merge, split: MoE experts) are refused:
+    this loader reads one tensor per parameter."""
 
-    def __init__(self, directory: Path, expected: set[str], prefix: str):
+    def __init__(self, directory: Path, model: PreTrainedModel):
         files = sorted(Path(directory).glob("*.safetensors"))
         if not files:
             raise UserError(f"{directory}: no *.safetensors weights; the quantized base "
                             "(engine.quantized_base) loads safetensors checkpoints only: "
                             "re-save the model with save_pretrained(safe_serialization=True)")
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        expected = model.state_dict()
         self.where: dict[str, tuple[Path, str]] = {}
         for file in files:
             with safe_open(file, "pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-                    for name in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
-                        if name in expected:
-                            self.where[name] = (file, key)
-                            break
+                    name, converted = rename_source_key(key, renamings, converters,
+                                                        model.base_model_prefix, expected)
+                    if converted is not None:
+                        raise UserError(
+                            f"{directory}: {key} is stored in a layout transformers converts "
+                            f"while loading ({converted}); the quantized base "
+                            "(engine.quantized_base) reads one tensor per weight: load this "
+                            "model without it")
+                    if name in expected:
+                        self.where[name] = (file, key)
 
     def get(self, name: str) -> torch.Tensor | None:
         if name not in self.where:
@@ -284,7 +299,7 @@ def build_quantized(auto_cls, config: PretrainedConfig, settings: QuantizedBaseC
     with torch.device("meta"):
         model = auto_cls.from_config(config, dtype=dtype)
     expected = set(model.state_dict())
-    reader = _Safetensors(checkpoint, expected, model.base_model_prefix) if checkpoint else None
+    reader = _Safetensors(checkpoint, model) if checkpoint else None
     tied, new, total = _tied(model), [], QuantizeReport(0, Counter(), 0, 0)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)

@@ -196,6 +196,21 @@ def test_loading_quantizes_one_module_at_a_time(tok, tmp_path, monkeypatch):
     assert torch.equal(norm, source.model.layers[1].input_layernorm.weight)
 
 
+def test_checkpoint_keys_are_renamed_as_from_pretrained_renames_them(tok, tmp_path):
+    """GPT-NeoX checkpoints name the output head `embed_out`, which transformers renames to
+    `lm_head` while loading: read by name alone, the head was left at random (greedy
+    agreement with the checkpoint 0.0, and only "newly initialised" in the load line)."""
+    source = load_causal_lm("tiny-gpt-neox", tok, seed=5).eval()
+    source.save_pretrained(tmp_path, safe_serialization=True)
+    model, report = load_quantized("causal_lm", str(tmp_path), tok, QuantizedBaseConfig(True, 8),
+                                   flag="--x", dtype=torch.float32, head_dtype=torch.float32,
+                                   device=torch.device("cpu"))
+    assert not report.new_weights
+    head, want = model.get_output_embeddings(), source.get_output_embeddings().weight
+    assert isinstance(head, qb.QuantizedLinear)
+    assert torch.equal(head.weight, qb.quantize_weight(want, 8, 64, torch.float32)[0])
+
+
 def test_a_checkpoint_without_safetensors_is_refused_in_one_line(tok, tmp_path):
     load_causal_lm("tiny-llama", tok).save_pretrained(tmp_path, safe_serialization=False)
     (tmp_path / "model.safetensors").unlink(missing_ok=True)
