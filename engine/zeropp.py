@@ -206,7 +206,11 @@ class QuantizedAllGather(AllGather):
         if not self._quantized(input_tensor, group):
             return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         n, m = group.size(), input_tensor.numel()
-        layout = _checked_layout(m, self.segments, self.block, input_tensor.device, "qwZ")
+        # hpZ's backward gather (after forward) holds each parameter's part hpz/world times
+        # its primary shard's: the same order, every size scaled alike
+        scale = m // sum(self.segments) if self.segments and m % sum(self.segments) == 0 else 1
+        parts = _parts(m, [size * scale for size in self.segments or ()] or None, "qwZ")
+        layout = block_layout(m, parts, self.block, input_tensor.device)
         wire = _quantize_rows(input_tensor.view(1, m), self.bits, layout, self.block)
         gathered = torch.empty(n, wire.size(1), dtype=torch.uint8, device=wire.device)
         _all_gather(gathered.view(-1), wire.view(-1), group=group)
@@ -263,27 +267,24 @@ class QuantizedReduceScatter(ReduceScatter):
                 dist.get_process_group_ranks(group), self.ranks_per_node) > 1:
             _log_once("qgZ: the group is not the whole world of whole nodes (or was not "
                       "given at construction): one-level all-to-all")
-        segments = None
-        if self.quantize:
-            layout = _checked_layout(m, self.segments, self.block, input_tensor.device, "qgZ")
-            segments = self.segments if layout.index is not None else None
+        parts = _parts(m, self.segments, "qgZ") if self.quantize else [m]
         if levels is None:
-            total = self._sum_exchanged(chunks, group, segments)
+            total = self._sum_exchanged(chunks, group, parts)
         else:
             intra, cross = levels
             per, n_nodes = intra.size(), cross.size()
             # [node, local, m] -> [local, node, m]: what goes to each local peer
             by_local = chunks.view(n_nodes, per, m).transpose(0, 1).reshape(per, n_nodes * m)
-            partial = self._sum_exchanged(by_local, intra,    # [n_nodes * m]
-                                          None if segments is None else [*segments] * n_nodes)
-            total = self._sum_exchanged(partial.view(n_nodes, m), cross, segments)
+            # [n_nodes * m]: a row of n_nodes chunks, whose parts never share a block
+            partial = self._sum_exchanged(by_local, intra, parts * n_nodes)
+            total = self._sum_exchanged(partial.view(n_nodes, m), cross, parts)
         if op == dist.ReduceOp.AVG:
             total /= n
         output_tensor.copy_(total)
         return None
 
     def _sum_exchanged(self, rows: torch.Tensor, group: dist.ProcessGroup,
-                       segments: Sequence[int] | None) -> torch.Tensor:
+                       segments: list[int]) -> torch.Tensor:
         """rows [k, c] (row j for the group's rank j; each row made of `segments`) -> fp32
         [c]: the sum, in rank order, of the rows the k ranks sent this rank."""
         k, c = rows.shape
@@ -337,14 +338,13 @@ def shard_segments(module: FSDPModule, *, trained_only: bool = False) -> list[in
             if p.sharded_param.requires_grad or not trained_only]
 
 
-def _checked_layout(m: int, segments: Sequence[int] | None, block: int,
-                    device: torch.device, hook: str) -> BlockLayout:
-    """`block_layout`, logging once when the segments do not make up the row (a step whose
-    gradients skip a parameter, FSDP's layout changed): then one segment."""
+def _parts(m: int, segments: Sequence[int] | None, hook: str) -> list[int]:
+    """`segments` when they make up a buffer of m values, else [m] (one part), logged once
+    when they do not (a step whose gradients skip a parameter; FSDP's layout changed)."""
     if segments is not None and sum(segments) != m:
         _log_once(f"{hook}: the flat buffer of {m} values is not the parameters' parts "
                   f"({sum(segments)} values): blocks may span two parameters")
-    return block_layout(m, segments, block, device)
+    return list(segments) if segments is not None and sum(segments) == m else [m]
 
 
 def _shard_group(module: FSDPModule) -> dist.ProcessGroup | None:

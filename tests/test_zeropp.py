@@ -109,9 +109,15 @@ def test_each_parameter_is_quantized_on_its_own_blocks(world2, world4):
         for layout in ("flat", "hier"):
             assert checks[f"reduce_scatter_{layout}_8_segmented_small"] < 0.02
             assert checks[f"reduce_scatter_{layout}_8_unsegmented_small"] > 0.2
+        # parts on blocks but the last: the hop inside a node sends chunks back to back,
+        # each cut on its own (it was 1.0, the bias's part rounded away)
+        assert checks["reduce_scatter_hier_8_aligned_small"] < 0.02
+    # hpZ across nodes: the backward gather's parts are twice the primary shard's (the gate
+    # of ~1e-3 beside a weight of ~1 came out 0)
+    assert world4["hpz_across_nodes"]["gate_error"] < 0.02
 
 
-def test_hooks_read_the_parameters_parts_of_a_lora_unit(world2):
+def test_hooks_read_the_parameters_parts_of_a_lora_unit(world2, world4):
     """Tiny Llama, hidden 64, LoRA r=4 on q/v, world 2: a layer's shard is its 13
     parameters' halves (q 32x64 = 2048, its A 2x64, its B 32x4, ..., the two norms 32 each)
     and its gradient chunk the 4 adapters' halves; forward and backward ran without a
@@ -120,7 +126,8 @@ def test_hooks_read_the_parameters_parts_of_a_lora_unit(world2):
     assert lora["segments"] == [2048, 128, 128, 1024, 1024, 128, 64, 2048, 4096, 4096, 4096,
                                 32, 32]
     assert lora["trained"] == [128, 128, 128, 64]
-    assert not [w for w in lora["warnings"] if "parameters' parts" in w]
+    for world in (world2, world4):    # world 4 also ran hpZ, its gather crossing nodes
+        assert not [w for w in world["lora"]["warnings"] if "parameters' parts" in w]
 
 
 def test_hpz_alone_is_zero3_with_node_local_backward_gathers(world4):

@@ -151,7 +151,48 @@ def segmented_errors(n: int, rank: int, m: int, group: dist.ProcessGroup) -> dic
                                                  dist.ReduceOp.SUM)
             err = (got[small] - want[small]).abs().max() / want[small].abs().max()
             out[f"reduce_scatter_{label}_8_{cut_label}_small"] = float(err)
+    # a chunk whose parts fall on blocks but for its last (a weight, then its bias): the
+    # hierarchical hop inside a node sends a row of several chunks back to back
+    segments = [2 * BLOCK, 20]
+    grads = torch.cat([torch.randn(n, segments[0], generator=gen),
+                       1e-3 * torch.randn(n, segments[1], generator=gen)], 1)
+    want = torch.empty(sum(segments))
+    _reduce_scatter(want, grads.clone().view(-1), group)
+    got = torch.empty(sum(segments))
+    QuantizedReduceScatter(8, BLOCK, ranks_per_node=PER_NODE, group=group, segments=segments)(
+        got, grads.clone().view(-1), group, dist.ReduceOp.SUM)
+    small = slice(segments[0], None)
+    out["reduce_scatter_hier_8_aligned_small"] = float(
+        (got[small] - want[small]).abs().max() / want[small].abs().max())
     return out
+
+
+class WeightAndGate(torch.nn.Module):
+    """A unit of two parameters: a weight of ~1 and a gate of ~1e-3 (a LoRA B's size)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(8, 50, generator=gen))
+        self.gate = torch.nn.Parameter(1e-3 * torch.randn(8, generator=gen))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight).sum() + (y * self.gate).sum()
+
+
+def hpz_across_nodes() -> dict:
+    """World 4, each rank a node, hpZ over 2 ranks: the backward gather of the secondary
+    shard crosses nodes, so qwZ quantizes it; its buffer holds each parameter's part twice
+    the primary shard's. The gate as backward used it (y's gradient), against the exact."""
+    unit, settings = WeightAndGate(), ZeroPPConfig(qwz=True, hpz=2, block=BLOCK)
+    exact = unit.gate.detach().clone()
+    root = torch.nn.Sequential(unit)
+    fully_shard(unit, **hpz_kwargs(settings, dist.get_world_size(), 1))
+    apply_zeropp(unit, settings, ranks_per_node=1)
+    fully_shard(root)
+    y = torch.ones(3, 8, requires_grad=True)
+    unit(torch.ones(3, 8), y).backward()
+    return {"gate_error": float((y.grad[0] - exact).abs().max() / exact.abs().max())}
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -363,6 +404,7 @@ def main() -> None:
     results["model"] = model_checks()
     if dist.get_world_size() == 4:
         results["hybrid"] = hybrid_checks()
+        results["hpz_across_nodes"] = hpz_across_nodes()
     results["lora"] = lora_step()
     if dist.get_rank() == 0:
         print(json.dumps(results), flush=True)
