@@ -309,9 +309,12 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
         reward = place.frozen(reward, family="scorer")
         scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
-        if scorer.same_tokenizer:   # the critic starts from the reward model
+        if scorer.same_vocabulary:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
             critic_tokenizer = reward_tokenizer
+            if not scorer.reads_actor_ids:
+                log("step 3: the reward model's tokenizer ends or starts texts otherwise than "
+                    "the actor's (EOS, BOS); rewards are scored on re-tokenized text")
         elif ALGORITHMS[ppo.algorithm].critic:
             log("step 3: reward model and actor tokenizers differ; the critic starts from "
                 "the actor with a new value head, and rewards are scored on re-tokenized text")

@@ -17,20 +17,27 @@ from steps.tokenize import collate_prompts
 
 
 class RewardScorer:
-    """Scores prompt + answer with the reward model, re-tokenizing the text when the reward
-    model's tokenizer differs from the actor's."""
+    """Scores prompt + answer with the reward model, re-tokenizing the text unless the
+    reward model's tokenizer gives the actor's ids: the same vocabulary is not enough (a
+    Qwen2.5-Instruct actor ends with <|im_end|>, a base reward model was trained on answers
+    ending with <|endoftext|>; one tokenizer may add a BOS or an EOS the other does not)."""
+
+    PROBE = "Human: Is 2 + 2 = 4?\n\nAssistant: Yes."
 
     def __init__(self, model, actor_tokenizer, reward_tokenizer, device):
         self.model, self.device = model, device
         self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
-        self.same_tokenizer = actor_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
+        self.same_vocabulary = actor_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
+        self.reads_actor_ids = (
+            self.same_vocabulary and actor_tokenizer.eos_token_id == reward_tokenizer.eos_token_id
+            and actor_tokenizer(self.PROBE)["input_ids"] == reward_tokenizer(self.PROBE)["input_ids"])
 
     @torch.no_grad()
     def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B] scores of rollouts [B, L], each read at the EOS that ends its answer: a cut-off
         answer gets one appended, as step 2 trained the reward model to read (read at its
         last token instead, running on past the end can score higher than ending)."""
-        if self.same_tokenizer:
+        if self.reads_actor_ids:
             sequences, attention_mask = ended_with(sequences, attention_mask,
                                                    self.reward_tokenizer.eos_token_id)
             return sequence_scores(self.model, sequences, attention_mask)

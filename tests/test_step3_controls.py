@@ -5,6 +5,7 @@ with the other RLHF math in test_algorithms.py."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -54,6 +55,25 @@ def test_a_cut_off_answer_is_scored_as_if_it_ended_with_eos():
     unread = sequence_scores(reward, torch.tensor([prompt + answer]),
                              torch.ones(1, len(prompt + answer)))[0]
     assert abs(float(unread - got[0])) > 1e-4
+
+
+def test_a_reward_model_whose_eos_differs_reads_what_step_2_trained_it_on():
+    """Actor and reward model share a vocabulary but not an EOS (a Qwen2.5-Instruct actor
+    ending with <|im_end|>, a base reward model with <|endoftext|>): the actor's ids, EOS
+    and all, were scored with the reward model's EOS appended after the actor's. The text
+    is re-tokenized and ended with the reward model's EOS, as step 2 tokenized it."""
+    tok = byte_tokenizer()
+    other = copy.deepcopy(tok)
+    other.eos_token = "<unk>"         # another token of the same vocabulary
+    reward = frozen(load_reward_model("tiny-llama", other, seed=4), CPU)
+    scorer = RewardScorer(reward, tok, other, CPU.device)
+    assert scorer.same_vocabulary and not scorer.reads_actor_ids
+    text = "Q: 2+2 A: 4"
+    sequences = torch.tensor([tok(text)["input_ids"] + [EOS]])
+    got = scorer(sequences, torch.ones_like(sequences))
+    trained_on = torch.tensor([other(text)["input_ids"] + [other.eos_token_id]])
+    want = sequence_scores(reward, trained_on, torch.ones_like(trained_on))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def tiny_models(tok, lr: float = 1e-3, gold=None) -> ppo.Models:
