@@ -300,8 +300,7 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     critic_start = dict(spec=actor_path, flag="ppo.actor_path", seed=cfg.seed)
     critic_tokenizer = tokenizer
     if reward_path is not None:
-        reward_tokenizer = load_tokenizer(reward_path, flag="ppo.reward_path",
-                                          trust_remote_code=trc)
+        reward_tokenizer = model_tokenizer(cfg, reward_path, "ppo.reward_path")
         # trained_head: a causal LM here would score with a random head, silently
         reward = place.reward_model(reward_path, reward_tokenizer, trained=False,
                                     flag="ppo.reward_path", trust_remote_code=trc,
@@ -347,6 +346,14 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                                    flag="ppo.actor_path", trained_head=True)
     return Models(actor, critic, reference, rewards, tokenizer,
                   critic_tokenizer if critic is not None else None)
+
+
+def model_tokenizer(cfg: DictConfig, path: str, flag: str):
+    """The tokenizer of a step-3 model: its directory's own, or for a preset the run's
+    `tokenizer=DIR`, as steps 1 and 2 give it theirs (without it, a preset actor got the
+    byte tokenizer and no longer matched a reward model trained with DIR)."""
+    return load_tokenizer(path, tokenizer=cfg.tokenizer if is_preset(path) else None,
+                          flag=flag, trust_remote_code=cfg.trust_remote_code)
 
 
 def _require_context(cfg: DictConfig, model, where: str, *, scored: bool = False,
@@ -422,7 +429,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
     dp, place = DataParallel(rt), placement(cfg, rt)
     out = start_step(cfg, 3, dp, resume=resume)
-    tokenizer = load_tokenizer(actor_path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")
     prompts = load_prompts(cfg, tokenizer, pairs, ptx_pairs)
     rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
     s = with_evaluations(resolve(cfg, total_samples=cfg.ppo.epochs * len(prompts.train)

@@ -355,3 +355,15 @@ def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path):
         paths()
     with pytest.raises(UserError, match=rf"^ppo.critic_path={tmp_path}: no config.json"):
         paths(actor_path="tiny-llama", reward_model_weight=0, critic_path=str(tmp_path))
+
+
+def test_a_preset_actor_in_step_3_gets_the_runs_tokenizer(opt_tokenizer_path, tmp_path):
+    """tokenizer=DIR gives presets a real tokenizer in steps 1 and 2; step 3 gave a preset
+    actor the byte tokenizer, so its answers no longer matched a reward model trained with
+    DIR. A model directory keeps its own tokenizer."""
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"tokenizer": str(opt_tokenizer_path)})
+    assert len(ppo.model_tokenizer(cfg, "tiny-llama", "ppo.actor_path")) == 50265
+    tok = byte_tokenizer()
+    load_causal_lm("tiny-llama", tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert len(ppo.model_tokenizer(cfg, str(tmp_path), "ppo.actor_path")) == len(tok)
