@@ -97,13 +97,10 @@ def stream_safe(text: str) -> str:
 
 
 def decode_new(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
-    # Decode with a few prompt tokens in front: sentencepiece tokenizers (Llama) drop the leading
-    # space of the first token when it is decoded on its own, and that space is part of the reply.
-    ctx = prompt_ids[-4:]
-    kw = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    head = tokenizer.decode(ctx, **kw)
-    full = tokenizer.decode(ctx + new_ids, **kw)
-    return full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids, **kw)
+    """The reply's text as it reads after the prompt (steps.tokenize.decode_answer)."""
+    from engine.models import decode_answer
+
+    return decode_answer(tokenizer, prompt_ids, new_ids)
 
 
 class ReplyStreamer:
@@ -288,9 +285,10 @@ def main(argv=None) -> int:
 def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
              interactive: bool) -> None:
     """Read user turns until EOF or quit, and stream each reply."""
-    def encode(text: str) -> list[int]:   # default special tokens, as in training (BOS);
-        # quietly: fit_history cuts a history longer than the model's context
-        return tokenizer(text, verbose=False)["input_ids"]
+    from engine.models import prompt_ids as tokenized_prompts
+
+    def encode(text: str) -> list[int]:   # special tokens as in training (BOS, not EOS)
+        return tokenized_prompts([text], tokenizer)[0][0]
 
     history = ""
     while True:

@@ -115,6 +115,47 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
                                    model_max_length=_TINY["positions"])
 
 
+def prompt_ids(texts: list[str], tokenizer: PreTrainedTokenizerBase
+               ) -> tuple[list[list[int]], list[list[int]]]:
+    """(ids with the tokenizer's special tokens, ids without) of prompt texts. Of the special
+    tokens, those that would break a prompt are left out: the ones a post-processor appends
+    (Llama's add_eos_token: every prompt would end the text before its answer), and the
+    ones it prepends to a text that begins with them already (a prompt a chat template
+    rendered, BOS included: it would have two)."""
+    # quietly: prompts longer than a limit are dropped and counted by the callers
+    full = tokenizer(texts, verbose=False)["input_ids"]
+    bare = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    head, tail = _special_affixes(tokenizer)
+    for i, (ids, own) in enumerate(zip(full, bare, strict=True)):
+        if ids != head + own + tail:   # a tokenizer that adds tokens otherwise: as it is
+            continue
+        full[i] = own if head and own[:len(head)] == head else head + own
+    return full, bare
+
+
+def _special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer puts before and after a text's own (e.g. [BOS], [])."""
+    full = tokenizer("Hi", verbose=False)["input_ids"]
+    own = tokenizer("Hi", add_special_tokens=False, verbose=False)["input_ids"]
+    for start in range(len(full) - len(own) + 1):
+        if full[start:start + len(own)] == own:
+            return full[:start], full[start + len(own):]
+    return [], []
+
+
+def decode_answer(tokenizer: PreTrainedTokenizerBase, prompt: list[int],
+                  answer: list[int]) -> str:
+    """An answer's text as it reads after its prompt, special tokens (EOS, padding) left out.
+    Decoded with a few prompt tokens in front: SentencePiece tokenizers (Llama-2, Mistral)
+    drop the leading space of a text's first token, and that space is part of the answer
+    (decoded alone, prompt + answer would read "Assistant:Paris")."""
+    context, kw = list(prompt[-4:]), dict(skip_special_tokens=True,
+                                          clean_up_tokenization_spaces=False)
+    head = tokenizer.decode(context, **kw)
+    whole = tokenizer.decode(context + list(answer), **kw)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(answer, **kw)
+
+
 def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs):
     """`load(spec, local_files_only=..., **kwargs)`, with hub/IO failures and unreadable
     files (truncated or corrupt weights, a broken config.json, an unknown architecture) as

@@ -10,7 +10,7 @@ from numbers import Real
 import torch
 
 from engine.errors import NonFiniteError, UserError
-from engine.models import sequence_scores
+from engine.models import decode_answer, prompt_ids, sequence_scores
 from steps.algorithms import RewardFn, load_reward_fn
 from steps.common import to_device
 from steps.tokenize import collate_prompts
@@ -44,7 +44,7 @@ class RewardScorer:
         texts = [self.actor_tokenizer.decode(row[mask.bool()], skip_special_tokens=True)
                  for row, mask in zip(sequences, attention_mask, strict=True)]
         eos = self.reward_tokenizer.eos_token_id
-        ids = [row + [eos] for row in self.reward_tokenizer(texts)["input_ids"]]
+        ids = [row + [eos] for row in prompt_ids(texts, self.reward_tokenizer)[0]]
         batch = to_device(collate_prompts(ids, self.reward_tokenizer.pad_token_id), self.device)
         return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
 
@@ -93,11 +93,14 @@ class RewardFunction:
 
 def decode_rollouts(tokenizer, sequences: torch.Tensor, prompt_len: int
                     ) -> tuple[list[str], list[str]]:
-    """(prompt texts, answer texts) of left-padded prompts + answers [B, P+N]."""
+    """(prompt texts, answer texts) of left-padded prompts + answers [B, P+N]: each answer as
+    it reads after its prompt (its leading space kept under SentencePiece tokenizers too),
+    so that prompt + answer is the text."""
     # generate pads after EOS, so the special tokens are all that must go
-    decode = tokenizer.batch_decode
-    return (decode(sequences[:, :prompt_len], skip_special_tokens=True),
-            decode(sequences[:, prompt_len:], skip_special_tokens=True))
+    rows = sequences.tolist()
+    prompts = tokenizer.batch_decode([row[:prompt_len] for row in rows], skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+    return prompts, [decode_answer(tokenizer, row[:prompt_len], row[prompt_len:]) for row in rows]
 
 
 class Rewards:

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from engine.models import prompt_ids
 from steps.data import DataError, PreferencePair
 
 IGNORE_INDEX = -100
@@ -94,8 +95,7 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
     if not pairs:   # tokenizers refuse an empty batch
         return [], TokenizeStats(0, 0, 0)
     texts = [p.prompt for p in pairs]
-    prompts = tokenizer(texts)["input_ids"]
-    bare = tokenizer(texts, add_special_tokens=False)["input_ids"] if sides else []
+    prompts, bare = prompt_ids(texts, tokenizer)
     answers = [_answer_ids(_following(texts, bare, [getattr(p, side) for p in pairs],
                                       tokenizer), eos, max_answer_len, keep_eos)
                for side in sides]

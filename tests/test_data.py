@@ -9,7 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast
 
 from engine.models import byte_tokenizer
@@ -23,6 +31,7 @@ from steps.data import (
     split_indices,
     train_eval_split,
 )
+from steps.scoring import decode_rollouts
 from steps.tokenize import (
     PairExample,
     SFTExample,
@@ -446,3 +455,43 @@ def test_an_answer_is_tokenized_as_it_follows_its_prompt():
     for ids, answer in ((sft.input_ids, pair.chosen), (pairs.chosen_ids, pair.chosen),
                         (pairs.rejected_ids, pair.rejected)):
         assert tok.decode(ids, skip_special_tokens=True) == pair.prompt + answer
+
+
+def _appending_eos():
+    """The byte tokenizer with a post-processor that also appends EOS (Llama's
+    add_eos_token=True does this)."""
+    tok = byte_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    assert tok("Hi")["input_ids"] == [1, 43, 76, 2]
+    return tok
+
+
+def test_prompts_keep_the_special_tokens_that_lead_and_drop_those_that_end(opt_tokenizer):
+    """A post-processor's EOS stays out of prompts (SFT, reward and step-3 prompts all
+    ended in EOS, so the model learnt to answer after the end of the text), and a prompt
+    rendered with its own BOS gets no second one. OPT, whose BOS is its EOS, keeps it."""
+    tok = _appending_eos()
+    pair = PreferencePair("Human: hi\n\nAssistant:", " Hello!", " Go away.")
+    bare = tok(pair.prompt, add_special_tokens=False)["input_ids"]
+    answer = tok(pair.chosen, add_special_tokens=False)["input_ids"]
+    (prompt,), _ = tokenize_prompts([pair], tok, 64)
+    assert prompt == [1, *bare]
+    (sft,), _ = tokenize_sft([pair], tok, 64, 64)
+    assert sft.input_ids == [1, *bare, *answer, 2]
+    rendered = PreferencePair("<s>" + pair.prompt, " Hello!", " Go away.")
+    (prompt,), _ = tokenize_prompts([rendered], tok, 64)
+    assert prompt == [1, *bare]
+    (prompt,), _ = tokenize_prompts([pair], opt_tokenizer, 64)
+    assert prompt == opt_tokenizer(pair.prompt)["input_ids"] and prompt[0] == 2
+
+
+def test_rollout_answers_decode_as_they_follow_their_prompts():
+    """Decoded alone, a SentencePiece answer lost its leading space: a reward function saw
+    prompt + answer as "Assistant:yes" where the text is "Assistant: yes"."""
+    tok = _sentencepiece_like()
+    pair = PreferencePair("\n\nHuman: hi there\n\nAssistant:", " yes I can help", " no")
+    (prompt,), _ = tokenize_prompts([pair], tok, 64)
+    (sft,), _ = tokenize_sft([pair], tok, 64, 64)
+    prompts, answers = decode_rollouts(tok, torch.tensor([sft.input_ids]), len(prompt))
+    assert answers == [pair.chosen] and prompts[0] + answers[0] == pair.prompt + pair.chosen
