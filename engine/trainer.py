@@ -80,6 +80,7 @@ class TrainEngine:
                                        num_warmup_steps=optim.warmup_steps,
                                        num_training_steps=max(total_steps, 1),
                                        scheduler_specific_kwargs=_schedule_kwargs(optim))
+        self.applied_lr = self.lr   # the rate of the last update (logged as train/lr)
         self.micro_steps = self.steps = 0
         self._in_window, self._window_ends = 0, False   # micro-steps in the open window
         self.skipped_steps = self.skipped_in_a_row = 0
@@ -145,6 +146,7 @@ class TrainEngine:
             self.skipped_in_a_row = 0
             self.optimizer.step()
             self.loss_scale.update(overflow=False)
+        self.applied_lr = self.lr
         with warnings.catch_warnings():   # a skipped first update: the schedule moves on
             warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
             self.scheduler.step()
@@ -251,6 +253,7 @@ class TrainEngine:
 
     @property
     def lr(self) -> float:
+        """The rate the next update will use (`applied_lr`: the last update's)."""
         return self.scheduler.get_last_lr()[0]
 
     def train(self) -> None:

@@ -545,8 +545,8 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
                             answers, metrics.pop("answer/tokens"), trained_tokens)
     iteration = state.iteration + 1
     if iteration % s.ppo.log_every == 0:
-        lrs = {f"lr/{name}": engine.lr for name, engine in (("actor", models.actor),
-                                                            ("critic", models.critic)) if engine}
+        lrs = {f"lr/{name}": engine.applied_lr for name, engine
+               in (("actor", models.actor), ("critic", models.critic)) if engine}
         # the running peak, so that a run cut off early still tells its memory
         peak = {"memory/peak_mib": memory_peak(dp.device) / 2**20}
         tracker.log({**metrics, **lrs, **times, **peak}, iteration)

@@ -134,7 +134,7 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
         loss = means["train/loss"]
         if engine.steps % section.log_every == 0:
             scale = engine.loss_scale
-            tracker.log({**means, "train/lr": engine.lr, "train/grad_norm": grad_norm,
+            tracker.log({**means, "train/lr": engine.applied_lr, "train/grad_norm": grad_norm,
                          "train/skipped_steps": engine.skipped_steps, "epoch": epoch,
                          **({"train/loss_scale": scale.value,
                              "train/scale_overflows": scale.overflows} if scale.enabled else {})},

@@ -331,9 +331,12 @@ def test_every_schedule_the_config_allows_trains(tok, name):
                          OptimConfig(lr_scheduler=name, warmup_steps=2), total_steps=6,
                          runtime=CPU, lr=1.0)
     ids = torch.tensor([[5, 6, 7, 8]])
-    for _ in range(4):
+    for step in range(4):
         engine.backward(_loss(engine, ids))
         assert engine.step() is not None
+        if step == 0 and name != "constant":   # logged as train/lr: the rate the update
+            # used, 0 at warmup's start
+            assert engine.applied_lr == 0.0 and engine.lr == 0.5
     assert engine.lr == pytest.approx(HALF_WAY_LR[name], abs=1e-6)
 
 
