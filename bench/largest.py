@@ -22,6 +22,7 @@ actor's tokenizer): the actor's side of PPO, with a critic's values and GAE, at 
 Run:  python bench/largest.py                          (one GPU; minutes per preset)
       python bench/largest.py --dequantized            (the bf16-copy rollout, to compare)
       python bench/largest.py --ppo                    (PPO with a small critic as well)
+      python bench/largest.py --presets llama-70b --ppo-only   (PPO alone)
       python bench/largest.py --presets llama-34b --memory-gib 76
           (on an H200: the allocator capped below an 80 GB H100's memory)
       python bench/largest.py --presets tiny-llama --device cpu   (the harness on a CPU)
@@ -112,6 +113,7 @@ def main() -> None:
     p.add_argument("--dequantized", action="store_true",
                    help="generate from a bf16 copy (engine.hybrid.quantized_inference=false)")
     p.add_argument("--ppo", action="store_true", help="also PPO with a small critic")
+    p.add_argument("--ppo-only", action="store_true", help="PPO with a small critic alone")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="cap the children's CUDA allocator (bench/capped.py): e.g. 76 to "
                         "show on an H200 what fits an 80 GB H100")
@@ -129,7 +131,8 @@ def main() -> None:
             torch.cuda.empty_cache()   # the children get the whole card
         print_header(args, bandwidth)
         for preset in args.presets:   # a row as each run ends: a cut-off bench keeps them
-            for algorithm in ("grpo", "ppo") if args.ppo else ("grpo",):
+            for algorithm in (("ppo",) if args.ppo_only else ("grpo", "ppo") if args.ppo
+                              else ("grpo",)):
                 row, status = run_step3(preset, prompts, out / f"{preset}-{algorithm}",
                                         args.iterations, args.device, args.dequantized,
                                         algorithm, args.memory_gib)

@@ -192,7 +192,7 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
         f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
         *(["engine.hybrid.release_inference_cache=true"] * lean),
-        *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 2}]"] * profile)]
+        *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 1}]"] * profile)]
     if failed := run_child(command, out, train_env(), device):
         return failed
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text().splitlines()]
@@ -395,8 +395,8 @@ def main() -> None:
                    "backward pass: ours ppo.forward_batch_size, TRL's "
                    "per_device_train_batch_size (its gradient accumulation fills the step)")
     p.add_argument("--out", type=Path, default=None, help="default: a temporary directory")
-    p.add_argument("--profile", action="store_true", help="also profile two of our timed "
-                   "iterations (ppo.profile) and print the top of each op table")
+    p.add_argument("--profile", action="store_true", help="also profile our first timed "
+                   "iteration (ppo.profile) and print the top of its op table")
     # the child process of one TRL row
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -444,6 +444,10 @@ def main() -> None:
         print("-" * len(header), flush=True)
         bounds = {gc: bound(params, params * 2, run, prompt_tokens, gc == "on", bandwidth,
                             flops) for gc in args.gc}
+        for gc, b in bounds.items():   # first: a bench cut off by its limit still has them
+            print(f"{'bound':<9} {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
+                  f"{b['prefill']:>8.3f} {b['decode_step_ms']:>8.2f} "
+                  f"{b['experience']:>10.3f} {b['train']:>7.3f}", flush=True)
         # a row as each run ends (ours first): a bench cut off by its limit keeps those done
         held = {}
         for gc in args.gc:
@@ -468,18 +472,11 @@ def main() -> None:
                       f"{r['graphs'] if 'graphs' in r else '-':>6} "
                       f"{wall:>7.0f}  {r['weights']}", flush=True)
                 held[f"{system}, GC {gc}"] = r.get("at_peak")
-        for gc, b in bounds.items():
-            print(f"{'bound':<9} {gc:<3} {b['s_per_iteration']:>7.3f} {b['generate']:>9.3f} "
-                  f"{b['prefill']:>8.3f} {b['decode_step_ms']:>8.2f} "
-                  f"{b['experience']:>10.3f} {b['train']:>7.3f}")
+                ops = where / "step3" / "profile" / "ops.txt"
+                if args.profile and ops.exists():   # at once, for the same reason
+                    print(f"\nours, GC {gc}: {ops}\n" +
+                          "\n".join(ops.read_text().splitlines()[:20]) + "\n", flush=True)
         print_held(held)
-        if args.profile:
-            for gc in args.gc:
-                ops = out / f"ours-gc-{gc}" / "step3" / "profile" / "ops.txt"
-                if not ops.exists():
-                    continue
-                print(f"\nours, GC {gc}: {ops}")
-                print("\n".join(ops.read_text().splitlines()[:20]))
 
 
 if __name__ == "__main__":
