@@ -489,9 +489,10 @@ def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
     error, 1 a failure, PEER_LOST_EXIT stopped because another rank failed."""
     import torch.distributed as dist
 
-    from engine.launch import PEER_LOST_EXIT, lost_peer
+    from engine.launch import PEER_LOST_EXIT, lost_peer, stop_with_launcher
     from steps.data import DataError
 
+    stop_with_launcher()
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     try:

@@ -35,6 +35,22 @@ def lost_peer(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and any(s in str(err) for s in _PEER_LOST))
 
 
+def stop_with_launcher() -> None:
+    """Have the kernel stop this rank (SIGTERM) when the process that started it dies.
+    torchrun starts ranks in sessions of their own, so a launcher killed outright (SIGKILL,
+    the OOM killer) left them training on, racing a rerun for the same output directory.
+    Linux only (prctl's PR_SET_PDEATHSIG); elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:   # the launcher died before the call
+        os._exit(1)
+
+
 def record_error(message: str) -> None:
     """Leave this rank's one-line error in the file torchrun names for it, which its
     launcher reads back (run_torchrun): a rank other than 0 prints nothing itself, so that

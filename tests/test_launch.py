@@ -3,9 +3,13 @@ nodes, DeepSpeed-style hostfiles, and when train.py starts torchrun at all."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -137,3 +141,34 @@ def test_every_process_group_gets_the_runs_timeout(monkeypatch):
         assert c10d._get_default_timeout(dist.Backend.GLOO) == timedelta(seconds=7)
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
+    """torchrun starts the ranks in sessions of their own: with the launcher killed outright
+    (SIGKILL, the OOM killer) they trained on, racing a rerun for the output directory.
+    Each rank now has the kernel stop it when its launcher dies."""
+    psutil = pytest.importorskip("psutil")
+    ranks = []
+    launcher = subprocess.Popen(
+        [sys.executable, "train.py", "--step", "1", "--output-dir", str(tmp_path),
+         "engine.procs=2", "engine.device=cpu", "sft.epochs=100", "logging.progress=false"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "step1").exists():   # the ranks are past their start
+            assert launcher.poll() is None and time.monotonic() < deadline, "no run started"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                 if "train.py" in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        launcher.kill()
+        launcher.wait(timeout=10)
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks still running after their launcher died: {alive}"
+    finally:   # whatever is left of the run (the ranks have sessions of their own)
+        for process in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
