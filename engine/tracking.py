@@ -78,10 +78,10 @@ class Tracker:
 
 
 def _plain(value: Any) -> Any:
-    """A metric as JSON writes it: tensors as numbers, floats to 8 significant digits (to 6
-    decimals, a learning rate of 9.65e-6 read 1e-05, and a KL of 4e-7 read 0.0)."""
+    """A metric as JSON writes it: floats to 7 significant digits, an fp32 value's precision
+    (to 6 decimals, a learning rate of 9.65e-6 read 1e-05, and a KL of 4e-7 read 0.0)."""
     if hasattr(value, "item"):
-        return value.item()
+        value = value.item()
     if isinstance(value, float):
-        return float(f"{value:.8g}")
+        return float(f"{value:.7g}")
     return value

@@ -330,8 +330,11 @@ def test_kl_placement_defaults_per_algorithm():
 class ByteTokenizer:
     """decode = the byte values as text: enough for Rewards to hand texts to a function."""
 
-    def batch_decode(self, rows, skip_special_tokens=True):
-        return ["".join(chr(t) for t in row.tolist() if t) for row in rows]
+    def decode(self, ids, **kwargs):
+        return "".join(chr(t) for t in ids if t)
+
+    def batch_decode(self, rows, **kwargs):
+        return [self.decode(row) for row in rows]
 
 
 def rewards_of(fn, prompt="Q?", answers=("ab", "c")):

@@ -17,11 +17,11 @@ def test_metrics_jsonl_one_object_per_logged_step(tmp_path):
     tracker.close()
     rows = [json.loads(line) for line in (tmp_path / "step1" / "metrics.jsonl").read_text()
             .splitlines()]
-    # 8 significant digits, however small: rounded to 6 decimals the rate read 1e-05 and
+    # 7 significant digits, however small: rounded to 6 decimals the rate read 1e-05 and
     # the KL 0.0
-    assert rows == [{"step": 1, "train/loss": 1.2345679, "epoch": 0},
+    assert rows == [{"step": 1, "train/loss": 1.234568, "epoch": 0},
                     {"step": 2, "train/loss": 0.5, "train/lr": 9.65e-6,
-                     "train/approx_kl": 4.1234568e-7}]
+                     "train/approx_kl": 4.123457e-7}]
 
 
 def test_wandb_auto_mode_is_offline_without_a_key(monkeypatch, tmp_path):
