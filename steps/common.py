@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from tqdm.auto import tqdm
 
 from engine.checkpoint import Checkpointer
 from engine.data_parallel import DataParallel
+from engine.errors import UserError
+from engine.export import host_memory_bytes
 from engine.placement import Placement
 from engine.runtime import Runtime
 from engine.tracking import Tracker
@@ -159,3 +162,19 @@ def ground_truth(prompts: Sequence[str], answers: Sequence[str]) -> tuple[float,
     scored = [demo.score(p, a) for p, a in zip(prompts, answers, strict=True)
               if demo.rule_of(p) is not None]
     return (sum(scored), len(scored)) if scored else None
+
+
+def check_export_fits(host: int, disk: int, output_dir: Path, what: str, host_fix: str,
+                      disk_fix: str) -> None:
+    """Refuse, before training, an export that cannot be written: `host` bytes (the fp32
+    copy it is written from, LoRA merged in) over this machine's memory, or `disk` bytes over
+    the free space under `output_dir` (a 70B INT4 probe trained, then its export was
+    killed). `what` names the export, the fixes say what to do."""
+    have, free, gib = host_memory_bytes(), shutil.disk_usage(output_dir).free, 2 ** 30
+    if host > have:
+        raise UserError(f"{what}: writing the model takes {host / gib:.0f} GiB of fp32 on the "
+                        f"host, which has {have / gib:.0f} GiB; {host_fix}")
+    if disk > free:
+        raise UserError(f"{what}: the exports take {disk / gib:.0f} GiB, more than the "
+                        f"{free / gib:.0f} GiB free under {output_dir}; free some or "
+                        f"{disk_fix}")

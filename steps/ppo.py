@@ -50,7 +50,6 @@ from omegaconf import DictConfig, OmegaConf
 from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel, Share
 from engine.errors import NonFiniteError, UserError
-from engine.export import host_memory_bytes
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
 from engine.models import (
@@ -70,6 +69,7 @@ from steps.algorithms import ALGORITHMS, Algorithm
 from steps.common import (
     StepCheckpoints,
     batches,
+    check_export_fits,
     epoch_batches,
     log,
     num_batches,
@@ -371,23 +371,14 @@ def _require_context(cfg: DictConfig, model, where: str, *, scored: bool = False
 
 
 def check_merged_export(models: Models, ema: bool, output_dir: Path) -> None:
-    """Refuse, before training, a merged export that cannot be written: the actor's fp32
-    copy larger than this machine's memory (a 70B INT4 probe trained, then its export was
-    killed), or the exports larger than the disk's free space."""
+    """Refuse, before training, merged exports that cannot be written (check_export_fits):
+    the actor's, its EMA's and the critic's."""
     host, disk = models.actor.merged_size()
     disk *= 2 if ema else 1
     if models.critic is not None:
         disk += models.critic.merged_size()[1]
-    have, free = host_memory_bytes(), shutil.disk_usage(output_dir).free
-    gib = 2 ** 30
-    if host > have:
-        raise UserError(f"ppo.export_weights=merged: merging LoRA into the actor takes "
-                        f"{host / gib:.0f} GiB of fp32 on the host, which has {have / gib:.0f} "
-                        "GiB; pass ppo.export_weights=adapter (LoRA's weights alone)")
-    if disk > free:
-        raise UserError(f"ppo.export_weights=merged: the exports take {disk / gib:.0f} GiB, "
-                        f"more than the {free / gib:.0f} GiB free under {output_dir}; free some "
-                        "or pass ppo.export_weights=adapter (LoRA's weights alone)")
+    adapter = "pass ppo.export_weights=adapter (LoRA's weights alone)"
+    check_export_fits(host, disk, output_dir, "ppo.export_weights=merged", adapter, adapter)
 
 
 def _critic_start(path: str, tokenizer, trust_remote_code: bool) -> tuple[dict, object]:

@@ -19,6 +19,7 @@ from engine.tracking import Tracker
 from engine.trainer import TrainEngine
 from steps.common import (
     StepCheckpoints,
+    check_export_fits,
     epoch_batches,
     log,
     num_batches,
@@ -61,6 +62,9 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
                                                        section.grad_accum),
                            family=task.family, name=task.role, lr=section.lr,
                            lora_lr=section.lora.learning_rate, grad_accum=section.grad_accum)
+    bigger = "train on a machine with more memory (steps 1 and 2 write whole models)"
+    check_export_fits(*engine.merged_size(), out, f"step {task.step}'s export", bigger,
+                      "write it elsewhere (--output-dir)")
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)

@@ -375,6 +375,7 @@ def test_a_merged_export_that_cannot_fit_is_refused_before_training(tok, tmp_pat
     small for it in one line, before training (a 70B probe was killed in its export)."""
     from types import SimpleNamespace
 
+    import steps.common
     import steps.ppo
 
     model = quantized_lora_model(tok, 4)
@@ -384,7 +385,7 @@ def test_a_merged_export_that_cannot_fit_is_refused_before_training(tok, tmp_pat
     assert engine.merged_size() == (4 * values, 4 * values)   # CPU runs in fp32
     models = SimpleNamespace(actor=engine, critic=None)
     steps.ppo.check_merged_export(models, False, tmp_path)   # fits this machine
-    monkeypatch.setattr(steps.ppo, "host_memory_bytes", lambda: 4 * values - 1)
+    monkeypatch.setattr(steps.common, "host_memory_bytes", lambda: 4 * values - 1)
     with pytest.raises(UserError, match="pass ppo.export_weights=adapter"):
         steps.ppo.check_merged_export(models, False, tmp_path)
     monkeypatch.undo()

@@ -91,3 +91,22 @@ def test_step_1_refuses_a_reward_model_as_its_actor(tmp_path):
     with pytest.raises(UserError, match=r"^--actor-model .*reward: a reward model .*, not a "
                                         r"causal LM"):
         sft.run(cfg, pairs, CPU)
+
+
+@pytest.mark.parametrize("step", [sft, reward])
+def test_steps_1_and_2_refuse_an_export_the_host_cannot_hold_before_training(step, tmp_path,
+                                                                            monkeypatch):
+    """The export is written from an fp32 copy on the host (LoRA merged in): a model whose
+    copy the host cannot hold trained to the end, then was killed writing it. Refused in one
+    line before the first update, with no metrics written."""
+    import steps.common
+
+    monkeypatch.setattr(steps.common, "host_memory_bytes", lambda: 2 ** 20)
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "reward_model": "tiny-llama", "output_dir": str(tmp_path)})
+    with pytest.raises(UserError, match=rf"^step {1 if step is sft else 2}'s export: writing "
+                                        r"the model takes .* GiB of fp32 on the host, which has "
+                                        r"0 GiB; train on a machine with more memory"):
+        step.run(cfg, pairs, CPU)
+    assert not list(tmp_path.rglob("metrics.jsonl"))
