@@ -170,7 +170,10 @@ def check_export_fits(host: int, disk: int, output_dir: Path, what: str, host_fi
     copy it is written from, LoRA merged in) over this machine's memory, or `disk` bytes over
     the free space under `output_dir` (a 70B INT4 probe trained, then its export was
     killed). `what` names the export, the fixes say what to do."""
-    have, free, gib = host_memory_bytes(), shutil.disk_usage(output_dir).free, 2 ** 30
+    where = Path(output_dir)
+    while not where.exists():   # a node other than rank 0's may not have made it
+        where = where.parent
+    have, free, gib = host_memory_bytes(), shutil.disk_usage(where).free, 2 ** 30
     if host > have:
         raise UserError(f"{what}: writing the model takes {host / gib:.0f} GiB of fp32 on the "
                         f"host, which has {have / gib:.0f} GiB; {host_fix}")
