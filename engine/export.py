@@ -29,8 +29,10 @@ def atomic_directory(final: Path, write) -> Path:
     """Call `write(tmp_dir)`, then move tmp_dir to `final`, replacing what was there."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    # what a killed write left (a model's worth of disk each), whichever process it was
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         write(tmp)

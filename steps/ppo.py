@@ -1067,9 +1067,10 @@ def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tr
                "memory/peak_mib": memory_peak(dp.device) / 2**20,
                "memory/trained_mib": sum(e.state_bytes() for e in (models.actor, models.critic)
                                          if e is not None) / 2**20}
+    # the models first: a run killed before the summary row has not finished, on the page
+    step3 = export(cfg, models, kept, s.export_best, dp)
     tracker.log(summary, state.iteration)
     tracker.close()
-    step3 = export(cfg, models, kept, s.export_best, dp)
     ckpt.clear()
     if mean_times:
         log("step 3 mean iteration: " + _breakdown_line(mean_times))

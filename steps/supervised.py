@@ -77,9 +77,10 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     elapsed = position["seconds"]
     summary = {**metrics, "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
+    # the model first: a run killed before the summary row has not finished, on the page
+    engine.export(task.tokenizer, task.export_dir)
     tracker.log(summary, engine.steps)
     tracker.close()
-    engine.export(task.tokenizer, task.export_dir)
     ckpt.clear()
     log(f"step {task.step} ({task.name}) done: {engine.steps} steps, final loss "
         f"{position['loss']:.4f}, {task.results(summary)}, {elapsed:.1f}s -> {task.export_dir}")
