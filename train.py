@@ -320,27 +320,29 @@ def check_zeropp(cfg: DictConfig) -> None:
 
 def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
     """What each selected step does: "run" from scratch, "resume" from its latest
-    checkpoint, or "skip" (finished before the interrupted step). A run is interrupted when
-    a step directory holds a complete checkpoint: checkpoints are dropped once a step
-    has written its model."""
+    checkpoint, "restart" (interrupted before its first checkpoint: run again, replacing
+    what it left), or "skip" (finished before the interrupted step). A step is finished
+    when its models are written (checkpoints are dropped once they are); it was
+    interrupted when its directory holds a complete checkpoint, or when it was started
+    (its directory exists) and not finished."""
     from engine.checkpoint import complete_checkpoints
-    from steps.algorithms import CRITIC_FREE
 
     out = Path(cfg.output_dir)
-    resumable = [] if cfg.resume == "false" else [
-        s for s in cfg.steps if complete_checkpoints(step_dir(cfg, s))]
-    if cfg.resume == "true" and not resumable:
+    resumable, started = [], []
+    if cfg.resume != "false":
+        resumable = [s for s in cfg.steps if complete_checkpoints(step_dir(cfg, s))]
+        started = [s for s in cfg.steps if step_dir(cfg, s).exists() and not _finished(cfg, s)]
+    if cfg.resume == "true" and not resumable + started:
         raise UserError(f"--resume: {out} holds no interrupted run (no step*/checkpoints/step-* "
-                        "of the selected steps); drop --resume to start one")
-    first = resumable[0] if resumable else None
+                        "of the selected steps, no step started and not finished); drop "
+                        "--resume to start one")
+    first = min(resumable + started, default=None)
     plan = []
     for step in cfg.steps:
-        written = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm in CRITIC_FREE \
-            else MODEL_DIRS[step]   # (critic-free algorithms write no critic)
-        if first is not None and step < first and all((out / n).exists() for n in written):
+        if first is not None and step < first and _finished(cfg, step):
             plan.append((step, "skip"))
         elif step == first:
-            plan.append((step, "resume"))
+            plan.append((step, "resume" if step in resumable else "restart"))
         else:
             for name in MODEL_DIRS[step]:
                 if (out / name).exists() and not cfg.overwrite:
@@ -349,6 +351,21 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
                                     "--output-dir")
             plan.append((step, "run"))
     return plan
+
+
+FINISHED = "finished"   # in a step's directory once its models are written
+
+
+def _finished(cfg: DictConfig, step: int) -> bool:
+    """Whether `step` wrote its models: its directory says so, or (a run from before that
+    mark) every model directory it writes exists."""
+    from steps.algorithms import CRITIC_FREE
+
+    if (step_dir(cfg, step) / FINISHED).exists():
+        return True
+    names = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm in CRITIC_FREE \
+        else MODEL_DIRS[step]   # (critic-free algorithms write no critic)
+    return all((Path(cfg.output_dir) / name).exists() for name in names)
 
 
 def needs_launcher(cfg: DictConfig) -> bool:
@@ -412,6 +429,8 @@ def run(cfg: DictConfig) -> dict[int, float]:
             if mode == "skip":
                 log(f"step {step}: finished before the interruption; kept")
                 continue
+            if mode == "restart":
+                log(f"step {step}: interrupted before its first checkpoint; run again")
             seed_everything(cfg.seed + step)
             start = time.perf_counter()
             fresh = not step_dir(cfg, step).exists()
@@ -431,6 +450,8 @@ def run(cfg: DictConfig) -> dict[int, float]:
                 if rt.is_main and not out_existed and out.is_dir() and not any(out.iterdir()):
                     out.rmdir()
                 raise
+            if rt.is_main:
+                (step_dir(cfg, step) / FINISHED).touch()
             seconds[step] = time.perf_counter() - start
     log("done: " + ", ".join(f"step {s} {t:.1f}s" for s, t in seconds.items())
         + f"; outputs in {cfg.output_dir}")

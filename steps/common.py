@@ -38,6 +38,7 @@ def start_step(cfg: DictConfig, step: int, dp: DataParallel, *, resume: bool) ->
         directory.mkdir(parents=True, exist_ok=True)
         if not resume:
             (directory / "metrics.jsonl").unlink(missing_ok=True)
+        (directory / "finished").unlink(missing_ok=True)   # train.py marks it at the end
         (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     dp.write_once(write)

@@ -135,6 +135,28 @@ def test_plan_fresh_interrupted_and_refused_runs(tmp_path):
         plan(tmp_path / "elsewhere", "--resume")
 
 
+def test_a_step_interrupted_before_its_first_checkpoint_runs_again(tmp_path):
+    """Killed in step 2 before any checkpoint (the demo's step 3, 143 iterations, never
+    reaches the default interval of 200), the same command refused: step 1 "already holds
+    a finished model". Such a step is now run again, the finished steps before it kept;
+    so is a step 3 killed between its exports. A step marked finished is not touched."""
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step2").mkdir()                      # started, no reward model, no checkpoint
+    assert plan(tmp_path) == [(1, "skip"), (2, "restart"), (3, "run")]
+    assert plan(tmp_path, "--resume") == [(1, "skip"), (2, "restart"), (3, "run")]
+    with pytest.raises(UserError, match="already holds a finished step-1 model"):
+        plan(tmp_path, "resume=false")
+    (tmp_path / "reward").mkdir()
+    (tmp_path / "step3" / "actor").mkdir(parents=True)   # killed before the critic's export
+    assert plan(tmp_path) == [(1, "skip"), (2, "skip"), (3, "restart")]
+    with pytest.raises(UserError, match="already holds a finished step-1 model"):
+        plan(tmp_path, "ppo.algorithm=grpo")        # critic-free: step 3 wrote all it writes
+    (tmp_path / "step3" / "finished").touch()        # written by this run: finished
+    with pytest.raises(UserError, match="already holds a finished step-1 model"):
+        plan(tmp_path)
+
+
 def test_metrics_continue_after_the_checkpoints_rows(tmp_path):
     tracker = Tracker(tmp_path)
     for step in range(1, 6):
