@@ -59,11 +59,19 @@ class Tracker:
                 dir=str(self.path.parent), config=config, reinit="finish_previous",
                 mode=_wandb_mode(ws.get("mode", "auto")))
 
-    def log(self, metrics: dict[str, Any], step: int) -> None:
+    def read_sources(self) -> dict[str, Any]:
+        """The row sources' metrics now (what they counted since the previous row), for a
+        row logged later (`log(..., sources=)`): a summary written after the exports, which
+        they must not count."""
+        if not self.enabled:
+            return {}
+        return {k: v for source in self.row_sources for k, v in source().items()}
+
+    def log(self, metrics: dict[str, Any], step: int,
+            sources: dict[str, Any] | None = None) -> None:
         if not self.enabled:
             return
-        for source in self.row_sources:
-            metrics = {**metrics, **source()}
+        metrics = {**metrics, **(self.read_sources() if sources is None else sources)}
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -1068,8 +1068,9 @@ def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tr
                "memory/trained_mib": sum(e.state_bytes() for e in (models.actor, models.critic)
                                          if e is not None) / 2**20}
     # the models first: a run killed before the summary row has not finished, on the page
+    counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
     step3 = export(cfg, models, kept, s.export_best, dp)
-    tracker.log(summary, state.iteration)
+    tracker.log(summary, state.iteration, sources=counted)
     tracker.close()
     ckpt.clear()
     if mean_times:

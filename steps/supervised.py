@@ -78,8 +78,9 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     summary = {**metrics, "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
     # the model first: a run killed before the summary row has not finished, on the page
+    counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
     engine.export(task.tokenizer, task.export_dir)
-    tracker.log(summary, engine.steps)
+    tracker.log(summary, engine.steps, sources=counted)
     tracker.close()
     ckpt.clear()
     log(f"step {task.step} ({task.name}) done: {engine.steps} steps, final loss "
