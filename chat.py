@@ -97,7 +97,7 @@ def stream_safe(text: str) -> str:
 
 
 def decode_new(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
-    """The reply's text as it reads after the prompt (steps.tokenize.decode_answer)."""
+    """The reply's text as it reads after the prompt (engine.models.decode_answer)."""
     from engine.models import decode_answer
 
     return decode_answer(tokenizer, prompt_ids, new_ids)

@@ -30,6 +30,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from engine.errors import UserError
 from steps.config import (
     DEFAULTS,
+    FINISHED,
     LIST_KEYS,
     BadValue,
     as_yaml,
@@ -351,9 +352,6 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
                                     "--output-dir")
             plan.append((step, "run"))
     return plan
-
-
-FINISHED = "finished"   # in a step's directory once its models are written
 
 
 def _finished(cfg: DictConfig, step: int) -> bool:

@@ -206,11 +206,11 @@ class QuantizedAllGather(AllGather):
         if not self._quantized(input_tensor, group):
             return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         n, m = group.size(), input_tensor.numel()
-        # hpZ's backward gather (after forward) holds each parameter's part hpz/world times
-        # its primary shard's: the same order, every size scaled alike
-        scale = m // sum(self.segments) if self.segments and m % sum(self.segments) == 0 else 1
-        parts = _parts(m, [size * scale for size in self.segments or ()] or None, "qwZ")
-        layout = block_layout(m, parts, self.block, input_tensor.device)
+        parts = self.segments
+        if parts and m % sum(parts) == 0:   # hpZ's backward gather (after forward) holds each
+            # parameter's part world/hpz times its primary shard's, in the same order
+            parts = [size * (m // sum(parts)) for size in parts]
+        layout = block_layout(m, _parts(m, parts, "qwZ"), self.block, input_tensor.device)
         wire = _quantize_rows(input_tensor.view(1, m), self.bits, layout, self.block)
         gathered = torch.empty(n, wire.size(1), dtype=torch.uint8, device=wire.device)
         _all_gather(gathered.view(-1), wire.view(-1), group=group)

@@ -22,7 +22,7 @@ from engine.runtime import Runtime
 from engine.tracking import Tracker
 from engine.trainer import TrainEngine
 from steps import demo
-from steps.config import step_dir
+from steps.config import FINISHED, step_dir
 from steps.data import DataError, permutation, train_eval_split
 from steps.tokenize import TokenizeStats
 
@@ -38,7 +38,7 @@ def start_step(cfg: DictConfig, step: int, dp: DataParallel, *, resume: bool) ->
         directory.mkdir(parents=True, exist_ok=True)
         if not resume:
             (directory / "metrics.jsonl").unlink(missing_ok=True)
-        (directory / "finished").unlink(missing_ok=True)   # train.py marks it at the end
+        (directory / FINISHED).unlink(missing_ok=True)   # train.py marks it at the end
         (directory / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     dp.write_once(write)

@@ -336,6 +336,9 @@ def step_dir(cfg, step: int) -> Path:
     return Path(cfg.output_dir) / f"step{step}"
 
 
+FINISHED = "finished"   # in a step's directory once its models are written (train.py)
+
+
 def register() -> None:
     """Make the schema available to configs/config.yaml as `schema`."""
     ConfigStore.instance().store(name="schema", node=RunConfig)

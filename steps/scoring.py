@@ -28,9 +28,10 @@ class RewardScorer:
         self.model, self.device = model, device
         self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
         self.same_vocabulary = actor_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
-        self.reads_actor_ids = (
-            self.same_vocabulary and actor_tokenizer.eos_token_id == reward_tokenizer.eos_token_id
-            and actor_tokenizer(self.PROBE)["input_ids"] == reward_tokenizer(self.PROBE)["input_ids"])
+        self.reads_actor_ids = self.same_vocabulary and (
+            actor_tokenizer.eos_token_id == reward_tokenizer.eos_token_id
+            and actor_tokenizer(self.PROBE)["input_ids"]
+            == reward_tokenizer(self.PROBE)["input_ids"])
 
     @torch.no_grad()
     def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
