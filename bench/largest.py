@@ -31,7 +31,6 @@ Run:  python bench/largest.py                          (one GPU; minutes per pre
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import statistics
@@ -44,6 +43,7 @@ import torch
 from peers import REPO, Run, measured_rates, train_env, write_prompts  # puts REPO on the path
 
 from engine.models import SHAPES, byte_tokenizer, preset_config
+from engine.tracking import read_metrics
 
 NEW_TOKENS, PROMPTS, GROUP, FORWARD = 64, 4, 4, 4
 MAX_PROMPT = 128   # tokens of the presets' byte tokenizer: hh-rlhf's short questions
@@ -90,8 +90,7 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
     if result.returncode:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         return None, lines[-1] if lines else f"exit {result.returncode}"
-    rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text()
-            .splitlines()]
+    rows = read_metrics(out / "step3" / "metrics.jsonl")
     timed = [r for r in rows if "time/iteration" in r][1:]
     losses = [r[k] for r in rows for k in ("train/policy_loss", "train/kl_loss") if k in r]
     row = {k: statistics.median(r[f"time/{k}"] for r in timed)

@@ -14,19 +14,21 @@ Runs whose output directory already holds a finished run are read, not run again
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from engine.tracking import read_metrics  # noqa: E402
+
 GRPO = ["ppo.algorithm=grpo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
         "ppo.epochs=1"]
 
 
 def last_row(path: Path) -> dict:
-    return json.loads(path.read_text().splitlines()[-1])
+    return read_metrics(path)[-1]
 
 
 def run(out: Path, args: list[str]) -> None:

@@ -15,7 +15,6 @@ Run:  python bench/quantized_base.py [--part demo|sft|all] [--seeds 1,2]   (~15 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -25,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from engine.tracking import read_metrics  # noqa: E402
+
 DATA = ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 BASES = {"full": [], "int8": ["--zero-quantized-nontrainable-weights"],
          "int4": ["--zero-quantized-nontrainable-weights", "engine.quantized_base.bits=4"]}
@@ -47,7 +49,7 @@ def train(out: Path, *args: str) -> float:
 
 
 def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def demo(root: Path, seeds: list[int]) -> None:

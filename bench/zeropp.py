@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import resource
 import shlex
@@ -62,6 +61,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from engine.tracking import read_metrics  # noqa: E402
 
 WORLD, PER_NODE = 4, 2
 DATA = Path("/work/shared/data/hh-rlhf-harmless-base-test.jsonl.gz")
@@ -248,7 +248,7 @@ def _train_command(out: Path, zeropp: bool, args) -> list[str]:
 
 
 def _read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def _final_loss(rows: list[dict], tail: float = 0.1) -> tuple[float, int, int]:

@@ -1,9 +1,12 @@
 """Metrics: one JSON object per logged step in <step dir>/metrics.jsonl, mirrored to
-wandb when enabled (offline when there is no API key)."""
+wandb when enabled (offline when there is no API key). The file is strict JSON: a NaN or
+inf metric (a skipped update's gradient norm) is written as null, which `jq`, pandas and
+JSON parsers outside Python read; wandb gets the float itself."""
 
 from __future__ import annotations
 
 import json
+import math
 import netrc
 import os
 from collections.abc import Callable
@@ -73,8 +76,9 @@ class Tracker:
             return
         metrics = {**metrics, **(self.read_sources() if sources is None else sources)}
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        line = json.dumps({k: _finite_or_none(v) for k, v in row.items()}, allow_nan=False)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(line + "\n")
         self.rows += 1
         if self._wandb is not None:
             self._wandb.log(row, step=step)
@@ -93,3 +97,18 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float):
         return float(f"{value:.7g}")
     return value
+
+
+def _finite_or_none(value: Any) -> Any:
+    """A float JSON can hold: NaN and inf have no JSON spelling (Python's json writes `NaN`,
+    which strict parsers refuse), so they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """A metrics.jsonl's rows, with a null (a NaN or inf when logged) read back as NaN, so
+    `math.isfinite` and formatting work on every value."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [{k: math.nan if v is None else v for k, v in row.items()} for row in rows]

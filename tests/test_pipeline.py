@@ -32,6 +32,7 @@ from engine.models import (
     load_tokenizer,
     sequence_scores,
 )
+from engine.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +103,9 @@ def run_train(*args, settings: dict = BASE, **extra) -> Run:
 def metrics(path: Path) -> list[dict]:
     lines = path.read_text().splitlines()
     assert lines, f"{path} is empty"
-    rows = [json.loads(line) for line in lines]
+    for line in lines:   # strict JSON: NaN and inf are written as null
+        json.loads(line, parse_constant=lambda name: pytest.fail(f"{path}: {name}"))
+    rows = read_metrics(path)
     assert all(isinstance(row, dict) for row in rows)
     return rows
 

@@ -1,12 +1,14 @@
 """metrics.jsonl and the wandb mirror (offline: no key, no network)."""
 
 import json
+import math
 import sys
 
 import pytest
+import torch
 
 from engine.errors import UserError
-from engine.tracking import Tracker, _wandb_mode
+from engine.tracking import Tracker, _wandb_mode, read_metrics
 
 
 def test_metrics_jsonl_one_object_per_logged_step(tmp_path):
@@ -22,6 +24,20 @@ def test_metrics_jsonl_one_object_per_logged_step(tmp_path):
     assert rows == [{"step": 1, "train/loss": 1.234568, "epoch": 0},
                     {"step": 2, "train/loss": 0.5, "train/lr": 9.65e-6,
                      "train/approx_kl": 4.123457e-7}]
+
+
+def test_non_finite_metrics_are_strict_json_nulls_read_back_as_nan(tmp_path):
+    """Python's json writes NaN/Infinity, which jq, pandas' strict readers and every JSON
+    parser outside Python refuse; a skipped update logs a NaN gradient norm."""
+    tracker = Tracker(tmp_path / "step3")
+    tracker.log({"train/grad_norm": float("nan"), "train/loss": torch.tensor(float("-inf")),
+                 "train/kl": float("inf"), "train/skipped_steps": 1}, step=3)
+    line = (tmp_path / "step3" / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda name: pytest.fail(name)) == {
+        "step": 3, "train/grad_norm": None, "train/loss": None, "train/kl": None,
+        "train/skipped_steps": 1}
+    [row] = read_metrics(tmp_path / "step3" / "metrics.jsonl")
+    assert math.isnan(row["train/grad_norm"]) and row["train/skipped_steps"] == 1
 
 
 def test_wandb_auto_mode_is_offline_without_a_key(monkeypatch, tmp_path):
