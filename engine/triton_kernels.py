@@ -8,7 +8,7 @@ import triton.language as tl
 def add_norm_kernel(delta_ptr, residual_ptr, weight_ptr, bias_ptr, sum_ptr, out_ptr,
                     n_cols, eps, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
                     RMS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)   # rows x n_cols passes 2^31 in a big prefill
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offsets = row * n_cols + cols
@@ -36,7 +36,7 @@ def add_norm_kernel(delta_ptr, residual_ptr, weight_ptr, bias_ptr, sum_ptr, out_
 
 @triton.jit
 def silu_mul_kernel(gate_up_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)   # 70B's 2 x 28672 per row: past 2^31 at 37,450 rows
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_up_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0)

@@ -74,6 +74,22 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
     _assert_close(got, kernels.silu_mul_reference(gate_up.float()))
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="4-9 GB tensors: the interpreter would take hours")
+def test_row_offsets_past_2_to_the_31_are_right():
+    """A 70B prefill's rows: silu_mul's 2 x 28672 values per row pass 2^31 elements at row
+    37,450, add_norm's 8192 at row 262,144. int32 offsets wrapped there, reading and writing
+    other tensors' memory."""
+    gate_up = torch.randn(37_460, 2 * 28672, device=DEVICE, dtype=torch.bfloat16)
+    _assert_close(kernels.silu_mul(gate_up)[-16:],
+                  kernels.silu_mul_reference(gate_up[-16:].float()))
+    del gate_up
+    residual = torch.randn(262_160, 8192, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.ones(8192, device=DEVICE, dtype=torch.bfloat16)
+    _, got = kernels.add_norm(None, residual, weight, None, 1e-5, True)
+    _assert_close(got[-16:], kernels.add_norm_reference(None, residual[-16:].float(),
+                                                         weight.float(), None, 1e-5, True)[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (8, 2, 24), (8, 1, 64)])
 def test_decode_attention_equals_sdpa_over_the_masked_cache(dtype, heads, kv_heads, d):
