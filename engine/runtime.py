@@ -100,6 +100,8 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
         # groups made later without a timeout (ZeRO++'s node levels, FSDP2's hpZ mesh)
         # take c10d's default, 30 minutes on gloo: make timeout_s theirs too
         c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
+    elif device.startswith("cuda"):
+        _use_cuda_device(torch.device(device))
     seed_everything(seed)
     per_node = procs_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:
@@ -107,6 +109,17 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
                         "ranks into whole nodes")
     return Runtime(device=torch.device(device), dtype=_DTYPES[dtype], rank=rank,
                    world_size=world_size, local_rank=local_rank, ranks_per_node=per_node)
+
+
+def _use_cuda_device(device: torch.device) -> None:
+    """Make `engine.device=cuda:N` the current device: Triton kernels, CUDA graphs and
+    `torch.cuda` calls without a device run on the current one, not on their tensors'."""
+    if device.index is None:
+        return
+    if device.index >= torch.cuda.device_count():
+        raise UserError(f"engine.device={device}: this machine has {torch.cuda.device_count()} "
+                        f"CUDA devices (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    torch.cuda.set_device(device)
 
 
 def seed_everything(seed: int) -> None:

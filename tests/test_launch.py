@@ -143,6 +143,30 @@ def test_every_process_group_gets_the_runs_timeout(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_single_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
+    """engine.device=cuda:1 without torchrun: Triton kernels and CUDA graphs run on the
+    current device, so cuda:1 must become it (they ran on cuda:0's stream with cuda:1's
+    pointers); a device the machine lacks is refused in one line. CUDA is faked here."""
+    import torch
+
+    from engine.errors import UserError
+    from engine.runtime import setup_runtime
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert setup_runtime("cuda:1", "float32").device == torch.device("cuda:1")
+    assert current == [torch.device("cuda:1")]
+    setup_runtime("cuda", "float32")
+    assert current == [torch.device("cuda:1")]   # plain "cuda": the current device as it is
+    with pytest.raises(UserError, match=r"engine.device=cuda:2: this machine has 2 CUDA "
+                                        r"devices \(cuda:0 to cuda:1\)"):
+        setup_runtime("cuda:2", "float32")
+
+
 def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     """torchrun starts the ranks in sessions of their own: with the launcher killed outright
     (SIGKILL, the OOM killer) they trained on, racing a rerun for the output directory.
