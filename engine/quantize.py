@@ -105,6 +105,9 @@ def unpack_wire(buf: torch.Tensor, bits: int, block: int, numel: int) -> Quantiz
 def _claim_wire(buf: torch.Tensor, bits: int, block: int, numel: int) -> QuantizedBlocks:
     """unpack_wire for writing: also zeroes the padding so equal data gives equal bytes."""
     payload_bytes, scales_at, _ = _wire_layout(numel, bits, block)
+    if (buf.storage_offset() + scales_at) % 4:   # unpack_wire would copy the scales
+        raise ValueError("quantize(out=): the buffer must start 4-byte aligned (offset "
+                         f"{buf.storage_offset()}), or the scales land in a copy")
     q = unpack_wire(buf, bits, block, numel)
     buf[payload_bytes:scales_at].zero_()
     buf[scales_at + 4 * (numel // block):].zero_()
@@ -217,7 +220,8 @@ def quantize(x: torch.Tensor, bits: int = 8, block: int = 256,
              out: torch.Tensor | None = None) -> QuantizedBlocks:
     """x: flat contiguous [numel] fp32/bf16/fp16, numel a multiple of `block` (else
     ValueError; pad first). Returns payload (int8 [numel], or uint8 [numel // 2] for 4 bits)
-    and fp32 scales [numel // block]. With `out` (uint8 [wire_bytes(numel, bits, block)])
+    and fp32 scales [numel // block]. With `out` (uint8 [wire_bytes(numel, bits, block)],
+    4-byte aligned)
     they are written into it, in the wire layout, and the result's tensors view it."""
     if _fused(x):
         return quantize_triton(x, bits, block, out)

@@ -125,6 +125,9 @@ def test_wire_layout_and_round_trip():
         # and a misaligned buffer still unpacks (its scales copied)
         shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), buf])[1:]
         assert torch.equal(Q.dequantize(Q.unpack_wire(shifted, bits, 4, 20)), Q.dequantize(q))
+        # but is refused for writing: its scales would have gone into that copy, not `out`
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            Q.quantize(x, bits, 4, out=shifted)
 
 
 def test_dequantize_into_out():
