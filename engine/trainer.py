@@ -138,18 +138,21 @@ class TrainEngine:
         grad_norm = float(grad_norm)
         self._loss_nonfinite.zero_()
         overflow = not loss_bad and not math.isfinite(grad_norm)
-        if overflow and self.loss_scale.can_lower():   # fp16's scale, not the model
+        scale_overflow = overflow and self.loss_scale.can_lower()   # fp16's scale, not the model
+        if scale_overflow:
             self.loss_scale.update(overflow=True)
         elif loss_bad or overflow:
             self._skip("loss" if loss_bad else f"gradient norm ({grad_norm})")
+            grad_norm = grad_norm if overflow else math.nan   # a skip reads as one
         else:
             self.skipped_in_a_row = 0
             self.optimizer.step()
             self.loss_scale.update(overflow=False)
         self.applied_lr = self.lr
-        with warnings.catch_warnings():   # a skipped first update: the schedule moves on
-            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
-            self.scheduler.step()
+        if not scale_overflow:   # the scale's search spends no warmup (as DeepSpeed's fp16)
+            with warnings.catch_warnings():   # a skipped first update: the schedule moves on
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
+                self.scheduler.step()
         self._drop_gradients()
         self.steps += 1
         return grad_norm

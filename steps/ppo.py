@@ -532,6 +532,10 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
                "generation/decode_steps_built": models.actor.decode_steps_built}
     if models.critic is not None:
         metrics["train/critic_skipped_steps"] = models.critic.skipped_steps
+    for name, engine in (("", models.actor), ("critic_", models.critic)):
+        if engine is not None and engine.loss_scale.enabled:   # fp16
+            metrics[f"train/{name}loss_scale"] = engine.loss_scale.value
+            metrics[f"train/{name}scale_overflows"] = engine.loss_scale.overflows
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
                             answers, metrics.pop("answer/tokens"), trained_tokens)
     iteration = state.iteration + 1

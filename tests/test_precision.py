@@ -180,15 +180,21 @@ def test_a_checkpointed_forward_is_recomputed_under_the_forwards_attention_choic
 # Guards in the optimizer step
 
 
-@pytest.mark.parametrize("poison", ["loss", "gradient"])
+@pytest.mark.parametrize("poison", ["loss", "loss only", "gradient"])
 def test_non_finite_update_is_skipped_and_counted(tok, poison):
-    """A NaN loss, or a finite loss with an inf gradient: no update (weights and AdamW
-    state bit for bit as before), the step counted as skipped, the next good step trains."""
+    """A NaN loss (also one whose gradients are finite: a NaN constant term), or a finite
+    loss with an inf gradient: no update (weights and AdamW state bit for bit as before),
+    the step counted as skipped and its gradient norm NaN or inf (as the metrics read a
+    skip), the next good step trains."""
     engine = engine_for(load_causal_lm("tiny-llama", tok, seed=0), max_skipped_steps=3)
     assert train_step(engine, batch(0)) > 0
     before = snapshot(engine)
     if poison == "loss":
         grad_norm = train_step(engine, batch(1), poison=float("nan"))
+    elif poison == "loss only":
+        ids = batch(1)
+        engine.backward(sft_loss(engine(input_ids=ids).logits, ids) + torch.tensor(math.nan))
+        grad_norm = engine.step()
     else:
         weight = engine.module.model.layers[0].mlp.up_proj.weight
         handle = weight.register_hook(lambda grad: grad * float("inf"))
@@ -499,6 +505,8 @@ def test_fp16_scales_the_loss_so_small_gradients_survive_and_an_overflow_lowers_
 
     norm, engine, start = _fp16_step(tok, 1e8)   # overflows fp16 at 2^16, not in fp32
     assert not math.isfinite(norm) and engine.skipped_steps == 0
+    # the scale's search spends no step of the learning-rate schedule (its warmup)
+    assert engine.scheduler.last_epoch == 0 and engine.steps == 1
     assert engine.loss_scale.state_dict() == {"value": 2.0**15, "clean": 0, "overflows": 1}
     assert all(torch.equal(value, start[name]) for name, value in
                engine.module.state_dict().items())
