@@ -867,6 +867,20 @@ def test_non_finite_update_in_step3_is_skipped_and_logged(llama_run, tmp_path, m
     assert all(torch.isfinite(w).all() for w in weights(tmp_path / "step3" / "actor").values())
 
 
+def test_step3_in_fp16_logs_both_loss_scales(llama_run, tmp_path):
+    """engine.dtype=fp16 (GPUs without bf16): step 3's rows give the actor's and the
+    critic's loss scale and overflow count, as steps 1-2's give theirs."""
+    out, _ = llama_run
+    run_train("--step", "3", "--output-dir", tmp_path, settings=SMALL,
+              **{"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward",
+                 "ppo.log_every": 1, "engine.dtype": "fp16"}).check()
+    rows = [r for r in metrics(tmp_path / "step3" / "metrics.jsonl") if "train/grad_norm" in r]
+    for prefix in ("train/", "train/critic_"):
+        assert all(r[f"{prefix}loss_scale"] * 2 ** r[f"{prefix}scale_overflows"] == 2**16
+                   for r in rows)
+    assert all(torch.isfinite(w).all() for w in weights(tmp_path / "step3" / "actor").values())
+
+
 @pytest.mark.parametrize("span, recorded", [("[1,2]", "1-2"), ("[2,9]", "2-2")])
 def test_profile_records_the_chosen_iterations(llama_run, tmp_path, span, recorded):
     """ppo.profile=[first,last]: torch.profiler over those step-3 iterations (this run has
