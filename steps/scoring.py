@@ -4,9 +4,6 @@ test, a format rule), or a weighted sum of both."""
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
 import torch
 
 from engine.errors import NonFiniteError, UserError
@@ -86,10 +83,28 @@ class RewardFunction:
         except Exception as why:   # the user's code: say which input broke it
             raise UserError(f"{where} raised {type(why).__name__}: {why} (on prompt "
                             f"{prompt[-60:]!r}, answer {answer[:60]!r})") from None
-        if not isinstance(value, Real) or not math.isfinite(value):
-            raise UserError(f"{where} returned {value!r} (on prompt {prompt[-60:]!r}): it must "
-                            "return a finite number")
-        return float(value)
+        score = _as_score(value)
+        if score is None:
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise UserError(f"{where} returned {shown} (on prompt {prompt[-60:]!r}): it must "
+                            "return a finite number within float32's range (±3.4e38)")
+        return score
+
+
+def _as_score(value) -> float | None:
+    """A reward function's value as the float32 the rewards are kept in, or None where it
+    is none: not a number (text, a sequence), NaN or inf, or past float32's range (a
+    finite 1e39 or 10**400 became inf there)."""
+    if isinstance(value, str | bytes):
+        return None
+    try:
+        score = float(value)   # a Python or NumPy number, a Decimal, a one-value tensor
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None
+    return score if abs(score) <= _FLOAT32_MAX else None
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def decode_rollouts(tokenizer, sequences: torch.Tensor, prompt_len: int
@@ -128,4 +143,8 @@ class Rewards:
         if self.fn is not None:
             scores = self.fn(*decode_rollouts(self.tokenizer, sequences, prompt_len))
             total += self.fn_weight * torch.tensor(scores, device=sequences.device)
+        if not bool(torch.isfinite(total).all()):   # a weight x score past float32's range
+            raise NonFiniteError(f"{int((~total.isfinite()).sum())} of {len(total)} rewards "
+                                 "went NaN or inf weighting and adding the scores; lower "
+                                 "ppo.reward_model_weight / ppo.reward_fn_weight")
         return total

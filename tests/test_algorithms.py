@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import fields
+from decimal import Decimal
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.errors import UserError
+from engine.errors import NonFiniteError, UserError
 from engine.runtime import Runtime
 from steps import algorithms, demo, ppo
 from steps.algorithms import load_reward_fn
@@ -361,11 +363,27 @@ def test_reward_function_sees_prompt_and_answer_texts_and_is_weighted():
     (lambda p, a: "high", r"ppo.reward_fn=tests:fn returned 'high' .*finite number"),
     (lambda p, a: float("nan"), r"returned nan .*finite number"),
     (lambda p, a: None, r"returned None"),
+    # finite in Python, inf in the float32 rewards: trained on as inf (clipped to
+    # ppo.reward_clip) and evaluated as inf or NaN
+    (lambda p, a: 1e39, r"returned 1e\+39 .*within float32's range"),
+    (lambda p, a: 10**400, r"returned 1000.* within float32's range"),
+    (lambda p, a: [0.5], r"returned \[0.5\]"),
 ])
 def test_reward_function_failures_are_one_line_errors(fn, said):
     with pytest.raises(UserError, match=said) as error:
         rewards_of(fn)
     assert "\n" not in str(error.value)
+
+
+def test_reward_function_may_return_any_real_number():
+    """A one-value tensor or a Decimal is a number (TRL's reward functions return tensors);
+    a weighted sum past float32's range stops the run in one line."""
+    close(rewards_of(lambda p, a: torch.tensor(0.25)), [0.5, 0.5])
+    close(rewards_of(lambda p, a: Decimal("0.25")), [0.5, 0.5])
+    close(rewards_of(lambda p, a: np.float32(0.25)), [0.5, 0.5])
+    with pytest.raises(NonFiniteError, match=r"2 of 2 rewards went NaN or inf .* lower "
+                                             r"ppo.reward_model_weight / ppo.reward_fn_weight"):
+        rewards_of(lambda p, a: 3e38)   # weight 2
 
 
 def test_the_demo_scorer_is_a_reward_function():
