@@ -170,6 +170,7 @@ def build_config(args: argparse.Namespace) -> DictConfig:
             if value is not None:
                 OmegaConf.update(cfg, key, sorted(set(value)) if key == "steps" else value)
     cfg.resume = str(cfg.resume).lower()
+    cfg.steps = sorted(set(cfg.steps))   # steps=[3,1] as --step 3 1: each once, in order
     return cfg
 
 
@@ -230,9 +231,10 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.data.demo_task not in TASKS:
         raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
     if 3 in steps:
-        from steps.algorithms import check_settings
+        from steps.algorithms import check_settings, model_paths
 
         check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
+        model_paths(cfg, made=tuple(s for s in steps if s < 3))   # not after hours of 1-2
     plan_steps(cfg)
 
 
@@ -264,7 +266,8 @@ def _can_make_dir_in(directory: Path) -> bool:
 # The rendezvous keys a run on one node ignores, by flag: on a cluster such a run would
 # start every node as a whole job of its own, all writing into the shared output dir.
 RENDEZVOUS_FLAGS = {"launch.nnodes": "--nnodes", "launch.node_rank": "--node-rank",
-                    "launch.master_addr": "--master-addr", "launch.hostfile": "--hostfile"}
+                    "launch.master_addr": "--master-addr", "launch.master_port": "--master-port",
+                    "launch.hostfile": "--hostfile"}
 
 
 def check_launch(cfg: DictConfig) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 from engine.errors import UserError
@@ -43,6 +44,37 @@ def load_reward_fn(spec: str, key: str = "ppo.reward_fn") -> RewardFn:
     if not callable(fn):
         raise UserError(f"{key}={spec}: {module_name} has no function {attribute}")
     return fn
+
+
+def model_paths(cfg, made: tuple[int, ...] = ()) -> tuple[str, str | None]:
+    """Step 3's actor and reward-model directories (None: no reward model), each refused in
+    one line when it holds no model: the actor may be a preset instead (random weights: a
+    shape probe, e.g. llama-70b). `made`: the steps this run trains first (train.py checks
+    before step 1), whose default outputs (<output_dir>/actor, /reward) count as there."""
+    from engine.model_source import is_preset
+
+    out, ppo = Path(cfg.output_dir), cfg.ppo
+    actor_path = ppo.actor_path or str(out / "actor")
+    reward_path = (ppo.reward_path or str(out / "reward")) if ppo.reward_model_weight != 0 \
+        else None
+    critic_path = ppo.critic_path if ALGORITHMS[ppo.algorithm].critic else None
+    for path, what, key, step in ((actor_path, "step-1 actor", "ppo.actor_path", 1),
+                                  (reward_path, "step-2 reward model", "ppo.reward_path", 2),
+                                  (critic_path, "critic's starting model", "ppo.critic_path", 0)):
+        if path is None or (Path(path) / "config.json").exists() \
+                or (key != "ppo.reward_path" and is_preset(path)):
+            continue
+        default = step and Path(path) == out / ("actor" if step == 1 else "reward")
+        if default and step in made:   # written by this run before step 3
+            continue
+        if not default:   # the user's own path: no such model
+            raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "
+                            "model directory; check the path")
+        alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
+                 if key == "ppo.reward_path" else "")
+        raise UserError(f"step 3 needs the {what} at {path}: run its step first "
+                        f"(--step 1 2 3) or set {key}=DIR{alone}")
+    return actor_path, reward_path
 
 
 def check_settings(ppo, quantized_base: bool = False) -> None:

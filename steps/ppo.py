@@ -65,7 +65,7 @@ from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
 from engine.tracking import Tracker
 from engine.trainer import TrainEngine
-from steps.algorithms import ALGORITHMS, Algorithm
+from steps.algorithms import ALGORITHMS, Algorithm, model_paths
 from steps.common import (
     StepCheckpoints,
     batches,
@@ -232,29 +232,6 @@ ESTIMATORS = {
 }
 
 
-def _paths(cfg: DictConfig) -> tuple[str, str | None]:
-    """The actor's and the reward model's directories (None: no reward model); the actor
-    may be a preset instead (random weights: a shape probe, e.g. llama-70b)."""
-    out = Path(cfg.output_dir)
-    actor_path = cfg.ppo.actor_path or str(out / "actor")
-    reward_path = (cfg.ppo.reward_path or str(out / "reward")
-                   if cfg.ppo.reward_model_weight != 0 else None)
-    critic_path = cfg.ppo.critic_path if ALGORITHMS[cfg.ppo.algorithm].critic else None
-    for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
-                            (reward_path, "step-2 reward model", "ppo.reward_path"),
-                            (critic_path, "critic's starting model", "ppo.critic_path")):
-        if path is not None and not (Path(path) / "config.json").exists() \
-                and not (key != "ppo.reward_path" and is_preset(path)):
-            if OmegaConf.select(cfg, key) is not None:   # the user's own path: no such model
-                raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "
-                                "model directory; check the path")
-            alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
-                     if key == "ppo.reward_path" else "")
-            raise UserError(f"step 3 needs the {what} at {path}: run its step first "
-                            f"(--step 1 2 3) or set {key}=DIR{alone}")
-    return actor_path, reward_path
-
-
 class Prompts(NamedTuple):
     train: list[list[int]]      # token ids of the rollout prompts
     eval: list[list[int]]       # held-out prompts (before/after evaluation)
@@ -417,7 +394,7 @@ class Progress(NamedTuple):
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
         rt: Runtime, resume: bool = False) -> dict:
-    actor_path, reward_path = _paths(cfg)  # before start_step touches a previous run's files
+    actor_path, reward_path = model_paths(cfg)  # before start_step touches a previous run's files
     dp, place = DataParallel(rt), placement(cfg, rt)
     out = start_step(cfg, 3, dp, resume=resume)
     tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")

@@ -442,9 +442,10 @@ def test_a_free_form_key_still_takes_any_value():
     (("--nnodes", "2", "--node-rank", "1"), "--nnodes 2 (launch.nnodes)"),
     (("--node-rank", "1"), "--node-rank 1 (launch.node_rank)"),
     (("--master-addr", "10.0.0.1"), "--master-addr 10.0.0.1 (launch.master_addr)"),
+    (("--master-port", "1234"), "--master-port 1234 (launch.master_port)"),
     (("--hostfile", "hosts"), "--hostfile hosts (launch.hostfile)"),
     (("--deployment-type", "single_node", "launch.nnodes=2"), "--nnodes 2 (launch.nnodes)"),
-], ids=["nnodes", "node-rank", "master-addr", "hostfile", "single-node"])
+], ids=["nnodes", "node-rank", "master-addr", "master-port", "hostfile", "single-node"])
 def test_rendezvous_flags_need_multi_node(argv, said):
     """Without multi_node a node would run the whole job alone, into the shared output dir."""
     line = refusal(*argv)
@@ -455,6 +456,21 @@ def test_rendezvous_flags_pass_with_multi_node():
     train.check_launch(config("--deployment-type", "multi_node", "--nnodes", "2",
                               "--node-rank", "1", "--master-addr", "10.0.0.1"))
     train.check_launch(config("--nnodes", "1"))   # one node is what it runs anyway
+
+
+@pytest.mark.parametrize("argv, said", [
+    (("ppo.critic_path=/no/such/critic",), "ppo.critic_path=/no/such/critic: no config.json"),
+    (("--step", "2", "3", "--reward-model", "tiny-llama"), "step 3 needs the step-1 actor at"),
+    (("--step", "1", "3", "--actor-model", "tiny-llama"), "step 3 needs the step-2 reward model"),
+], ids=["typo", "no-step-1", "no-step-2"])
+def test_step_3_models_are_checked_before_steps_1_and_2_train(tmp_path, argv, said):
+    """Found only when step 3 started, such a mistake cost the whole of steps 1 and 2."""
+    assert refusal("--output-dir", str(tmp_path / "out"), *argv).startswith(said)
+    train.check_config(config("--output-dir", str(tmp_path / "out")))   # 1-2 make them
+
+
+def test_the_steps_key_runs_each_step_once_in_order():
+    assert list(config("steps=[3,1,1]").steps) == [1, 3]
 
 
 def test_an_output_dir_that_cannot_be_made_is_refused(tmp_path):
@@ -502,4 +518,6 @@ def test_a_selected_step_without_data_is_refused_naming_the_split(argv, said):
     """Before step 1 runs, not blamed on data.max_prompt_len once step 2 finds no pairs."""
     line = refusal(*argv)
     assert line.startswith("data.split=[") and said in line, line
-    train.check_config(config("--step", "3", "data.split=[0,1,1]"))   # step 3 alone: fine
+    train.check_config(config("--step", "3", "data.split=[0,1,1]",   # step 3 alone: fine
+                              "ppo.actor_path=tiny-llama", "ppo.reward_model_weight=0",
+                              "ppo.reward_fn=steps.demo:score"))

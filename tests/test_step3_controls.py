@@ -20,6 +20,7 @@ from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, seq
 from engine.parallel import frozen
 from engine.runtime import Runtime
 from steps import ppo
+from steps.algorithms import model_paths
 from steps.config import RunConfig
 from steps.rlhf import tilted_kl
 from steps.scoring import RewardFunction, Rewards, RewardScorer, decode_rollouts
@@ -348,7 +349,7 @@ def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path):
     """The default paths (a step not run yet) say to run it; a path the user gave that
     holds no model says so, rather than to run a step that would not write there."""
     def paths(**ppo_keys):
-        return ppo._paths(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        return model_paths(OmegaConf.merge(OmegaConf.structured(RunConfig), {
             "output_dir": str(tmp_path), "ppo": ppo_keys}))
 
     with pytest.raises(UserError, match=r"step 3 needs the step-1 actor at .*: run its step"):
