@@ -215,7 +215,9 @@ def check_path(path: str, base: str | None) -> None:
     (chat.py has no option to bring one). `base`: the model under an adapter `path`."""
     flag = (f"--path {path}: its adapter_config.json's base_model_name_or_path" if base
             else "--path")   # the base a copied output dir names may be elsewhere now
-    kind = model_source(base or path, flag)
+    kind = model_source(base or path, flag, missing=(
+        "edit it to where the base model is now" if base
+        else "pass a trained model directory (e.g. output/step3/actor) or a hub name"))
     if kind == "preset" and base is None:
         raise UserError(f"--path {path}: a built-in preset, random weights with nothing "
                         "trained; pass a trained model directory (e.g. output/step3/actor)")

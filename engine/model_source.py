@@ -34,9 +34,11 @@ def is_preset(spec: str) -> bool:
     return spec in PRESET_NAMES or spec in SHAPES
 
 
-def model_source(spec: str, flag: str, tokenizer: bool = False) -> str:
+def model_source(spec: str, flag: str, tokenizer: bool = False, missing: str | None = None
+                 ) -> str:
     """Classify a model (or tokenizer) argument as 'preset', 'local' or 'hub'; fail early on
-    a bad path. A tokenizer directory holds no config.json, only tokenizer files."""
+    a bad path. A tokenizer directory holds no config.json, only tokenizer files. `missing`:
+    what to do about a path that does not exist (default: the model arguments' choices)."""
     if is_preset(spec):
         return "preset"
     path = Path(spec).expanduser()
@@ -53,9 +55,9 @@ def model_source(spec: str, flag: str, tokenizer: bool = False) -> str:
                             f"Hugging Face {what}")
         return "local"
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise UserError(f"{flag} {spec}: no such directory; pass a Hugging Face model "
-                        "directory (e.g. output/step3/actor), a hub name or a preset "
-                        f"({', '.join([*PRESET_NAMES, *SHAPES])})")
+        raise UserError(f"{flag} {spec}: no such directory; " + (
+            missing or "pass a Hugging Face model directory (e.g. output/step3/actor), a hub "
+            f"name or a preset ({', '.join([*PRESET_NAMES, *SHAPES])})"))
     return "hub"
 
 

@@ -403,6 +403,7 @@ def test_error_missing_path_in_process(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--path" in err and str(missing) in err
     assert "no such directory" in err and "output/step3/actor" in err
+    assert "preset" not in err   # chat.py refuses them: random weights
 
 
 def test_error_missing_path_cli(tmp_path):
@@ -465,7 +466,7 @@ def test_an_adapter_directory_loads_merged_into_its_base(tmp_path, capsys, monke
     assert chat.main(["--path", str(tmp_path / "adapter")]) == 2
     err = capsys.readouterr().err
     assert f"--path {tmp_path / 'adapter'}: its adapter_config.json's base_model_name_or_path" \
-        in err and err.count("\n") == 1
+        in err and err.count("\n") == 1 and "edit it to where the base model is now" in err
 
 
 @pytest.mark.parametrize("broken, said", [
