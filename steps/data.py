@@ -180,7 +180,7 @@ def _bad_json_line(path: Path) -> str | None:
     number it (`datasets` names rows from 0); None for a JSON array or when all parse."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             for number, line in enumerate(f, 1):
                 if number == 1 and line.lstrip().startswith("["):
                     return None
@@ -198,7 +198,7 @@ def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
     for columns of mixed types (malformed records), so that errors name the right one."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             text = f.read()
         records = (json.loads(text) if text.lstrip().startswith("[")
                    else [json.loads(line) for line in text.splitlines() if line.strip()])

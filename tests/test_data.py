@@ -198,6 +198,21 @@ def test_a_bad_json_line_is_named_by_its_line_number(tmp_path):
         load_pairs(str(path))
 
 
+def test_a_file_with_a_utf8_bom_is_named_right(tmp_path):
+    """A BOM (Windows editors write one) used to make the re-readers fail on line 1: a bad
+    line was named as line 1, and a mistyped field as the record `datasets` decoded lossily."""
+    good = json.dumps(PROMPT_RECORDS[0])
+    path = tmp_path / "bom.jsonl"
+    path.write_text(f"\ufeff{good}\n{good}\n{good[:-1]},}}\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^cannot read data file {path}: line 3: "):
+        load_pairs(str(path))
+    records = [PROMPT_RECORDS[0], {**PROMPT_RECORDS[0], "chosen": " 4"},
+               {**PROMPT_RECORDS[0], "chosen": 7}]
+    path.write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    with pytest.raises(DataError, match=r"record 3: field 'chosen' is not text \(got int\)"):
+        load_pairs(str(path))
+
+
 def test_missing_rejected(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "chosen": "c"}])
     with pytest.raises(DataError) as exc:
