@@ -22,6 +22,7 @@ import gzip
 import itertools
 import json
 import logging
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -94,7 +95,9 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
 def _directory_files(path: Path, source: str) -> list[Path]:
     """The data files directly in directory `path`, saying what else is there: other files
     and subdirectories (not searched: a hub snapshot's train and test splits would both
-    land in the blend) are left out, counted, never read unsaid."""
+    land in the blend) are left out, counted, never read unsaid. Files named for hub
+    splits (train-00000-of-00001.parquet, test.jsonl) are read as `datasets` reads them:
+    the train split only."""
     entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
     files = [p for p in entries if p.is_file() and _data_suffix(p)]
     left_out = [p.name + ("/" if p.is_dir() else "") for p in entries if p not in files]
@@ -103,12 +106,40 @@ def _directory_files(path: Path, source: str) -> list[Path]:
                         "files" + (f" (subdirectories are not searched: {', '.join(left_out)})"
                                    if left_out else "")
                         + "; put the preference data there or name the files in data.path")
+    split_named = [p for p in files if _split_of(p) is not None]
+    if split_named:
+        train = [p for p in split_named if _split_of(p) == "train"]
+        others = [p.name for p in files if p not in train]
+        if not train:
+            raise DataError(f"data directory {source} holds hub split files but no train split "
+                            f"({_listed(others)}); name the file to train on in data.path")
+        if others:
+            log.warning("data directory %s: read its train split (%d files), left out %d other "
+                        "data files (%s); name them in data.path to train on them",
+                        source, len(train), len(others), _listed(others))
+        files = train
     if left_out:
         log.warning("data directory %s: read %d data files, left out %d other entries (%s): "
                     "subdirectories and other file types are not read; name them in data.path",
-                    source, len(files), len(left_out), ", ".join(left_out[:5])
-                    + (", ..." if len(left_out) > 5 else ""))
+                    source, len(files), len(left_out), _listed(left_out))
     return files
+
+
+# file-name prefixes `datasets` reads as split names (its split-pattern inference)
+_SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test",
+                "eval": "test", "evaluation": "test", "validation": "validation",
+                "valid": "validation", "val": "validation", "dev": "validation"}
+_SPLIT_PREFIX = re.compile(r"^(" + "|".join(_SPLIT_NAMES) + r")(?=[-._ 0-9]|$)", re.IGNORECASE)
+
+
+def _split_of(path: Path) -> str | None:
+    """The hub split a data file's name gives it ('train', 'test', 'validation') or None."""
+    found = _SPLIT_PREFIX.match(path.name)
+    return _SPLIT_NAMES[found.group(1).lower()] if found else None
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def _data_suffix(path: Path) -> str | None:

@@ -158,6 +158,24 @@ def test_load_directory(tmp_path, caplog):
         load_pairs(str(snapshot))
 
 
+def test_a_directory_of_hub_split_files_reads_its_train_split(tmp_path, caplog):
+    """What `huggingface-cli download` puts in data/: the test rows used to land in training."""
+    write_parquet(tmp_path / "train-00000-of-00002.parquet", PROMPT_RECORDS[:1])
+    write_parquet(tmp_path / "train-00001-of-00002.parquet", PROMPT_RECORDS[1:])
+    write_parquet(tmp_path / "test-00000-of-00001.parquet", PROMPT_RECORDS)
+    write_jsonl(tmp_path / "validation.jsonl", PROMPT_RECORDS)
+    assert load_pairs(str(tmp_path)) == (PROMPT_PAIRS, 0)
+    assert ("read its train split (2 files), left out 2 other data files "
+            "(test-00000-of-00001.parquet, validation.jsonl)") in caplog.text
+    for name in ("train-00000-of-00002.parquet", "train-00001-of-00002.parquet"):
+        (tmp_path / name).unlink()
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(tmp_path))
+    assert one_line(exc) == (f"data directory {tmp_path} holds hub split files but no train "
+                             "split (test-00000-of-00001.parquet, validation.jsonl); name the "
+                             "file to train on in data.path")
+
+
 def test_real_hh_rlhf(hh_rlhf_path):
     pairs, skipped = load_pairs(str(hh_rlhf_path))
     assert len(pairs) + skipped == 2312
