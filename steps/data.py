@@ -102,10 +102,9 @@ def _directory_files(path: Path, source: str) -> list[Path]:
     files = [p for p in entries if p.is_file() and _data_suffix(p)]
     left_out = [p.name + ("/" if p.is_dir() else "") for p in entries if p not in files]
     if not files:
-        raise DataError(f"data directory {source} has no .json/.jsonl/.jsonl.gz/.parquet "
-                        "files" + (f" (subdirectories are not searched: {', '.join(left_out)})"
-                                   if left_out else "")
-                        + "; put the preference data there or name the files in data.path")
+        raise DataError(f"data directory {source} has no .json, .jsonl, .jsonl.gz, .json.gz or "
+                        f".parquet files{_found(entries)}; put the preference data there as one of "
+                        "those or name the files in data.path")
     split_named = [p for p in files if _split_of(p) is not None]
     if split_named:
         train = [p for p in split_named if _split_of(p) == "train"]
@@ -123,6 +122,16 @@ def _directory_files(path: Path, source: str) -> list[Path]:
                     "subdirectories and other file types are not read; name them in data.path",
                     source, len(files), len(left_out), _listed(left_out))
     return files
+
+
+def _found(entries: list[Path]) -> str:
+    """What a directory without data files holds, for its error: ' (found only .csv files;
+    subdirectories are not searched: data/)', or '' when it is empty."""
+    kinds = sorted({p.suffix.lower() or p.name for p in entries if p.is_file()})
+    subdirs = [p.name + "/" for p in entries if p.is_dir()]
+    parts = ([f"found only {', '.join(kinds)} files"] if kinds else []) + (
+        [f"subdirectories are not searched: {_listed(subdirs)}"] if subdirs else [])
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 # file-name prefixes `datasets` reads as split names (its split-pattern inference)

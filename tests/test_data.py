@@ -158,6 +158,18 @@ def test_load_directory(tmp_path, caplog):
         load_pairs(str(snapshot))
 
 
+def test_a_directory_of_other_file_types_names_them(tmp_path):
+    """Not "subdirectories are not searched: ds.csv": the types found and those read."""
+    (tmp_path / "ds.csv").write_text("prompt,chosen,rejected\n")
+    (tmp_path / "README.md").write_text("")
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(tmp_path))
+    assert one_line(exc) == (f"data directory {tmp_path} has no .json, .jsonl, .jsonl.gz, "
+                             ".json.gz or .parquet files (found only .csv, .md files); put the "
+                             "preference data there as one of those or name the files in "
+                             "data.path")
+
+
 def test_a_directory_of_hub_split_files_reads_its_train_split(tmp_path, caplog):
     """What `huggingface-cli download` puts in data/: the test rows used to land in training."""
     write_parquet(tmp_path / "train-00000-of-00002.parquet", PROMPT_RECORDS[:1])
