@@ -1,7 +1,8 @@
 """Preference data in: reading, blending and splitting.
 
 Reading: `load_pairs` turns one source (a local .json/.jsonl/.jsonl.gz/.json.gz/.parquet file,
-a directory of such files, or a Hugging Face hub dataset name) into `PreferencePair`s.
+a directory of such files, a directory written by `datasets`' save_to_disk, or a Hugging Face
+hub dataset name) into `PreferencePair`s.
 Two record shapes are accepted, detected by the columns of the record set:
 
 * DeepSpeed-Chat style: `prompt`, `chosen`, `rejected` (extra columns such as `response`
@@ -65,7 +66,10 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     path = Path(source).expanduser()
     if source == DEMO_SOURCE and not path.exists():
         raise DataError("data source 'demo' is the built-in demo task, not a file; use load_blend")
-    if path.is_dir():
+    if path.is_dir() and _saved_dataset(path):
+        label = f"saved dataset {source}"
+        pairs, skipped = _pairs_from_columns(_read_saved(path, source), label)
+    elif path.is_dir():
         files = _directory_files(path, source)
         results = [_pairs_from_columns(_read_file(f), f"data file {f}") for f in files]
         pairs = [pair for file_pairs, _ in results for pair in file_pairs]
@@ -90,6 +94,35 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
                         "an empty answer or a rejected transcript that does not share the chosen "
                         "prompt); check the data")
     return pairs, skipped
+
+
+def _saved_dataset(path: Path) -> bool:
+    """Whether directory `path` was written by `datasets`' save_to_disk (a Dataset's
+    state.json + dataset_info.json, or a DatasetDict's dataset_dict.json)."""
+    return ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+            or (path / "dataset_dict.json").is_file())
+
+
+def _read_saved(path: Path, source: str) -> dict[str, list[Any]]:
+    """Columns of a save_to_disk directory; of a DatasetDict, its train split."""
+    import datasets
+
+    try:
+        with _quiet_datasets():
+            saved = datasets.load_from_disk(str(path), keep_in_memory=True)
+    except Exception as exc:
+        raise DataError(f"cannot read saved dataset {source}: {_short(exc)}; save it again "
+                        "with save_to_disk or pass its data files in data.path") from exc
+    if isinstance(saved, datasets.DatasetDict):
+        if "train" not in saved:
+            raise DataError(f"saved dataset {source} has no train split (splits: "
+                            f"{', '.join(saved)}); pass the split's directory in data.path")
+        if len(saved) > 1:
+            log.warning("saved dataset %s: read its train split, left out %s", source,
+                        ", ".join(f"{name} ({len(split)} records)"
+                                  for name, split in saved.items() if name != "train"))
+        saved = saved["train"]
+    return saved.to_dict()
 
 
 def _directory_files(path: Path, source: str) -> list[Path]:

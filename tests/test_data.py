@@ -188,6 +188,31 @@ def test_a_directory_of_hub_split_files_reads_its_train_split(tmp_path, caplog):
                              "file to train on in data.path")
 
 
+def test_a_directory_saved_by_datasets(tmp_path, caplog):
+    """save_to_disk's directories were read as JSON files: "records have no 'chosen' field
+    (columns: citation, description, ...)" from its dataset_info.json."""
+    import datasets
+
+    def dataset(records):
+        return datasets.Dataset.from_list(records)
+
+    dataset(PROMPT_RECORDS).save_to_disk(str(tmp_path / "one"))
+    assert load_pairs(str(tmp_path / "one")) == (PROMPT_PAIRS, 0)
+    datasets.DatasetDict({"train": dataset(HH_RECORDS), "test": dataset(PROMPT_RECORDS)}
+                         ).save_to_disk(str(tmp_path / "dict"))
+    assert load_pairs(str(tmp_path / "dict")) == (HH_PAIRS, 2)
+    assert f"saved dataset {tmp_path / 'dict'}: read its train split, left out test (2 " \
+           "records)" in caplog.text
+    datasets.DatasetDict({"test": dataset(PROMPT_RECORDS)}).save_to_disk(str(tmp_path / "test"))
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(tmp_path / "test"))
+    assert one_line(exc) == (f"saved dataset {tmp_path / 'test'} has no train split (splits: "
+                             "test); pass the split's directory in data.path")
+    dataset([{"prompt": "p", "chosen": "c"}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match=r"^saved dataset .*bad: records have no 'rejected'"):
+        load_pairs(str(tmp_path / "bad"))
+
+
 def test_real_hh_rlhf(hh_rlhf_path):
     pairs, skipped = load_pairs(str(hh_rlhf_path))
     assert len(pairs) + skipped == 2312
