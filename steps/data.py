@@ -60,9 +60,10 @@ class DataError(ValueError):
 
 def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     """Read one source; returns (pairs, n_skipped). A hub name is tried only when no such
-    local path exists and the name has no data-file extension. Records with an empty answer,
-    or hh-rlhf transcripts whose `rejected` does not share the prompt of `chosen`, are
-    skipped and counted; anything else wrong raises DataError."""
+    local path exists and the name has neither a data-file extension nor a path's start
+    (./ ../ / ~). Records with an empty answer, or hh-rlhf transcripts whose `rejected` does
+    not share the prompt of `chosen`, are skipped and counted; anything else wrong raises
+    DataError."""
     path = Path(source).expanduser()
     if source == DEMO_SOURCE and not path.exists():
         raise DataError("data source 'demo' is the built-in demo task, not a file; use load_blend")
@@ -83,6 +84,8 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
         pairs, skipped = _pairs_from_columns(_read_file(path), label)
     elif _data_suffix(path):
         raise DataError(f"data file not found: {source}; check data.path")
+    elif source.startswith(("./", "../", "/", "~")):   # a path, never a hub name
+        raise DataError(f"no such file or directory: {source}; check data.path")
     else:
         label = f"dataset '{source}'"
         pairs, skipped = _pairs_from_columns(_read_hub(source), label)

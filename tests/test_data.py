@@ -315,6 +315,14 @@ def test_offline_hub_name():
     assert "data.path" in message
 
 
+@pytest.mark.parametrize("source", ["./no_such_dir", "../no/such", "/no/such/dir", "~/no_such"])
+def test_a_mistyped_path_is_not_blamed_on_the_hub(source):
+    """It was "Repo id must use alphanumeric chars" or "the hub is unreachable"."""
+    with pytest.raises(DataError) as exc:
+        load_pairs(source)
+    assert one_line(exc) == f"no such file or directory: {source}; check data.path"
+
+
 def test_unsupported_and_empty_files(tmp_path):
     csv = tmp_path / "a.csv"
     csv.write_text("prompt,chosen,rejected\n")
