@@ -103,6 +103,8 @@ def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
     if stats.dropped_long_prompt:
         parts.append(f"{stats.dropped_long_prompt} dropped (prompt > data.max_prompt_len="
                      f"{max_prompt_len} tokens)")
+    if stats.dropped_empty_prompt:
+        parts.append(f"{stats.dropped_empty_prompt} dropped (empty prompt: 0 tokens)")
     if stats.truncated_answer:
         parts.append(f"{stats.truncated_answer} answers cut to data.max_answer_len="
                      f"{max_answer_len} tokens")
@@ -112,10 +114,13 @@ def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
 def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len: int) -> None:
     """Stop a step that filtering left with nothing to train on, saying why."""
     if stats.kept == 0:
-        total = stats.kept + stats.dropped_long_prompt
-        raise DataError(f"step {step} has no {what} after filtering: "
-                        f"{stats.dropped_long_prompt} of {total} prompts are longer than "
-                        f"data.max_prompt_len={max_prompt_len} tokens; add data or raise it")
+        total = stats.dropped_long_prompt + stats.dropped_empty_prompt
+        why = [f"{stats.dropped_long_prompt} of {total} prompts are longer than "
+               f"data.max_prompt_len={max_prompt_len} tokens"] if stats.dropped_long_prompt else []
+        if stats.dropped_empty_prompt:
+            why.append(f"{stats.dropped_empty_prompt} of {total} prompts are empty (0 tokens)")
+        raise DataError(f"step {step} has no {what} after filtering: {', '.join(why)}; add data"
+                        + (" or raise data.max_prompt_len" if stats.dropped_long_prompt else ""))
 
 
 def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, tokenizer,

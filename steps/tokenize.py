@@ -35,6 +35,7 @@ class TokenizeStats(NamedTuple):
     kept: int                  # examples returned
     dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
     truncated_answer: int      # kept examples with at least one answer cut to max_answer_len
+    dropped_empty_prompt: int = 0   # step-3 prompts dropped: 0 tokens, nothing to generate from
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,11 +84,13 @@ def _answer_ids(following: list[list[int]], eos_id: int, max_answer_len: int,
 
 def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
               max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any],
-              keep_eos: bool = False) -> tuple[list, TokenizeStats]:
+              keep_eos: bool = False, drop_empty: bool = False) -> tuple[list, TokenizeStats]:
     """`make(prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
     tokens, e.g. BOS) fits in max_prompt_len tokens, the answers being its `sides` ("chosen",
     "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts examples with
-    any answer cut). The tokenizer needs an EOS even with no sides: generation stops on it."""
+    any answer cut). `drop_empty`: prompts of 0 tokens (an empty prompt with a tokenizer that
+    adds no BOS) are dropped and counted too. The tokenizer needs an EOS even with no sides:
+    generation stops on it."""
     if max_prompt_len < 1 or max_answer_len < 1:
         raise ValueError(f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
                          f"{max_answer_len}")
@@ -99,10 +102,13 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
     answers = [_answer_ids(_following(texts, bare, [getattr(p, side) for p in pairs],
                                       tokenizer), eos, max_answer_len, keep_eos)
                for side in sides]
-    kept = [i for i, prompt in enumerate(prompts) if len(prompt) <= max_prompt_len]
+    empty = sum(not prompt for prompt in prompts) if drop_empty else 0
+    long = sum(len(prompt) > max_prompt_len for prompt in prompts)
+    kept = [i for i, prompt in enumerate(prompts)
+            if len(prompt) <= max_prompt_len and (prompt or not drop_empty)]
     examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
     truncated = sum(any(was_cut[i] for _, was_cut in answers) for i in kept)
-    return examples, TokenizeStats(len(kept), len(prompts) - len(kept), truncated)
+    return examples, TokenizeStats(len(kept), long, truncated, empty)
 
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
@@ -128,8 +134,11 @@ def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_l
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
                      ) -> tuple[list[list[int]], TokenizeStats]:
     """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
-    max_prompt_len tokens; longer prompts are dropped and counted."""
-    return _examples(pairs, tokenizer, max_prompt_len, 1, (), lambda prompt: prompt)
+    max_prompt_len tokens; longer prompts, and prompts of 0 tokens (there is nothing to
+    generate from), are dropped and counted. SFT and reward-model examples keep theirs:
+    an answer alone is still text to learn and to score."""
+    return _examples(pairs, tokenizer, max_prompt_len, 1, (), lambda prompt: prompt,
+                     drop_empty=True)
 
 
 # ---------------------------------------------------------------------------------------------

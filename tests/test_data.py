@@ -21,7 +21,7 @@ from tokenizers import (
 from transformers import PreTrainedTokenizerFast
 
 from engine.models import byte_tokenizer
-from steps.common import train_eval_examples
+from steps.common import report_tokenized, require_examples, train_eval_examples
 from steps.config import RunConfig
 from steps.data import (
     DataError,
@@ -435,6 +435,40 @@ def test_tokenize_long_prompt_and_answer(opt_tokenizer):
     prompts, stats = tokenize_prompts(pairs, opt_tokenizer, max_prompt_len=4)
     assert prompts == [[2, 31414]]
     assert stats == TokenizeStats(kept=1, dropped_long_prompt=1, truncated_answer=0)
+
+
+def _no_bos():
+    """The byte tokenizer adding no special tokens, as GPT-2's and Qwen's add none."""
+    tok = byte_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A",
+                                                                         special_tokens=[])
+    assert tok("")["input_ids"] == []
+    return tok
+
+
+def test_an_empty_prompt_is_no_step_3_prompt(capsys):
+    """With no BOS an empty prompt is 0 tokens: step 3 crashed generating from nothing
+    (IndexError). It is dropped and counted there; SFT and reward-model examples keep it
+    (the answer alone is still text to learn and to score)."""
+    tok = _no_bos()
+    pairs = [PreferencePair("", " a", " b"), PreferencePair("Hi", " a", " b")]
+    prompts, stats = tokenize_prompts(pairs, tok, max_prompt_len=8)
+    assert prompts == [tok("Hi")["input_ids"]]
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=0, truncated_answer=0,
+                                  dropped_empty_prompt=1)
+    report_tokenized("step 3 prompts", stats, 8)
+    assert capsys.readouterr().out == "step 3 prompts: 1 examples, 1 dropped (empty prompt: 0 " \
+                                      "tokens)\n"
+    (sft, _), stats = tokenize_sft(pairs, tok, 8, 8)
+    assert sft.labels == sft.input_ids == [*tok(" a")["input_ids"], tok.eos_token_id]
+    assert stats == TokenizeStats(2, 0, 0)
+    assert tokenize_pairs(pairs, tok, 8, 8)[1] == TokenizeStats(2, 0, 0)
+    _, stats = tokenize_prompts([pairs[0], PreferencePair("Hello", " a", " b")], tok, 2)
+    with pytest.raises(DataError) as exc:
+        require_examples(3, "prompts", stats, 2)
+    assert one_line(exc) == ("step 3 has no prompts after filtering: 1 of 2 prompts are longer "
+                             "than data.max_prompt_len=2 tokens, 1 of 2 prompts are empty (0 "
+                             "tokens); add data or raise data.max_prompt_len")
 
 
 def test_tokenizer_without_eos(opt_tokenizer):
