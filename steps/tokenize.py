@@ -74,9 +74,10 @@ def _following(prompts: list[str], bare: list[list[int]], answers: list[str],
 
 def _answer_ids(following: list[list[int]], eos_id: int, max_answer_len: int,
                 keep_eos: bool = False) -> tuple[list[list[int]], list[bool]]:
-    """answer ids (as they follow their prompts) + [eos], cut to max_answer_len tokens
-    (`keep_eos`: the cut answer still ends in EOS); returns (ids, was_truncated)."""
-    ids = [a + [eos_id] for a in following]
+    """answer ids (as they follow their prompts) + [eos] unless the answer's text ends in it
+    already (a second would teach to stop twice), cut to max_answer_len tokens (`keep_eos`:
+    the cut answer still ends in EOS); returns (ids, was_truncated)."""
+    ids = [a if a[-1:] == [eos_id] else a + [eos_id] for a in following]
     end = [eos_id] if keep_eos else []
     cut = [a if len(a) <= max_answer_len else a[:max_answer_len - len(end)] + end for a in ids]
     return cut, [len(a) > max_answer_len for a in ids]

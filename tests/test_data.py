@@ -419,6 +419,16 @@ def test_tokenize_pairs_and_prompts_exact(opt_tokenizer):
     assert stats == TokenizeStats(1, 0, 0)
 
 
+def test_an_answer_ending_in_eos_gets_no_second_one(opt_tokenizer):
+    """" world</s>" was trained as [232, 2, 2] (as OpenRLHF and TRL, EOS is appended only
+    when the answer does not end in it)."""
+    pair = [PreferencePair("Hello", " world</s>", " there")]
+    (sft,), _ = tokenize_sft(pair, opt_tokenizer, max_prompt_len=8, max_answer_len=8)
+    assert sft == SFTExample([2, 31414, 232, 2], [-100, -100, 232, 2])
+    (rm,), _ = tokenize_pairs(pair, opt_tokenizer, max_prompt_len=8, max_answer_len=8)
+    assert rm == PairExample([2, 31414, 232, 2], [2, 31414, 89, 2])
+
+
 def test_tokenize_long_prompt_and_answer(opt_tokenizer):
     pairs = [
         PreferencePair("Hello " * 10, " world", " there"),  # 11 prompt tokens: dropped
