@@ -111,16 +111,20 @@ def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
     log(", ".join(parts))
 
 
-def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len: int) -> None:
-    """Stop a step that filtering left with nothing to train on, saying why."""
+def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len: int,
+                     or_else: str = "") -> None:
+    """Stop a step that filtering left with nothing to train on, saying why (`or_else`: a
+    further way out, e.g. turning off what needs the examples)."""
     if stats.kept == 0:
         total = stats.dropped_long_prompt + stats.dropped_empty_prompt
         why = [f"{stats.dropped_long_prompt} of {total} prompts are longer than "
                f"data.max_prompt_len={max_prompt_len} tokens"] if stats.dropped_long_prompt else []
         if stats.dropped_empty_prompt:
             why.append(f"{stats.dropped_empty_prompt} of {total} prompts are empty (0 tokens)")
-        raise DataError(f"step {step} has no {what} after filtering: {', '.join(why)}; add data"
-                        + (" or raise data.max_prompt_len" if stats.dropped_long_prompt else ""))
+        fixes = ["add data", *(["raise data.max_prompt_len"] if stats.dropped_long_prompt
+                               else []), *([or_else] if or_else else [])]
+        said = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
+        raise DataError(f"step {step} has no {what} after filtering: {', '.join(why)}; {said}")
 
 
 def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, tokenizer,

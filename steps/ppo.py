@@ -254,6 +254,9 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
         ptx, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
                                       data.max_answer_len)
         report_tokenized("step 3 PTX", ptx_stats, data.max_prompt_len, data.max_answer_len)
+        # ppo.ptx asked for: not trained without it unsaid
+        require_examples(3, "PTX examples (step 1's share)", ptx_stats, data.max_prompt_len,
+                         or_else="set ppo.ptx.enabled=false")
     return Prompts(prompts, eval_prompts,
                    tokenizer.batch_decode(eval_prompts, skip_special_tokens=True), ptx)
 

@@ -542,6 +542,24 @@ def test_every_tokenized_split_says_how_many_it_dropped(capsys):
         in printed
 
 
+def test_ptx_with_every_example_dropped_is_refused():
+    """ppo.ptx.enabled=true with all of step 1's examples too long logged "0 examples, 2
+    dropped" and trained without PTX."""
+    from steps.ppo import load_prompts
+
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"data": {
+        "eval_fraction": 0.0, "max_prompt_len": 8, "max_answer_len": 8},
+        "ppo": {"ptx": {"enabled": True}}})
+    prompts = [PreferencePair("Q", " a", " b")]
+    long = [PreferencePair("long " * 5, " a", " b")] * 2
+    with pytest.raises(DataError) as exc:
+        load_prompts(cfg, byte_tokenizer(), prompts, long)
+    assert one_line(exc) == ("step 3 has no PTX examples (step 1's share) after filtering: 2 of "
+                             "2 prompts are longer than data.max_prompt_len=8 tokens; add data, "
+                             "raise data.max_prompt_len or set ppo.ptx.enabled=false")
+    assert len(load_prompts(cfg, byte_tokenizer(), prompts, prompts).ptx) == 1
+
+
 def _sentencepiece_like():
     """A tokenizer built as Llama-2's tokenizer.json is (a "▁" prepended to every text and
     standing for spaces, BPE within words, byte fallback), trained here on two lines."""
