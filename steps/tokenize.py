@@ -34,7 +34,7 @@ class PairExample(NamedTuple):
 class TokenizeStats(NamedTuple):
     kept: int                  # examples returned
     dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
-    truncated_answer: int      # kept examples with at least one answer cut to max_answer_len
+    truncated_answer: int      # answers of kept examples cut to max_answer_len (a pair: 0-2)
     dropped_empty_prompt: int = 0   # step-3 prompts dropped: 0 tokens, nothing to generate from
 
 
@@ -88,8 +88,8 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
               keep_eos: bool = False, drop_empty: bool = False) -> tuple[list, TokenizeStats]:
     """`make(prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
     tokens, e.g. BOS) fits in max_prompt_len tokens, the answers being its `sides` ("chosen",
-    "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts examples with
-    any answer cut). `drop_empty`: prompts of 0 tokens (an empty prompt with a tokenizer that
+    "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts the answers
+    cut). `drop_empty`: prompts of 0 tokens (an empty prompt with a tokenizer that
     adds no BOS) are dropped and counted too. The tokenizer needs an EOS even with no sides:
     generation stops on it."""
     if max_prompt_len < 1 or max_answer_len < 1:
@@ -108,7 +108,7 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
     kept = [i for i, prompt in enumerate(prompts)
             if len(prompt) <= max_prompt_len and (prompt or not drop_empty)]
     examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
-    truncated = sum(any(was_cut[i] for _, was_cut in answers) for i in kept)
+    truncated = sum(was_cut[i] for _, was_cut in answers for i in kept)
     return examples, TokenizeStats(len(kept), long, truncated, empty)
 
 

@@ -481,6 +481,16 @@ def test_an_empty_prompt_is_no_step_3_prompt(capsys):
                              "tokens); add data or raise data.max_prompt_len")
 
 
+def test_the_answers_cut_are_counted_as_answers(opt_tokenizer, capsys):
+    """Step 2's "N answers cut" counted pairs with an answer cut: 1 here, not 2."""
+    pairs = [PreferencePair("Hello", " world" * 5, " there" * 5)]
+    _, stats = tokenize_pairs(pairs, opt_tokenizer, max_prompt_len=4, max_answer_len=3)
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=0, truncated_answer=2)
+    report_tokenized("step 2 train", stats, 4, 3)
+    assert capsys.readouterr().out == ("step 2 train: 1 examples, 2 answers cut to "
+                                       "data.max_answer_len=3 tokens\n")
+
+
 def test_tokenizer_without_eos(opt_tokenizer):
     opt_tokenizer.eos_token = None
     with pytest.raises(DataError, match="eos_token_id"):
