@@ -403,6 +403,22 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     return run_torchrun(where, script, argv)
 
 
+def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, list]) -> None:
+    """Before any step runs, each step to run (and ppo.ptx, which trains on step 1's share)
+    has pairs: too little data split by data.split can leave a share empty (2 pairs at
+    2/4/4 give step 1 none), which was blamed on data.max_prompt_len."""
+    from steps.data import DataError
+
+    split, total = list(cfg.data.split), sum(len(share) for share in shares)
+    needs = [(step, f"step {step}", "") for step in steps]
+    if 3 in steps and cfg.ppo.ptx.enabled:
+        needs.append((1, "ppo.ptx (step 1's share)", ", or set ppo.ptx.enabled=false"))
+    for share, who, or_else in needs:
+        if not shares[share - 1]:
+            raise DataError(f"data.split={split} gives {who} none of the {total} pairs in "
+                            f"data.path; add data or raise entry {share} of data.split{or_else}")
+
+
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
     from engine.comm_meter import logged_comm
@@ -422,6 +438,8 @@ def run(cfg: DictConfig) -> dict[int, float]:
         f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)}); device {rt.device}, "
         f"{str(rt.dtype).removeprefix('torch.')}"
         + (f", {rt.world_size} ranks" if rt.distributed else ""))
+    require_shares(cfg, [step for step, mode in plan if mode != "skip"],
+                   (sft_pairs, rm_pairs, ppo_pairs))
     seconds = {}
     out = Path(cfg.output_dir)
     out_existed = out.exists()

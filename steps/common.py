@@ -115,8 +115,11 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
                      or_else: str = "") -> None:
     """Stop a step that filtering left with nothing to train on, saying why (`or_else`: a
     further way out, e.g. turning off what needs the examples)."""
+    total = stats.dropped_long_prompt + stats.dropped_empty_prompt
+    if stats.kept == 0 and total == 0:   # train.py's require_shares says more, up front
+        raise DataError(f"step {step} has no {what}: its share of data.split holds no pairs; "
+                        "add data or raise its weight in data.split")
     if stats.kept == 0:
-        total = stats.dropped_long_prompt + stats.dropped_empty_prompt
         why = [f"{stats.dropped_long_prompt} of {total} prompts are longer than "
                f"data.max_prompt_len={max_prompt_len} tokens"] if stats.dropped_long_prompt else []
         if stats.dropped_empty_prompt:

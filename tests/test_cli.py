@@ -228,6 +228,21 @@ def test_no_examples_left_after_filtering(capsys, tmp_path):
     assert "after filtering" in line and "max_prompt_len" in line
 
 
+def test_a_share_of_the_split_left_empty_is_not_blamed_on_prompt_length(capsys, tmp_path):
+    """2 pairs split 2/4/4 give step 1 none: "0 of 0 prompts are longer than
+    data.max_prompt_len" it said, after loading its model."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": " a", "rejected": " b"})
+                            + "\n" for i in range(2)))
+    line = refused(capsys, tmp_path / "out", f"data.path=[{data}]")
+    assert line == ("train.py: data.split=[2.0, 4.0, 4.0] gives step 1 none of the 2 pairs in "
+                    "data.path; add data or raise entry 1 of data.split"), line
+    line = refused(capsys, tmp_path / "out", f"data.path=[{data}]", "--step", "3",
+                   "ppo.ptx.enabled=true")
+    assert "gives ppo.ptx (step 1's share) none of the 2 pairs" in line
+    assert line.endswith("or set ppo.ptx.enabled=false")
+
+
 def test_gather_partition_size_must_be_positive(capsys, tmp_path):
     line = refused(capsys, tmp_path / "out", "--tp-gather-partition-size", "0")
     assert "--tp-gather-partition-size" in line and "1 or more" in line

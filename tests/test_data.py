@@ -552,6 +552,13 @@ def test_every_tokenized_split_says_how_many_it_dropped(capsys):
         in printed
 
 
+def test_a_step_given_no_pairs_says_so():
+    with pytest.raises(DataError) as exc:
+        require_examples(1, "training examples", TokenizeStats(0, 0, 0), 8)
+    assert one_line(exc) == ("step 1 has no training examples: its share of data.split holds "
+                             "no pairs; add data or raise its weight in data.split")
+
+
 def test_ptx_with_every_example_dropped_is_refused():
     """ppo.ptx.enabled=true with all of step 1's examples too long logged "0 examples, 2
     dropped" and trained without PTX."""
