@@ -3,12 +3,24 @@
 Reading: `load_pairs` turns one source (a local .json/.jsonl/.jsonl.gz/.json.gz/.parquet file,
 a directory of such files, a directory written by `datasets`' save_to_disk, or a Hugging Face
 hub dataset name) into `PreferencePair`s.
-Two record shapes are accepted, detected by the columns of the record set:
+Three record shapes are accepted, detected by the columns of the record set and their types:
 
 * DeepSpeed-Chat style: `prompt`, `chosen`, `rejected` (extra columns such as `response`
   are ignored); `chosen`/`rejected` are the answers that continue `prompt`.
 * Anthropic hh-rlhf: only `chosen` and `rejected`, each a whole "\\n\\nHuman: ...\\n\\nAssistant: ..."
   transcript; the prompt is the text of `chosen` through its last "\\n\\nAssistant:".
+* Chat messages (OpenRLHF, TRL): `chosen` and `rejected` are lists of {"role", "content"}
+  messages (roles system, user, assistant), either whole dialogues or, with a `prompt` list
+  of messages, its continuations (TRL's explicit prompt). They are rendered as hh-rlhf text
+  (a system message is the text before the first "\\n\\nHuman: ", a user's turn is
+  "\\n\\nHuman: " + content, an assistant's "\\n\\nAssistant: " + content), and the prompt is
+  the dialogue before its final assistant message, through "\\n\\nAssistant:", so that the
+  answer is " " + content as in hh-rlhf and chat.py's prompts.
+
+Records whose answer is empty, whose rejected dialogue does not share the chosen one's prompt,
+or that do not end in an Assistant turn are skipped and counted; any other malformed record
+(a field of the wrong type, a message without a known role or text content) stops with a
+DataError naming it.
 
 Splitting: `load_blend` splits every source between the three steps (SFT, reward model, PPO)
 and `train_eval_split` holds out an eval set. Both are deterministic in `seed` only.
@@ -39,7 +51,8 @@ DEMO_SOURCE = "demo"
 # suffix -> `datasets` builder name
 _DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json",
                   ".parquet": "parquet"}
-_FORMAT_HINT = "preference data needs prompt/chosen/rejected or hh-rlhf chosen/rejected transcripts"
+_FORMAT_HINT = ("preference data needs prompt/chosen/rejected, hh-rlhf chosen/rejected transcripts "
+                "or chosen/rejected chat messages")
 
 
 class PreferencePair(NamedTuple):
@@ -327,6 +340,11 @@ def _pairs_from_columns(columns: dict[str, list[Any]], label: str
         if field not in columns:
             raise DataError(f"{label}: records have no '{field}' field (columns: "
                             f"{', '.join(columns)}); {_FORMAT_HINT}")
+    if _messages_in(columns):
+        records = _dialogue_records(columns, label)
+        pairs = [PreferencePair(*record) for record in records
+                 if record is not None and record[1].strip() and record[2].strip()]
+        return pairs, len(records) - len(pairs)
     chosen = _text_column(columns, "chosen", label)
     rejected = _text_column(columns, "rejected", label)
     if "prompt" in columns:
@@ -349,6 +367,75 @@ def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | Non
     if not rejected.startswith(prompt):
         return None
     return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
+
+
+# roles of chat messages -> how the hh-rlhf text format renders them (a system message is the
+# text before the first Human turn); an answer is " " + content after "\n\nAssistant:"
+_ROLES = {"system": "", "user": "\n\nHuman: ", "assistant": ASSISTANT_TAG + " "}
+
+
+def _messages_in(columns: dict[str, list[Any]]) -> bool:
+    """Whether the records are chat messages (OpenRLHF / TRL): the first `chosen` is a list
+    (the records that differ from it are named as errors)."""
+    first = next((value for value in columns["chosen"] if value is not None), None)
+    return isinstance(first, list)
+
+
+def _message_column(columns: dict[str, list[Any]], field: str, label: str) -> list[list]:
+    """columns[field], checked to be lists of {"role", "content"} messages."""
+    values = columns[field]
+    for i, messages in enumerate(values):
+        where = f"{label} record {i + 1}: field '{field}'"
+        if not isinstance(messages, list):
+            got = "null" if messages is None else type(messages).__name__
+            raise DataError(f"{where} is not a list of chat messages (got {got}) as 'chosen' is "
+                            "elsewhere in this data; give every record's fields that shape")
+        for n, message in enumerate(messages, 1):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in _ROLES or not isinstance(message.get("content"), str):
+                raise DataError(f"{where} message {n} is not a {{\"role\": system/user/assistant, "
+                                f"\"content\": text}} message (got {_shown(message)}); fix or "
+                                "remove that record")
+            opens = field == "prompt" or "prompt" not in columns   # its list starts a dialogue
+            if role == "system" and (n > 1 or not opens):
+                raise DataError(f"{where} message {n}: a system message can only open a "
+                                "dialogue; fix or remove that record")
+    return values
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _render(messages: list[dict]) -> str:
+    """Chat messages as hh-rlhf text: "[system]\n\nHuman: ...\n\nAssistant: ..."."""
+    return "".join(_ROLES[m["role"]] + m["content"] for m in messages)
+
+
+def _dialogue_records(columns: dict[str, list[Any]], label: str
+                      ) -> list[tuple[str, str, str] | None]:
+    """(prompt, chosen, rejected) texts of chat-message records, None where malformed: whole
+    dialogues in `chosen`/`rejected`, or TRL's explicit `prompt` messages continued by them.
+    The prompt is the dialogue before its final assistant message, through "\n\nAssistant:"."""
+    chosen = _message_column(columns, "chosen", label)
+    rejected = _message_column(columns, "rejected", label)
+    prompts = (_message_column(columns, "prompt", label) if "prompt" in columns
+               else [[] for _ in chosen])
+    return [_split_dialogues(prompt + c, prompt + r)
+            for prompt, c, r in zip(prompts, chosen, rejected, strict=True)]
+
+
+def _split_dialogues(chosen: list[dict], rejected: list[dict]) -> tuple[str, str, str] | None:
+    """Two dialogues -> (prompt, chosen answer, rejected answer) as hh-rlhf text, or None when
+    either does not end in an assistant message or they differ before it."""
+    if not chosen or not rejected or chosen[-1]["role"] != "assistant" \
+            or rejected[-1]["role"] != "assistant":
+        return None
+    prompt = _render(chosen[:-1]) + ASSISTANT_TAG
+    if _render(rejected[:-1]) + ASSISTANT_TAG != prompt:
+        return None
+    return prompt, " " + chosen[-1]["content"], " " + rejected[-1]["content"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,6 +225,71 @@ def test_real_hh_rlhf(hh_rlhf_path):
     assert pairs[0].prompt + pairs[0].rejected == first["rejected"]
 
 
+def _chat(*turns: tuple[str, str]) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+CHAT_RECORDS = [   # whole dialogues (OpenRLHF, TRL's implicit prompt)
+    {"chosen": _chat(("system", "Be brief."), ("user", "hi"), ("assistant", "Hello!"),
+                     ("user", "how are you?"), ("assistant", "Fine.")),
+     "rejected": _chat(("system", "Be brief."), ("user", "hi"), ("assistant", "Hello!"),
+                       ("user", "how are you?"), ("assistant", "Bad."))},
+    {"chosen": _chat(("user", "a"), ("assistant", "b")),   # prompts differ: skipped
+     "rejected": _chat(("user", "x"), ("assistant", "y"))},
+    {"chosen": _chat(("user", "a"), ("assistant", "b"), ("user", "c")),   # no answer: skipped
+     "rejected": _chat(("user", "a"), ("assistant", "b"), ("user", "d"))},
+]
+CHAT_PAIRS = [PreferencePair("Be brief.\n\nHuman: hi\n\nAssistant: Hello!\n\nHuman: how are "
+                             "you?\n\nAssistant:", " Fine.", " Bad.")]
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_load_chat_messages(tmp_path, name):
+    """Chat messages are rendered as hh-rlhf text: the prompt ends in "\\n\\nAssistant:" as
+    chat.py's and the demo's do, and prompt + answer is the rendered dialogue."""
+    path = WRITERS[name](tmp_path / name, CHAT_RECORDS)
+    assert load_pairs(str(path)) == (CHAT_PAIRS, 2)
+    hh = HH_RECORDS[0]["chosen"]
+    (pair,), _ = load_pairs(str(WRITERS[name](tmp_path / f"hh{name}", [{
+        "chosen": _chat(("user", "hi"), ("assistant", "Hello!"), ("user", "how are you?"),
+                        ("assistant", "Fine.")),
+        "rejected": _chat(("user", "hi"), ("assistant", "Hello!"), ("user", "how are you?"),
+                          ("assistant", "Bad."))}])))
+    assert pair == HH_PAIRS[0] and pair.prompt + pair.chosen == hh
+
+
+def test_load_chat_messages_with_an_explicit_prompt(tmp_path):
+    """TRL's explicit-prompt form: `prompt` messages, answers as assistant messages."""
+    records = [{"prompt": _chat(("system", "Be brief."), ("user", "hi"), ("assistant", "Hello!"),
+                                ("user", "how are you?")),
+                "chosen": _chat(("assistant", "Fine.")), "rejected": _chat(("assistant", "Bad."))},
+               {"prompt": _chat(("user", "q")), "chosen": _chat(("assistant", "")),
+                "rejected": _chat(("assistant", "no"))}]   # empty answer: skipped
+    assert load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records))) == (CHAT_PAIRS, 1)
+
+
+@pytest.mark.parametrize("record, said", [
+    ({"chosen": _chat(("user", "a"), ("assistant", 3)), "rejected": _chat(("assistant", "b"))},
+     "field 'chosen' message 2 is not a {\"role\": system/user/assistant, \"content\": text} "
+     "message (got {\"role\": \"assistant\", \"content\": 3}); fix or remove that record"),
+    ({"chosen": _chat(("user", "a"), ("tool", "b")), "rejected": _chat(("assistant", "b"))},
+     "field 'chosen' message 2 is not a {\"role\": system/user/assistant, \"content\": text} "
+     "message (got {\"role\": \"tool\", \"content\": \"b\"}); fix or remove that record"),
+    ({"chosen": _chat(("user", "a"), ("system", "b")), "rejected": _chat(("assistant", "b"))},
+     "field 'chosen' message 2: a system message can only open a dialogue; fix or remove "
+     "that record"),
+    ({"chosen": "a", "rejected": _chat(("assistant", "b"))},
+     "field 'chosen' is not a list of chat messages (got str) as 'chosen' is elsewhere in this "
+     "data; give every record's fields that shape"),
+])
+def test_malformed_chat_messages(tmp_path, record, said):
+    good = CHAT_RECORDS[0]
+    path = write_json(tmp_path / "a.json", [good, record])
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    assert one_line(exc) == f"data file {path} record 2: {said}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
