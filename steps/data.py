@@ -37,6 +37,7 @@ import json
 import logging
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,6 +54,16 @@ _DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl
                   ".parquet": "parquet"}
 _FORMAT_HINT = ("preference data needs prompt/chosen/rejected, hh-rlhf chosen/rejected transcripts "
                 "or chosen/rejected chat messages")
+
+
+# why a record is skipped -> what the log says
+_SKIPPED = {"empty": "with an empty answer",
+            "no_marker": "with no \"\\n\\nAssistant:\" in 'chosen' (no prompt field, so read as "
+                         "hh-rlhf transcripts)",
+            "no_answer": "whose dialogue does not end in an assistant message",
+            "differs": "whose 'rejected' does not share the prompt of 'chosen'"}
+_NO_MARKER_FIX = ("give the records a 'prompt' field that 'chosen' and 'rejected' answer, or "
+                  "write them as \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
 
 
 class PreferencePair(NamedTuple):
@@ -74,8 +85,8 @@ class DataError(ValueError):
 def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     """Read one source; returns (pairs, n_skipped). A hub name is tried only when no such
     local path exists and the name has neither a data-file extension nor a path's start
-    (./ ../ / ~). Records with an empty answer, or hh-rlhf transcripts whose `rejected` does
-    not share the prompt of `chosen`, are skipped and counted; anything else wrong raises
+    (./ ../ / ~). Records with an empty answer, no Assistant turn, or a `rejected` that does
+    not share the prompt of `chosen` are skipped and counted; anything else wrong raises
     DataError."""
     path = Path(source).expanduser()
     if source == DEMO_SOURCE and not path.exists():
@@ -87,7 +98,7 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
         files = _directory_files(path, source)
         results = [_pairs_from_columns(_read_file(f), f"data file {f}") for f in files]
         pairs = [pair for file_pairs, _ in results for pair in file_pairs]
-        skipped = sum(file_skipped for _, file_skipped in results)
+        skipped = sum((file_skipped for _, file_skipped in results), Counter())
         label = f"data directory {source}"
     elif path.exists():
         if not _data_suffix(path):
@@ -106,10 +117,11 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     if not pairs and not skipped:
         raise DataError(f"{label}: no records; check the data")
     if not pairs:
-        raise DataError(f"{label}: no usable preference pairs (all {skipped} records skipped for "
-                        "an empty answer or a rejected transcript that does not share the chosen "
-                        "prompt); check the data")
-    return pairs, skipped
+        why = ", ".join(f"{n} {_SKIPPED[reason]}" for reason, n in skipped.most_common())
+        fix = (_NO_MARKER_FIX if skipped["no_marker"] == skipped.total() else "check the data")
+        raise DataError(f"{label}: no usable preference pairs (all {skipped.total()} records "
+                        f"skipped: {why}); {fix}")
+    return pairs, skipped.total()
 
 
 def _saved_dataset(path: Path) -> bool:
@@ -332,40 +344,42 @@ def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[
 
 
 def _pairs_from_columns(columns: dict[str, list[Any]], label: str
-                        ) -> tuple[list[PreferencePair], int]:
-    """Detect the record format from the column names and build pairs; returns (pairs, skipped)."""
+                        ) -> tuple[list[PreferencePair], Counter]:
+    """Detect the record format from the column names and build pairs; returns (pairs, the
+    records skipped, counted by reason: a key of _SKIPPED)."""
     if not columns or not next(iter(columns.values())):
-        return [], 0
+        return [], Counter()
     for field in ("chosen", "rejected"):
         if field not in columns:
             raise DataError(f"{label}: records have no '{field}' field (columns: "
                             f"{', '.join(columns)}); {_FORMAT_HINT}")
     if _messages_in(columns):
         records = _dialogue_records(columns, label)
-        pairs = [PreferencePair(*record) for record in records
-                 if record is not None and record[1].strip() and record[2].strip()]
-        return pairs, len(records) - len(pairs)
-    chosen = _text_column(columns, "chosen", label)
-    rejected = _text_column(columns, "rejected", label)
-    if "prompt" in columns:
-        records = list(zip(_text_column(columns, "prompt", label), chosen, rejected, strict=True))
+    elif "prompt" in columns:
+        records = list(zip(*(_text_column(columns, field, label)
+                             for field in ("prompt", "chosen", "rejected")), strict=True))
     else:
-        records = [_split_transcripts(c, r) for c, r in zip(chosen, rejected, strict=True)]
+        records = [_split_transcripts(c, r) for c, r in zip(
+            _text_column(columns, "chosen", label), _text_column(columns, "rejected", label),
+            strict=True)]
+    skipped = Counter(record if isinstance(record, str) else "empty" for record in records
+                      if isinstance(record, str) or not (record[1].strip() and record[2].strip()))
     pairs = [PreferencePair(*record) for record in records
-             if record is not None and record[1].strip() and record[2].strip()]
-    return pairs, len(records) - len(pairs)
+             if not isinstance(record, str) and record[1].strip() and record[2].strip()]
+    return pairs, skipped
 
 
-def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | None:
-    """hh-rlhf transcripts -> (prompt, chosen answer, rejected answer), or None when malformed.
+def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | str:
+    """hh-rlhf transcripts -> (prompt, chosen answer, rejected answer), or why not (a reason
+    of _SKIPPED).
     The prompt is `chosen` through its last "\\n\\nAssistant:", kept verbatim so that
     prompt + chosen answer == chosen transcript; `rejected` must start with the same prompt."""
     cut = chosen.rfind(ASSISTANT_TAG)
     if cut < 0:
-        return None
+        return "no_marker"
     prompt = chosen[: cut + len(ASSISTANT_TAG)]
     if not rejected.startswith(prompt):
-        return None
+        return "differs"
     return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
 
 
@@ -414,8 +428,8 @@ def _render(messages: list[dict]) -> str:
 
 
 def _dialogue_records(columns: dict[str, list[Any]], label: str
-                      ) -> list[tuple[str, str, str] | None]:
-    """(prompt, chosen, rejected) texts of chat-message records, None where malformed: whole
+                      ) -> list[tuple[str, str, str] | str]:
+    """(prompt, chosen, rejected) texts of chat-message records, or why not: whole
     dialogues in `chosen`/`rejected`, or TRL's explicit `prompt` messages continued by them.
     The prompt is the dialogue before its final assistant message, through "\n\nAssistant:"."""
     chosen = _message_column(columns, "chosen", label)
@@ -426,15 +440,15 @@ def _dialogue_records(columns: dict[str, list[Any]], label: str
             for prompt, c, r in zip(prompts, chosen, rejected, strict=True)]
 
 
-def _split_dialogues(chosen: list[dict], rejected: list[dict]) -> tuple[str, str, str] | None:
-    """Two dialogues -> (prompt, chosen answer, rejected answer) as hh-rlhf text, or None when
-    either does not end in an assistant message or they differ before it."""
+def _split_dialogues(chosen: list[dict], rejected: list[dict]) -> tuple[str, str, str] | str:
+    """Two dialogues -> (prompt, chosen answer, rejected answer) as hh-rlhf text, or why not:
+    either does not end in an assistant message, or they differ before it."""
     if not chosen or not rejected or chosen[-1]["role"] != "assistant" \
             or rejected[-1]["role"] != "assistant":
-        return None
+        return "no_answer"
     prompt = _render(chosen[:-1]) + ASSISTANT_TAG
     if _render(rejected[:-1]) + ASSISTANT_TAG != prompt:
-        return None
+        return "differs"
     return prompt, " " + chosen[-1]["content"], " " + rejected[-1]["content"]
 
 
