@@ -238,7 +238,8 @@ def test_a_share_of_the_split_left_empty_is_not_blamed_on_prompt_length(capsys, 
     assert line == ("train.py: data.split=[2.0, 4.0, 4.0] gives step 1 none of the 2 pairs in "
                     "data.path; add data or raise entry 1 of data.split"), line
     line = refused(capsys, tmp_path / "out", f"data.path=[{data}]", "--step", "3",
-                   "ppo.ptx.enabled=true")
+                   "ppo.ptx.enabled=true", "ppo.actor_path=tiny-llama",
+                   "ppo.reward_model_weight=0", "ppo.reward_fn=steps.demo:score")
     assert "gives ppo.ptx (step 1's share) none of the 2 pairs" in line
     assert line.endswith("or set ppo.ptx.enabled=false")
 
