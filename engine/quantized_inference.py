@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from engine import kernels
 from engine.lora import active_adapters
 from engine.quantized_base import QuantizedEmbedding, QuantizedLinear, dequantize_weight
+from engine.runtime import on_device
 
 
 class QuantizedSlot(NamedTuple):
@@ -136,7 +137,7 @@ def shareable(layers: list[tuple[nn.Module, nn.Module]],
     gathered between forwards), each is a whole tensor on `device`, and none needs a row
     transform."""
     return not sharded and all(transform is None for transform in transforms) and all(
-        not isinstance(t, DTensor) and t.device == device
+        not isinstance(t, DTensor) and on_device(t, device)
         for _, base in layers for t in (base.weight, base.weight_scale))
 
 

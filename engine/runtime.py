@@ -101,7 +101,7 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
         # take c10d's default, 30 minutes on gloo: make timeout_s theirs too
         c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     elif device.startswith("cuda"):
-        _use_cuda_device(torch.device(device))
+        device = _use_cuda_device(torch.device(device))
     seed_everything(seed)
     per_node = procs_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:
@@ -111,15 +111,26 @@ def setup_runtime(device: str = "auto", dtype: str = "auto", seed: int = 0,
                    world_size=world_size, local_rank=local_rank, ranks_per_node=per_node)
 
 
-def _use_cuda_device(device: torch.device) -> None:
+def _use_cuda_device(device: torch.device) -> str:
     """Make `engine.device=cuda:N` the current device: Triton kernels, CUDA graphs and
-    `torch.cuda` calls without a device run on the current one, not on their tensors'."""
+    `torch.cuda` calls without a device run on the current one, not on their tensors'.
+    Returns the device with its index ("cuda" is the current one): a tensor's device has
+    one, and torch.device("cuda") != torch.device("cuda:0")."""
     if device.index is None:
-        return
+        return f"cuda:{torch.cuda.current_device()}"
     if device.index >= torch.cuda.device_count():
         raise UserError(f"engine.device={device}: this machine has {torch.cuda.device_count()} "
                         f"CUDA devices (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     torch.cuda.set_device(device)
+    return str(device)
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` lives on `device`, a CUDA device without an index being the current
+    one (a Runtime made by hand may name plain "cuda")."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return tensor.device == device
 
 
 def seed_everything(seed: int) -> None:

@@ -156,12 +156,15 @@ def test_a_single_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     assert setup_runtime("cuda:1", "float32").device == torch.device("cuda:1")
     assert current == [torch.device("cuda:1")]
-    setup_runtime("cuda", "float32")
-    assert current == [torch.device("cuda:1")]   # plain "cuda": the current device as it is
+    # plain "cuda": the current device as it is, named with its index (a tensor's device
+    # has one, and torch.device("cuda") != torch.device("cuda:1"))
+    assert setup_runtime("cuda", "float32").device == torch.device("cuda:1")
+    assert current == [torch.device("cuda:1")]
     with pytest.raises(UserError, match=r"engine.device=cuda:2: this machine has 2 CUDA "
                                         r"devices \(cuda:0 to cuda:1\)"):
         setup_runtime("cuda:2", "float32")
