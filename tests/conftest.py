@@ -26,9 +26,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_configure(config):
     """The suite runs on the CPU wherever it runs, as CI does (its tolerances are fp32's):
     a GPU machine runs exactly CI's suite. The GPU checks are tests/harness/*_checks.py,
-    run by path (`pytest tests/harness/bf16_checks.py`), which keeps the GPU visible."""
-    if not any("harness" in str(arg) for arg in config.args):
+    run by path (`pytest tests/harness/bf16_checks.py`), which keeps the GPU visible; run
+    with the suite, they would have shown it the GPU too, so they are run apart."""
+    harness = [_in_harness(Path(str(arg).split("::")[0])) for arg in config.args]
+    if any(harness) and not all(harness):
+        raise pytest.UsageError("run tests/harness/*_checks.py (the GPU checks) apart from "
+                                "the suite: with them, the suite would see the GPU")
+    if not any(harness):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _in_harness(path: Path) -> bool:
+    """Whether a pytest argument names tests/harness or a file in it (of this checkout)."""
+    try:
+        return path.resolve().relative_to(ROOT).parts[:2] == ("tests", "harness")
+    except ValueError:
+        return False
 
 
 @pytest.fixture
