@@ -10,7 +10,7 @@ gathered as bytes), and they are dequantized only inside forward and backward. p
 a `QuantizedLinear` like any `nn.Linear`, so only the adapters train.
 
   scale = absmax(group) / qmax, rounded to the scale dtype        qmax = 127 (8 bits), 7 (4)
-          (at least its smallest normal number: fp16's 6.1e-5)
+          (up where it is subnormal: fp16's below 6.1e-5)
   q     = clamp(round(w / scale), -qmax, qmax)
   |w - q * scale| <= scale / 2      (rounding the scale down moves absmax by at most
                                      2^-9 of it in bf16, less than half a step)
@@ -53,11 +53,7 @@ def quantize_weight(w: torch.Tensor, bits: int, block: int, scale_dtype: torch.d
     rows = w.reshape(-1, w.shape[-1])
     for part in rows.split(max(1, _CHUNK // w.shape[-1])):
         groups = part.float().unflatten(-1, (-1, block))
-        scale = groups.abs().amax(-1) / qmax
-        # at least the dtype's smallest normal number: an fp16 scale below 6.1e-5 lost its
-        # precision (1e-6 rounded to 0), and the bound below with it
-        scale = torch.where(scale > 0, scale.clamp_min(torch.finfo(scale_dtype).tiny), 0.0)
-        scale = scale.to(scale_dtype)
+        scale = _rounded_up_if_subnormal(groups.abs().amax(-1) / qmax, scale_dtype)
         s = scale.float().unsqueeze(-1)
         q = torch.where(s > 0, groups / torch.where(s > 0, s, 1.0), 0.0)
         q = q.round_().clamp_(-qmax, qmax).flatten(-2)
@@ -65,6 +61,16 @@ def quantize_weight(w: torch.Tensor, bits: int, block: int, scale_dtype: torch.d
         scales.append(scale)
     payload, scale = torch.cat(payloads), torch.cat(scales)
     return payload.view(*w.shape[:-1], -1), scale.view(*w.shape[:-1], -1)
+
+
+def _rounded_up_if_subnormal(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 scales in `dtype`; a subnormal one (fp16's below 6.1e-5) rounded up, not to
+    nearest: to nearest it could lose up to half its value (1e-6 groups came out 24 steps
+    off, and all zero a decade lower), and |w / scale| past qmax broke the bound above."""
+    rounded = scale.to(dtype)
+    low = (rounded.float() < scale) & (scale < torch.finfo(dtype).tiny)
+    return torch.where(low, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)),
+                       rounded)
 
 
 def dequantize_weight(payload: torch.Tensor, scales: torch.Tensor,
