@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from omegaconf import DictConfig, OmegaConf
+
 from engine.errors import UserError
 
 RewardFn = Callable[[str, str], float]
@@ -46,11 +48,12 @@ def load_reward_fn(spec: str, key: str = "ppo.reward_fn") -> RewardFn:
     return fn
 
 
-def model_paths(cfg, made: tuple[int, ...] = ()) -> tuple[str, str | None]:
+def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str | None]:
     """Step 3's actor and reward-model directories (None: no reward model), each refused in
     one line when it holds no model: the actor may be a preset instead (random weights: a
     shape probe, e.g. llama-70b). `made`: the steps this run trains first (train.py checks
-    before step 1), whose default outputs (<output_dir>/actor, /reward) count as there."""
+    before step 1), whose outputs (<output_dir>/actor, /reward) count as there, however a
+    key spells them (the critic may start from the step-1 actor)."""
     from engine.model_source import is_preset
 
     out, ppo = Path(cfg.output_dir), cfg.ppo
@@ -58,16 +61,15 @@ def model_paths(cfg, made: tuple[int, ...] = ()) -> tuple[str, str | None]:
     reward_path = (ppo.reward_path or str(out / "reward")) if ppo.reward_model_weight != 0 \
         else None
     critic_path = ppo.critic_path if ALGORITHMS[ppo.algorithm].critic else None
-    for path, what, key, step in ((actor_path, "step-1 actor", "ppo.actor_path", 1),
-                                  (reward_path, "step-2 reward model", "ppo.reward_path", 2),
-                                  (critic_path, "critic's starting model", "ppo.critic_path", 0)):
+    to_come = {_resolved(out / name) for step, name in ((1, "actor"), (2, "reward"))
+               if step in made}
+    for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
+                            (reward_path, "step-2 reward model", "ppo.reward_path"),
+                            (critic_path, "critic's starting model", "ppo.critic_path")):
         if path is None or (Path(path) / "config.json").exists() \
-                or (key != "ppo.reward_path" and is_preset(path)):
+                or (key != "ppo.reward_path" and is_preset(path)) or _resolved(path) in to_come:
             continue
-        default = step and Path(path) == out / ("actor" if step == 1 else "reward")
-        if default and step in made:   # written by this run before step 3
-            continue
-        if not default:   # the user's own path: no such model
+        if OmegaConf.select(cfg, key):   # the user's own path: no such model
             raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "
                             "model directory; check the path")
         alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
@@ -75,6 +77,10 @@ def model_paths(cfg, made: tuple[int, ...] = ()) -> tuple[str, str | None]:
         raise UserError(f"step 3 needs the {what} at {path}: run its step first "
                         f"(--step 1 2 3) or set {key}=DIR{alone}")
     return actor_path, reward_path
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(path).expanduser().resolve()
 
 
 def check_settings(ppo, quantized_base: bool = False) -> None:

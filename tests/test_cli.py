@@ -3,6 +3,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -483,6 +484,10 @@ def test_step_3_models_are_checked_before_steps_1_and_2_train(tmp_path, argv, sa
     """Found only when step 3 started, such a mistake cost the whole of steps 1 and 2."""
     assert refusal("--output-dir", str(tmp_path / "out"), *argv).startswith(said)
     train.check_config(config("--output-dir", str(tmp_path / "out")))   # 1-2 make them
+    # however a key spells them: the critic from the step-1 actor, a relative actor path
+    out = Path(os.path.relpath(tmp_path / "out"))
+    train.check_config(config("--output-dir", str(tmp_path / "out"), "ppo.critic_path="
+                              f"{tmp_path / 'out' / 'actor'}", f"ppo.actor_path={out / 'actor'}"))
 
 
 def test_the_steps_key_runs_each_step_once_in_order():
