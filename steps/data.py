@@ -195,16 +195,18 @@ def _found(entries: list[Path]) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-# file-name prefixes `datasets` reads as split names (its split-pattern inference)
+# words in a file name that `datasets` reads as split names (its split-pattern inference:
+# at the start or after a separator, and before one: train-0000.parquet, hh_test.jsonl)
 _SPLIT_NAMES = {"train": "train", "training": "train", "test": "test", "testing": "test",
                 "eval": "test", "evaluation": "test", "validation": "validation",
                 "valid": "validation", "val": "validation", "dev": "validation"}
-_SPLIT_PREFIX = re.compile(r"^(" + "|".join(_SPLIT_NAMES) + r")(?=[-._ 0-9]|$)", re.IGNORECASE)
+_SPLIT_WORD = re.compile(r"(?:^|[-._ 0-9])(" + "|".join(_SPLIT_NAMES) + r")(?=[-._ 0-9]|$)",
+                         re.IGNORECASE)
 
 
 def _split_of(path: Path) -> str | None:
     """The hub split a data file's name gives it ('train', 'test', 'validation') or None."""
-    found = _SPLIT_PREFIX.match(path.name)
+    found = _SPLIT_WORD.search(path.name)
     return _SPLIT_NAMES[found.group(1).lower()] if found else None
 
 

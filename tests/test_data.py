@@ -186,6 +186,15 @@ def test_a_directory_of_hub_split_files_reads_its_train_split(tmp_path, caplog):
     assert one_line(exc) == (f"data directory {tmp_path} holds hub split files but no train "
                              "split (test-00000-of-00001.parquet, validation.jsonl); name the "
                              "file to train on in data.path")
+    # the split's word after a separator too, as `datasets` reads it
+    suffixed = tmp_path / "suffixed"
+    suffixed.mkdir()
+    write_jsonl(suffixed / "hh_train.jsonl", PROMPT_RECORDS)
+    write_jsonl(suffixed / "hh_test.jsonl", PROMPT_RECORDS[:1])
+    write_jsonl(suffixed / "pretrained.jsonl", PROMPT_RECORDS[:1])   # no split's word
+    caplog.clear()
+    assert load_pairs(str(suffixed)) == (PROMPT_PAIRS, 0)
+    assert "left out 2 other data files (hh_test.jsonl, pretrained.jsonl)" in caplog.text
 
 
 def test_a_directory_saved_by_datasets(tmp_path, caplog):
