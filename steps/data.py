@@ -10,8 +10,9 @@ Three record shapes are accepted, detected by the columns of the record set and 
 * Anthropic hh-rlhf: only `chosen` and `rejected`, each a whole "\\n\\nHuman: ...\\n\\nAssistant: ..."
   transcript; the prompt is the text of `chosen` through its last "\\n\\nAssistant:".
 * Chat messages (OpenRLHF, TRL): `chosen` and `rejected` are lists of {"role", "content"}
-  messages (roles system, user, assistant), either whole dialogues or, with a `prompt` list
-  of messages, its continuations (TRL's explicit prompt). They are rendered as hh-rlhf text
+  messages (roles system, user, assistant), either whole dialogues (a text `prompt` beside
+  them is not read) or, with a `prompt` list of messages, its continuations (TRL's explicit
+  prompt). They are rendered as hh-rlhf text
   (a system message is the text before the first "\\n\\nHuman: ", a user's turn is
   "\\n\\nHuman: " + content, an assistant's "\\n\\nAssistant: " + content), and the prompt is
   the dialogue before its final assistant message, through "\\n\\nAssistant:", so that the
@@ -390,15 +391,17 @@ def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | str
 _ROLES = {"system": "", "user": "\n\nHuman: ", "assistant": ASSISTANT_TAG + " "}
 
 
-def _messages_in(columns: dict[str, list[Any]]) -> bool:
-    """Whether the records are chat messages (OpenRLHF / TRL): the first `chosen` is a list
-    (the records that differ from it are named as errors)."""
-    first = next((value for value in columns["chosen"] if value is not None), None)
+def _messages_in(columns: dict[str, list[Any]], field: str = "chosen") -> bool:
+    """Whether column `field` holds chat messages (OpenRLHF / TRL): its first value is a
+    list (the records that differ from it are named as errors)."""
+    first = next((value for value in columns[field] if value is not None), None)
     return isinstance(first, list)
 
 
-def _message_column(columns: dict[str, list[Any]], field: str, label: str) -> list[list]:
-    """columns[field], checked to be lists of {"role", "content"} messages."""
+def _message_column(columns: dict[str, list[Any]], field: str, label: str,
+                    opens: bool) -> list[list]:
+    """columns[field], checked to be lists of {"role", "content"} messages; `opens`: each
+    list starts a dialogue (only there may a system message stand, first)."""
     values = columns[field]
     for i, messages in enumerate(values):
         where = f"{label} record {i + 1}: field '{field}'"
@@ -412,7 +415,6 @@ def _message_column(columns: dict[str, list[Any]], field: str, label: str) -> li
                 raise DataError(f"{where} message {n} is not a {{\"role\": system/user/assistant, "
                                 f"\"content\": text}} message (got {_shown(message)}); fix or "
                                 "remove that record")
-            opens = field == "prompt" or "prompt" not in columns   # its list starts a dialogue
             if role == "system" and (n > 1 or not opens):
                 raise DataError(f"{where} message {n}: a system message can only open a "
                                 "dialogue; fix or remove that record")
@@ -433,10 +435,13 @@ def _dialogue_records(columns: dict[str, list[Any]], label: str
                       ) -> list[tuple[str, str, str] | str]:
     """(prompt, chosen, rejected) texts of chat-message records, or why not: whole
     dialogues in `chosen`/`rejected`, or TRL's explicit `prompt` messages continued by them.
-    The prompt is the dialogue before its final assistant message, through "\n\nAssistant:"."""
-    chosen = _message_column(columns, "chosen", label)
-    rejected = _message_column(columns, "rejected", label)
-    prompts = (_message_column(columns, "prompt", label) if "prompt" in columns
+    The prompt is the dialogue before its final assistant message, through "\n\nAssistant:".
+    A text `prompt` beside whole dialogues (UltraFeedback's: their first user turn) is not
+    read, as OpenRLHF reads such data."""
+    explicit = "prompt" in columns and _messages_in(columns, "prompt")
+    chosen = _message_column(columns, "chosen", label, opens=not explicit)
+    rejected = _message_column(columns, "rejected", label, opens=not explicit)
+    prompts = (_message_column(columns, "prompt", label, opens=True) if explicit
                else [[] for _ in chosen])
     return [_split_dialogues(prompt + c, prompt + r)
             for prompt, c, r in zip(prompts, chosen, rejected, strict=True)]

@@ -277,6 +277,14 @@ def test_load_chat_messages_with_an_explicit_prompt(tmp_path):
     assert load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records))) == (CHAT_PAIRS, 1)
 
 
+def test_a_text_prompt_beside_whole_dialogues_is_not_read(tmp_path):
+    """UltraFeedback-binarized's layout: `prompt` the first user turn as text, `chosen` and
+    `rejected` the whole dialogues. It stopped with "field 'prompt' is not a list of chat
+    messages"; the dialogues say it all (OpenRLHF reads it so too)."""
+    records = [{"prompt": "hi", **record} for record in CHAT_RECORDS]
+    assert load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records))) == (CHAT_PAIRS, 2)
+
+
 @pytest.mark.parametrize("record, said", [
     ({"chosen": _chat(("user", "a"), ("assistant", 3)), "rejected": _chat(("assistant", "b"))},
      "field 'chosen' message 2 is not a {\"role\": system/user/assistant, \"content\": text} "
