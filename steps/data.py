@@ -266,6 +266,11 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
         if isinstance(exc, StopIteration) or (
                 isinstance(exc, ValueError) and "corresponds to no data" in str(exc)):
             return {}
+        if builder == "json" and (records := _json_records(path)):
+            # valid JSON Arrow cannot type: records whose nested values differ in shape (a
+            # chat message with a "name" key among ones without)
+            names = list(dict.fromkeys(name for record in records for name in record))
+            return {name: [record.get(name) for record in records] for name in names}
         kind = "Parquet" if builder == "parquet" else "JSON (an array of records or JSON lines)"
         where = _bad_json_line(path) if builder == "json" else None
         raise DataError(f"cannot read data file {path}: {where or _short(exc)}; check that it "
@@ -300,6 +305,15 @@ def _bad_json_line(path: Path) -> str | None:
 def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
     """Exact Python values of columns `names` of a JSON array / JSON-lines file (maybe .gz):
     for columns of mixed types (malformed records), so that errors name the right one."""
+    records = _json_records(path, objects_only=False)
+    if records is None:
+        return {}  # keep the values `datasets` decoded
+    return {name: [r.get(name) if isinstance(r, dict) else None for r in records] for name in names}
+
+
+def _json_records(path: Path, objects_only: bool = True) -> list | None:
+    """The records of a JSON array / JSON-lines file (maybe .gz) read by the standard
+    library, or None where it does not parse (or, `objects_only`, holds a non-object)."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8-sig") as f:
@@ -307,8 +321,11 @@ def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
         records = (json.loads(text) if text.lstrip().startswith("[")
                    else [json.loads(line) for line in text.splitlines() if line.strip()])
     except (OSError, ValueError):
-        return {}  # keep the values `datasets` decoded
-    return {name: [r.get(name) if isinstance(r, dict) else None for r in records] for name in names}
+        return None
+    if not isinstance(records, list) or (
+            objects_only and not all(isinstance(r, dict) for r in records)):
+        return None
+    return records
 
 
 def _read_hub(name: str) -> dict[str, list[Any]]:

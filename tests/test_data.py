@@ -277,6 +277,22 @@ def test_load_chat_messages_with_an_explicit_prompt(tmp_path):
     assert load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records))) == (CHAT_PAIRS, 1)
 
 
+def test_chat_messages_of_differing_keys_past_arrows_first_block(tmp_path):
+    """Arrow types a JSON file's columns from its first block (about 10 MB): a later message
+    with a key the others lack ("name") failed to cast, and the valid file was reported as
+    "not valid JSON". Such a file is read by the standard library."""
+    long = "q" * 2000
+    records = [{"chosen": _chat(("user", f"{long}{i}"), ("assistant", "a")),
+                "rejected": _chat(("user", f"{long}{i}"), ("assistant", "b"))}
+               for i in range(6000)]
+    records.append({"chosen": [{"role": "user", "content": "z"},
+                               {"role": "assistant", "content": "a", "name": "bot"}],
+                    "rejected": _chat(("user", "z"), ("assistant", "b"))})
+    pairs, skipped = load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records)))
+    assert len(pairs) == 6001 and skipped == 0
+    assert pairs[-1] == PreferencePair("\n\nHuman: z\n\nAssistant:", " a", " b")
+
+
 def test_a_text_prompt_beside_whole_dialogues_is_not_read(tmp_path):
     """UltraFeedback-binarized's layout: `prompt` the first user turn as text, `chosen` and
     `rejected` the whole dialogues. It stopped with "field 'prompt' is not a list of chat
