@@ -49,6 +49,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from engine.tracking import read_metrics  # noqa: E402
 
 CHILD_TIMEOUT_S = 600
 
@@ -227,7 +228,7 @@ def _step3(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                                   timeout=CHILD_TIMEOUT_S)
             if done.returncode != 0:
                 sys.exit(f"step 3 ({label}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-            rows = [json.loads(line) for line in (run_dir / "step3" / "metrics.jsonl").open()]
+            rows = read_metrics(run_dir / "step3" / "metrics.jsonl")
             rows = [r for r in rows if "time/iteration" in r][1:]   # the first warms up
             out[label] = {key: statistics.mean(r[f"time/{key}"] for r in rows) for key in
                           ("iteration", "gather", "generate", "experience", "train", "other")}

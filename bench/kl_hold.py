@@ -16,7 +16,6 @@ Run:  python bench/kl_hold.py ROOT [ROOT ...] [--settings guarded grpo] [--targe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.tracking import read_metrics  # noqa: E402
 from steps.ppo import DEFAULT_BEST_OF_N, KL_TARGET_SHARE, best_of_n_kl  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def hold(run: Path, target: float, sampled: bool
          ) -> tuple[float, float, float, float, float, float]:
     """(mean KL, its sd, share within ±25% of target, min and max coefficient) after the
     first fifth of the run's iterations, and the run's highest KL."""
-    rows = [json.loads(line) for line in (run / "step3" / "metrics.jsonl").open()]
+    rows = read_metrics(run / "step3" / "metrics.jsonl")
     iterations = [r for r in rows if "reward/kl" in r]
     kls = [r["reward/kl"] if sampled else r.get("reward/kl_vocab", r["reward/kl"])
            for r in iterations]

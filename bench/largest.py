@@ -81,7 +81,8 @@ def run_step3(preset: str, prompts: Path, out: Path, iterations: int, device: st
         "ppo.reward_fn=peers:reward", "ppo.reward_model_weight=0", "ppo.eval_prompts=0",
         "ppo.best_of_n=0", "engine.gradient_checkpointing=true", f"engine.device={device}",
         f"engine.hybrid.quantized_inference={str(not dequantized).lower()}",
-        "ppo.export_weights=adapter", "logging.progress=false"]
+        "ppo.export_weights=adapter", "logging.progress=false",
+        "overwrite=true", "resume=false"]   # a rerun into the same --out measures afresh
     print("$ " + shlex.join(command[1:]), file=sys.stderr, flush=True)
     log = out.with_suffix(".log")   # the child's stderr as it runs: kept if this one is killed
     with log.open("w") as stderr:

@@ -60,6 +60,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from engine.tracking import read_metrics  # noqa: E402
+
 HH_RLHF = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 OPT_TOKENIZER = REPO.parent / "shared" / "tokenizers" / "opt"
 ASSISTANT = "\n\nAssistant:"
@@ -191,11 +193,12 @@ def run_ours(model: Path, prompts: Path, out: Path, run: Run, gc: bool, device: 
         "ppo.kl_target=0", "ppo.target_kl=null", f"ppo.actor_lr={run.lr}",
         "ppo.eval_prompts=0", "ppo.best_of_n=0", f"engine.device={device}",
         f"engine.gradient_checkpointing={str(gc).lower()}", "logging.progress=false",
+        "overwrite=true", "resume=false",   # a rerun into the same --out measures afresh
         *(["engine.hybrid.release_inference_cache=true"] * lean),
         *([f"ppo.profile=[{run.warmup + 1},{run.warmup + 1}]"] * profile)]
     if failed := run_child(command, out, train_env(), device):
         return failed
-    rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out / "step3" / "metrics.jsonl")
     iterations = [r for r in rows if "time/iteration" in r]
     timed = iterations[run.warmup:]
     built = [r.get("generation/decode_steps_built", 0) for r in iterations]

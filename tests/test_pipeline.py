@@ -875,6 +875,7 @@ def test_step3_in_fp16_logs_both_loss_scales(llama_run, tmp_path):
               **{"ppo.actor_path": out / "actor", "ppo.reward_path": out / "reward",
                  "ppo.log_every": 1, "engine.dtype": "fp16"}).check()
     rows = [r for r in metrics(tmp_path / "step3" / "metrics.jsonl") if "train/grad_norm" in r]
+    assert rows
     for prefix in ("train/", "train/critic_"):
         assert all(r[f"{prefix}loss_scale"] * 2 ** r[f"{prefix}scale_overflows"] == 2**16
                    for r in rows)
