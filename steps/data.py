@@ -333,12 +333,17 @@ def _read_hub(name: str) -> dict[str, list[Any]]:
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
+    from engine.model_source import hub_offline
+
+    unreachable = (f"cannot load dataset '{name}': not a local file and the Hugging Face hub is "
+                   "unreachable (offline?); download it and pass the local file path in data.path")
+    # checked first: with no network and no cache, `datasets` retries for half a minute
+    if hub_offline() and not _hub_dataset_cached(name):
+        raise DataError(unreachable)
     try:
         ds = datasets.load_dataset(name, split="train")
     except ConnectionError as exc:
-        raise DataError(f"cannot load dataset '{name}': not a local file and the Hugging Face hub "
-                        "is unreachable (offline?); download it and pass the local file path in "
-                        "data.path") from exc
+        raise DataError(unreachable) from exc
     except DatasetNotFoundError as exc:
         raise DataError(f"cannot load dataset '{name}': not a local file and not found on the "
                         f"Hugging Face hub ({_short(exc)}); check the name or pass a local file "
@@ -350,6 +355,16 @@ def _read_hub(name: str) -> dict[str, list[Any]]:
         raise DataError(f"cannot load dataset '{name}': {_short(exc)}; pass a local file path in "
                         "data.path") from exc
     return ds.to_dict()
+
+
+def _hub_dataset_cached(name: str) -> bool:
+    """Whether hub dataset `name` may be in a local cache: the hub client's download or
+    `datasets`' prepared copy."""
+    import datasets
+    from huggingface_hub import constants
+
+    return ((Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}").is_dir()
+            or (Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir())
 
 
 def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[str]:

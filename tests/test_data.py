@@ -404,7 +404,18 @@ def test_non_string_field_parquet(tmp_path, bad, got):
     assert expected in one_line(exc)
 
 
-def test_offline_hub_name():
+def test_offline_hub_name(monkeypatch):
+    """Refused before `datasets` is asked: with no network and no offline mode set, it
+    retried for half a minute (26 s here) before failing."""
+    import datasets
+
+    def no_network(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("engine.model_source.socket.create_connection", no_network)
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda *args, **kwargs: pytest.fail("datasets was asked"))
     with pytest.raises(DataError) as exc:
         load_pairs("Dahoas/rm-static")
     message = one_line(exc)
