@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.lora import merged
+from engine.lora import merged, peft_quietly
 from engine.parallel import hf_model, resharded
 from engine.quantized_base import QUANTIZED, dequantize_state_dict, effective_shape
 from engine.runtime import Runtime
@@ -71,7 +71,8 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
     with torch.device("meta"):
         copy = plain_class(inner)(inner.config)
     if isinstance(model, PeftModel):
-        copy = get_peft_model(copy, model.peft_config[model.active_adapter])
+        with peft_quietly():
+            copy = get_peft_model(copy, model.peft_config[model.active_adapter])
     # a replicated model's CPU state shares storage with the live one: copy before merging
     full = {k: v.detach().to("cpu", copy=not rt.distributed) for k, v in full.items()}
     quantized = any(k.endswith(".weight_scale") for k in full)

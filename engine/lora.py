@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import peft
 import torch
 from peft import PeftModel, get_peft_model
@@ -16,6 +20,16 @@ from engine.models import head_reduced
 from engine.parallel import resharded
 
 
+@contextlib.contextmanager
+def peft_quietly() -> Iterator[None]:
+    """peft reads transformers 5's deprecated `is_gradient_checkpointing` as it wraps a
+    model: a FutureWarning for every adapter, of peft's making, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                category=FutureWarning)
+        yield
+
+
 def apply_lora(model: nn.Module, lora: LoraConfig, key: str = "lora") -> nn.Module:
     """Wrap `model` with LoRA adapters (no-op when lora.dim == 0). Without
     `only_optimize_lora` the base weights keep training too (DeepSpeed-Chat's default); a
@@ -28,7 +42,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, key: str = "lora") -> nn.Modu
     config = peft.LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets, exclude_modules=["score", "lm_head"])
     try:
-        peft_model = get_peft_model(model, config)
+        with peft_quietly():
+            peft_model = get_peft_model(model, config)
     except ValueError as err:
         why = _unusable_targets(err)
         if why is None:

@@ -321,9 +321,12 @@ def load_adapter(directory: str, base: str, tok: PreTrainedTokenizerBase, *, fla
                         "weights are random (a shape probe): there is no model to load")
     from peft import PeftModel  # chat.py's path alone needs it
 
+    from engine.lora import peft_quietly
+
     model = load_causal_lm(base, tok, flag=f"{flag} {directory}'s base", dtype=dtype,
                            trust_remote_code=trust_remote_code, trained_head=True)
-    return PeftModel.from_pretrained(model, directory).merge_and_unload()
+    with peft_quietly():
+        return PeftModel.from_pretrained(model, directory).merge_and_unload()
 
 
 def load_reward_model(spec: str, tok: PreTrainedTokenizerBase, *, flag: str = "--reward-model",
