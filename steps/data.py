@@ -531,6 +531,9 @@ def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
         if source == DEMO_SOURCE:
             if demo_pairs is None:
                 raise DataError("data source 'demo' needs the built-in demo task generator")
+            if Path(source).exists():
+                log.warning("data.path 'demo' is the built-in demo task: ./demo here is not "
+                            "read (pass ./demo to read it)")
             pairs = list(demo_pairs())
         else:
             pairs, skipped = load_pairs(source)

@@ -521,6 +521,18 @@ def test_load_blend(tmp_path):
         load_blend(["demo"], (2, 4, 4), seed=7)
 
 
+def test_a_demo_directory_here_is_named_not_read(tmp_path, monkeypatch, caplog):
+    """'demo' is the built-in task even where ./demo exists (a user's own data): said, not
+    silently passed over."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    write_jsonl(tmp_path / "demo" / "pairs.jsonl", [p._asdict() for p in _pairs("mine", 5)])
+    demo = _pairs("demo", 10)
+    steps = load_blend(["demo"], (2, 4, 4), seed=7, demo_pairs=lambda: demo)
+    assert sorted(p for step in steps for p in step) == sorted(demo)
+    assert "./demo here is not read (pass ./demo to read it)" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------
 # Tokenizing
 
