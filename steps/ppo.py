@@ -350,15 +350,19 @@ def _require_context(cfg: DictConfig, model, where: str, *, scored: bool = False
                           f"data.max_answer_len={answer} (PTX examples)", where)
 
 
-def check_merged_export(models: Models, ema: bool, output_dir: Path) -> None:
+def check_merged_exports(models: Models, ema: bool, output_dir: Path, adapter: bool) -> None:
     """Refuse, before training, merged exports that cannot be written (check_export_fits):
-    the actor's, its EMA's and the critic's."""
-    host, disk = models.actor.merged_size()
+    the actor's and its EMA's (unless `adapter`: LoRA's weights alone) and the critic's,
+    merged always; each is written from its own fp32 host copy, one at a time."""
+    host, disk = (0, 0) if adapter else models.actor.merged_size()
     disk *= 2 if ema else 1
     if models.critic is not None:
-        disk += models.critic.merged_size()[1]
-    adapter = "pass ppo.export_weights=adapter (LoRA's weights alone)"
-    check_export_fits(host, disk, output_dir, "ppo.export_weights=merged", adapter, adapter)
+        critic_host, critic_disk = models.critic.merged_size()
+        host, disk = max(host, critic_host), disk + critic_disk
+    what = f"ppo.export_weights={'adapter' if adapter else 'merged'}"
+    fix = ("start the critic from a smaller model (ppo.critic_path)" if adapter
+           else "pass ppo.export_weights=adapter (LoRA's weights alone)")
+    check_export_fits(host, disk, output_dir, what, fix, fix)
 
 
 def _critic_start(path: str, tokenizer, trust_remote_code: bool) -> tuple[dict, object]:
@@ -409,8 +413,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
     reset_memory_peak(dp.device)
     models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
-    if s.ppo.export_weights == "merged":
-        check_merged_export(models, s.ppo.ema.enabled, Path(cfg.output_dir))
+    check_merged_exports(models, s.ppo.ema.enabled, Path(cfg.output_dir),
+                         adapter=s.ppo.export_weights == "adapter")
     # the trained parameters alone (all of them, unless LoRA over a frozen base, whose
     # weights never move: a second copy of a 70B INT4 base would be 37 GB)
     kept = Kept(models.actor.copy_weights(trainable_only=True) if s.ppo.ema.enabled else None,

@@ -392,16 +392,23 @@ def test_a_merged_export_that_cannot_fit_is_refused_before_training(tok, tmp_pat
     values = sum(p.numel() for p in plain_twin(model, tok).parameters()) + lora
     assert engine.merged_size() == (4 * values, 4 * values)   # CPU runs in fp32
     models = SimpleNamespace(actor=engine, critic=None)
-    steps.ppo.check_merged_export(models, False, tmp_path)   # fits this machine
+    steps.ppo.check_merged_exports(models, False, tmp_path, adapter=False)   # fits this machine
     monkeypatch.setattr(steps.common, "host_memory_bytes", lambda: 4 * values - 1)
     with pytest.raises(UserError, match="pass ppo.export_weights=adapter"):
-        steps.ppo.check_merged_export(models, False, tmp_path)
+        steps.ppo.check_merged_exports(models, False, tmp_path, adapter=False)
     monkeypatch.undo()
     free = SimpleNamespace(free=8 * values - 1)   # the actor and its EMA do not fit
     monkeypatch.setattr(steps.ppo.shutil, "disk_usage", lambda path: free)
-    steps.ppo.check_merged_export(models, False, tmp_path)
+    steps.ppo.check_merged_exports(models, False, tmp_path, adapter=False)
     with pytest.raises(UserError, match=r"the exports take .* GiB free under"):
-        steps.ppo.check_merged_export(models, True, tmp_path)
+        steps.ppo.check_merged_exports(models, True, tmp_path, adapter=False)
+    # with the adapter alone written, the critic's merged export still counts (it was
+    # checked only with the actor's)
+    models = SimpleNamespace(actor=engine, critic=engine)
+    free.free = 4 * values - 1
+    with pytest.raises(UserError, match=r"ppo.export_weights=adapter: the exports take .* "
+                                        r"start the critic from a smaller model"):
+        steps.ppo.check_merged_exports(models, False, tmp_path, adapter=True)
 
 
 def _resident_bytes() -> int:

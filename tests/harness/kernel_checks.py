@@ -74,7 +74,7 @@ def test_silu_mul_equals_the_pytorch_formula(dtype):
     _assert_close(got, kernels.silu_mul_reference(gate_up.float()))
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="4-9 GB tensors: the interpreter would take hours")
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="4-9 GB tensors: hours in the interpreter")
 def test_row_offsets_past_2_to_the_31_are_right():
     """A 70B prefill's rows: silu_mul's 2 x 28672 values per row pass 2^31 elements at row
     37,450, add_norm's 8192 at row 262,144. int32 offsets wrapped there, reading and writing
