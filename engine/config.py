@@ -90,7 +90,8 @@ class LoraConfig:
     dim: int = val(0, "rank; 0 = off", NON_NEGATIVE)
     alpha: float = val(16.0, ok=POSITIVE)
     dropout: float = val(0.0, ok=within(0, 1, high_open=True))
-    target_modules: Any = val("all-linear", '"all-linear" or a list of module names')
+    target_modules: Any = val("all-linear", '"all-linear", a list of module names (or one '
+                              'name), or a regex over full module names')
     only_optimize_lora: bool = False
     learning_rate: Optional[float] = val(5e-4, "null: the model's", POSITIVE)  # noqa: UP045
 

@@ -37,8 +37,10 @@ def apply_lora(model: nn.Module, lora: LoraConfig, key: str = "lora") -> nn.Modu
     config section `lora` came from (e.g. sft.lora), which errors name."""
     if lora.dim <= 0:
         return model
-    targets = lora.target_modules   # a name pattern, or a list of module names
-    targets = targets if isinstance(targets, str) else list(targets)
+    targets = lora.target_modules   # all-linear, a regex over full names, or a list of names
+    targets = list(targets) if not isinstance(targets, str) else (
+        [targets] if targets.isidentifier() else targets)   # q_proj: a name, as in a list
+    shown = targets if isinstance(targets, str) else f"[{','.join(targets)}]"
     config = peft.LoraConfig(r=lora.dim, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets, exclude_modules=["score", "lm_head"])
     try:
@@ -48,10 +50,15 @@ def apply_lora(model: nn.Module, lora: LoraConfig, key: str = "lora") -> nn.Modu
         why = _unusable_targets(err)
         if why is None:
             raise
-        shown = targets if isinstance(targets, str) else f"[{','.join(targets)}]"
         raise UserError(f"{key}.target_modules={shown}: {why}; name some of its Linear "
                         f"modules ({', '.join(linear_names(model)[:8])}) or use all-linear"
                         ) from None
+    other = next((name for name, module in peft_model.named_modules() if isinstance(
+        module, LoraLayer) and not isinstance(module.get_base_layer(), nn.Linear | Conv1D)), None)
+    if other is not None:   # peft adapts embeddings too; the hybrid engine folds Linear only
+        raise UserError(f"{key}.target_modules={shown}: {other.rsplit('.', 1)[-1]} is not a "
+                        "Linear layer, and LoRA here adapts Linear layers; name some of "
+                        f"{', '.join(linear_names(model)[:8])} or use all-linear")
     for name, param in peft_model.named_parameters():
         is_head = name.split(".")[-2:-1] == ["score"]
         param.requires_grad_(is_lora_param(name) or is_head or not lora.only_optimize_lora)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from omegaconf import OmegaConf
+from peft.tuners.lora import LoraLayer
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -22,7 +23,7 @@ from engine.data_parallel import DataParallel
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.hybrid import HybridEngine
-from engine.lora import apply_lora
+from engine.lora import apply_lora, linear_names
 from engine.models import (
     PRESETS,
     SHAPES,
@@ -617,6 +618,23 @@ def test_lora_targets_that_match_nothing_are_named(tok, preset, linear):
                    "sft.lora")
     with pytest.raises(UserError, match=r"^lora.target_modules=\[ln_f,norm\]: .*Linear"):
         apply_lora(load_causal_lm(preset, tok), LoraConfig(dim=4, target_modules=["ln_f", "norm"]))
+
+
+@pytest.mark.parametrize("preset, embedding", [("tiny-llama", "embed_tokens"),
+                                               ("tiny-gpt2", "wte")])
+def test_lora_targets_are_linear_layers(tok, preset, embedding):
+    """peft adapts an embedding too, but the hybrid engine folds LoRA into Linear layers
+    only: step 3 sampled from the base embedding while training its adapter. Refused; one
+    name given as a string is that name (peft read it as a regex over full names, matching
+    nothing, and the error suggested that very name)."""
+    first = linear_names(load_causal_lm(preset, tok))[0]
+    with pytest.raises(UserError, match=rf"^lora.target_modules=\[{embedding},{first}\]: "
+                                        rf"{embedding} is not a Linear layer"):
+        apply_lora(load_causal_lm(preset, tok),
+                   LoraConfig(dim=4, target_modules=[embedding, first]))
+    model = apply_lora(load_causal_lm(preset, tok), LoraConfig(dim=4, target_modules=first))
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert adapted == {first}
 
 
 def test_step3_names_its_lora_section(tok, tmp_path):
