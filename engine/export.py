@@ -6,6 +6,7 @@ holds more than one full layer beyond its shards."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -71,8 +72,12 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
     with torch.device("meta"):
         copy = plain_class(inner)(inner.config)
     if isinstance(model, PeftModel):
+        # a copy of the config: peft renames its base to the meta copy's (none), which a
+        # later adapter export of the live model would write
+        config = dataclasses.replace(model.peft_config[model.active_adapter])
+        copy.name_or_path = inner.name_or_path
         with peft_quietly():
-            copy = get_peft_model(copy, model.peft_config[model.active_adapter])
+            copy = get_peft_model(copy, config)
     # a replicated model's CPU state shares storage with the live one: copy before merging
     full = {k: v.detach().to("cpu", copy=not rt.distributed) for k, v in full.items()}
     quantized = any(k.endswith(".weight_scale") for k in full)

@@ -4,6 +4,7 @@ gradient accumulation, and the masks of steps/ppo.make_experience on scripted ro
 import copy
 import json
 import time
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -635,6 +636,21 @@ def test_lora_targets_are_linear_layers(tok, preset, embedding):
     model = apply_lora(load_causal_lm(preset, tok), LoraConfig(dim=4, target_modules=first))
     adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     assert adapted == {first}
+
+
+def test_a_merged_export_leaves_the_adapters_base_as_it_was(tok, tmp_path):
+    """peft renamed the live adapter's base to the meta copy's (none) as the merged export
+    wrapped it, with a warning on every LoRA export; a later adapter export of the same
+    model would have named no base, which chat.py refuses."""
+    model = load_causal_lm("tiny-llama", tok)
+    model.name_or_path = "tiny-llama"   # as engine/placement.py names a trained model
+    peft_model = apply_lora(model, LoraConfig(dim=4, only_optimize_lora=True))
+    engine = TrainEngine(peft_model, OptimConfig(), 1, CPU, lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.export(tok, tmp_path / "merged")
+    assert not [w for w in caught if "renamed" in str(w.message)]
+    assert peft_model.peft_config["default"].base_model_name_or_path == "tiny-llama"
 
 
 def test_step3_names_its_lora_section(tok, tmp_path):
