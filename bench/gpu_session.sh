@@ -55,7 +55,10 @@ save_runs() {   # each largest.py run's metrics and log
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
 if [ "$part" = a ]; then
-  step 110 python3 -m pytest -q -p no:cacheprovider tests/harness/kernel_checks.py   # ~55 compiled
+  # the GPU checks: ~66 compiled kernel cases (the in-place quantized base, int64 row offsets
+  # at 70B's sizes), bf16 attention and the ZeRO++ quantizer (last run 2026-11-26)
+  step 120 python3 -m pytest -q -p no:cacheprovider tests/harness/kernel_checks.py \
+    tests/harness/bf16_checks.py tests/harness/quantize_checks.py
   # 34B with the allocator capped below an 80 GB H100's memory (bench/capped.py); 13B first
   step 170 python3 bench/largest.py --presets llama-13b llama-34b --iterations 5 \
     --memory-gib 76 --out /tmp/largest
