@@ -66,7 +66,7 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path"),
                             (critic_path, "critic's starting model", "ppo.critic_path")):
-        if path is None or (Path(path) / "config.json").exists() \
+        if path is None or (_expanded(path) / "config.json").exists() \
                 or (key != "ppo.reward_path" and is_preset(path)) or _resolved(path) in to_come:
             continue
         if OmegaConf.select(cfg, key):   # the user's own path: no such model
@@ -79,8 +79,16 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
     return actor_path, reward_path
 
 
+def _expanded(path: str | Path) -> Path:
+    """`path` with ~ expanded as the loader expands it (as it is where ~user is unknown)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
+
+
 def _resolved(path: str | Path) -> Path:
-    return Path(path).expanduser().resolve()
+    return _expanded(path).resolve()
 
 
 def check_settings(ppo, quantized_base: bool = False) -> None:

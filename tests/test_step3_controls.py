@@ -345,7 +345,7 @@ def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_unti
     assert ppo.start_kl_coef(ppo.Progress(kl_coef=0.05), 0.4, grpo).kl_coef == 0.05
 
 
-def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path):
+def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path, monkeypatch):
     """The default paths (a step not run yet) say to run it; a path the user gave that
     holds no model says so, rather than to run a step that would not write there."""
     def paths(**ppo_keys):
@@ -356,6 +356,14 @@ def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path):
         paths()
     with pytest.raises(UserError, match=rf"^ppo.critic_path={tmp_path}: no config.json"):
         paths(actor_path="tiny-llama", reward_model_weight=0, critic_path=str(tmp_path))
+    # ~ as the loader reads it (a model there was refused), and an unknown ~user refused
+    # in one line (it raised from expanduser)
+    (tmp_path / "home" / "critic").mkdir(parents=True)
+    (tmp_path / "home" / "critic" / "config.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    paths(actor_path="tiny-llama", reward_model_weight=0, critic_path="~/critic")
+    with pytest.raises(UserError, match=r"^ppo.critic_path=~nosuchuser/c: no config.json"):
+        paths(actor_path="tiny-llama", reward_model_weight=0, critic_path="~nosuchuser/c")
 
 
 def test_a_preset_actor_in_step_3_gets_the_runs_tokenizer(opt_tokenizer_path, tmp_path):
