@@ -361,10 +361,13 @@ def _hub_dataset_cached(name: str) -> bool:
     """Whether hub dataset `name` may be in a local cache: the hub client's download or
     `datasets`' prepared copy."""
     import datasets
+    from datasets.naming import camelcase_to_snakecase
     from huggingface_hub import constants
 
+    namespace, _, short = name.rpartition("/")
+    prepared = (f"{namespace}___" if namespace else "") + camelcase_to_snakecase(short)
     return ((Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}").is_dir()
-            or (Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")).is_dir())
+            or (Path(datasets.config.HF_DATASETS_CACHE) / prepared).is_dir())
 
 
 def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[str]:

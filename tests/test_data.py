@@ -404,6 +404,23 @@ def test_non_string_field_parquet(tmp_path, bad, got):
     assert expected in one_line(exc)
 
 
+def test_a_hub_dataset_in_a_local_cache_is_found(tmp_path, monkeypatch):
+    """`datasets` names its prepared copy namespace___snake_case_name (stanfordnlp___shp),
+    the hub client its download datasets--namespace--Name: either lets an offline run try."""
+    import datasets
+    from huggingface_hub import constants
+
+    from steps.data import _hub_dataset_cached
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "prepared")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert not _hub_dataset_cached("stanfordnlp/SHP")
+    (tmp_path / "prepared" / "stanfordnlp___shp").mkdir(parents=True)
+    assert _hub_dataset_cached("stanfordnlp/SHP")
+    (tmp_path / "hub" / "datasets--openbmb--UltraFeedback").mkdir(parents=True)
+    assert _hub_dataset_cached("openbmb/UltraFeedback")
+
+
 def test_offline_hub_name(monkeypatch):
     """Refused before `datasets` is asked: with no network and no offline mode set, it
     retried for half a minute (26 s here) before failing."""
