@@ -249,11 +249,19 @@ def _short(exc: BaseException) -> str:
 
 
 def _read_file(path: Path) -> dict[str, list[Any]]:
-    """Read a local data file into columns {name: [value per record]} with `datasets`, its
-    Arrow cache in a temporary directory (nothing is written under the user's home)."""
+    """Read a local data file into columns {name: [value per record]}. JSON records by the
+    standard library, exactly as written: Arrow types a column from the file's first block
+    (about 10 MB) and silently re-encodes later values of another shape (a message's
+    "content" came back as '"z"', a list prompt as the text '["x"]'). Parquet, and JSON the
+    standard library does not read as records (one object over several lines), with
+    `datasets`, its Arrow cache in a temporary directory (nothing is written under the
+    user's home)."""
+    builder = _DATA_SUFFIXES[_data_suffix(path) or ""]
+    if builder == "json" and (records := _json_records(path)):
+        names = list(dict.fromkeys(name for record in records for name in record))
+        return {name: [record.get(name) for record in records] for name in names}
     import datasets
 
-    builder = _DATA_SUFFIXES[_data_suffix(path) or ""]
     try:
         with tempfile.TemporaryDirectory(prefix="rlhf-data-") as cache_dir, _quiet_datasets():
             ds = datasets.load_dataset(builder, data_files=str(path), split="train",
@@ -266,11 +274,6 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
         if isinstance(exc, StopIteration) or (
                 isinstance(exc, ValueError) and "corresponds to no data" in str(exc)):
             return {}
-        if builder == "json" and (records := _json_records(path)):
-            # valid JSON Arrow cannot type: records whose nested values differ in shape (a
-            # chat message with a "name" key among ones without)
-            names = list(dict.fromkeys(name for record in records for name in record))
-            return {name: [record.get(name) for record in records] for name in names}
         kind = "Parquet" if builder == "parquet" else "JSON (an array of records or JSON lines)"
         where = _bad_json_line(path) if builder == "json" else None
         raise DataError(f"cannot read data file {path}: {where or _short(exc)}; check that it "

@@ -291,6 +291,15 @@ def test_chat_messages_of_differing_keys_past_arrows_first_block(tmp_path):
     pairs, skipped = load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records)))
     assert len(pairs) == 6001 and skipped == 0
     assert pairs[-1] == PreferencePair("\n\nHuman: z\n\nAssistant:", " a", " b")
+    # a value of another type there was not even refused: Arrow re-encoded the later block
+    # (every content as '"z"', the int as '3') and skipped the 981 records it broke
+    records[-1] = {"chosen": _chat(("user", "z"), ("assistant", 3)),
+                   "rejected": _chat(("user", "z"), ("assistant", "b"))}
+    path = write_jsonl(tmp_path / "b.jsonl", records)
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    assert one_line(exc).startswith(f"data file {path} record 6001: field 'chosen' message 2 "
+                                    "is not a {")
 
 
 def test_a_text_prompt_beside_whole_dialogues_is_not_read(tmp_path):
