@@ -252,12 +252,11 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
     """Read a local data file into columns {name: [value per record]}. JSON records by the
     standard library, exactly as written: Arrow types a column from the file's first block
     (about 10 MB) and silently re-encodes later values of another shape (a message's
-    "content" came back as '"z"', a list prompt as the text '["x"]'). Parquet, and JSON the
-    standard library does not read as records (one object over several lines), with
-    `datasets`, its Arrow cache in a temporary directory (nothing is written under the
-    user's home)."""
+    "content" came back as '"z"', a list prompt as the text '["x"]'). Parquet, and JSON
+    that does not parse (for its error), with `datasets`, its Arrow cache in a temporary
+    directory (nothing is written under the user's home)."""
     builder = _DATA_SUFFIXES[_data_suffix(path) or ""]
-    if builder == "json" and (records := _json_records(path)):
+    if builder == "json" and (records := _json_records(path)) is not None:
         names = list(dict.fromkeys(name for record in records for name in record))
         return {name: [record.get(name) for record in records] for name in names}
     import datasets
@@ -266,9 +265,7 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
         with tempfile.TemporaryDirectory(prefix="rlhf-data-") as cache_dir, _quiet_datasets():
             ds = datasets.load_dataset(builder, data_files=str(path), split="train",
                                        cache_dir=cache_dir, keep_in_memory=True)
-            columns = ds.to_dict()
-            mixed = [name for name, feature in ds.features.items()
-                     if type(feature).__name__ == "Json"]
+            return ds.to_dict()
     except Exception as exc:
         # an empty file: StopIteration for JSON lines, "corresponds to no data" otherwise
         if isinstance(exc, StopIteration) or (
@@ -278,13 +275,6 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
         where = _bad_json_line(path) if builder == "json" else None
         raise DataError(f"cannot read data file {path}: {where or _short(exc)}; check that it "
                         f"is valid {kind}") from exc
-    if mixed and builder == "json":
-        # `datasets` stores a JSON column of mixed types as text and decodes it lossily
-        # (" 4" and 4 both come back as 4); re-read those columns exactly from the file.
-        raw = _raw_json_columns(path, mixed)
-        n_records = len(next(iter(columns.values())))
-        columns.update({k: v for k, v in raw.items() if len(v) == n_records})
-    return columns
 
 
 def _bad_json_line(path: Path) -> str | None:
@@ -305,30 +295,21 @@ def _bad_json_line(path: Path) -> str | None:
     return None
 
 
-def _raw_json_columns(path: Path, names: list[str]) -> dict[str, list[Any]]:
-    """Exact Python values of columns `names` of a JSON array / JSON-lines file (maybe .gz):
-    for columns of mixed types (malformed records), so that errors name the right one."""
-    records = _json_records(path, objects_only=False)
-    if records is None:
-        return {}  # keep the values `datasets` decoded
-    return {name: [r.get(name) if isinstance(r, dict) else None for r in records] for name in names}
-
-
-def _json_records(path: Path, objects_only: bool = True) -> list | None:
-    """The records of a JSON array / JSON-lines file (maybe .gz) read by the standard
-    library, or None where it does not parse (or, `objects_only`, holds a non-object)."""
+def _json_records(path: Path) -> list[dict] | None:
+    """The records of a JSON file (maybe .gz): an array of objects, one object, or JSON
+    lines; None where it does not parse, or holds something other than objects."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8-sig") as f:
             text = f.read()
-        records = (json.loads(text) if text.lstrip().startswith("[")
-                   else [json.loads(line) for line in text.splitlines() if line.strip()])
+        try:
+            whole = json.loads(text)
+            records = whole if isinstance(whole, list) else [whole]
+        except ValueError:   # JSON lines (or no JSON: None below)
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
     except (OSError, ValueError):
         return None
-    if not isinstance(records, list) or (
-            objects_only and not all(isinstance(r, dict) for r in records)):
-        return None
-    return records
+    return records if all(isinstance(r, dict) for r in records) else None
 
 
 def _read_hub(name: str) -> dict[str, list[Any]]:

@@ -91,6 +91,9 @@ class RewardFunction:
         return score
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _as_score(value) -> float | None:
     """A reward function's value as the float32 the rewards are kept in, or None where it
     is none: not a number (text, a sequence), NaN or inf, or past float32's range (a
@@ -102,9 +105,6 @@ def _as_score(value) -> float | None:
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None
     return score if abs(score) <= _FLOAT32_MAX else None
-
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def decode_rollouts(tokenizer, sequences: torch.Tensor, prompt_len: int

@@ -463,18 +463,20 @@ def test_records_all_skipped_say_why(tmp_path):
     transcript not sharing the chosen prompt; each reason is counted apart now."""
     implicit = [{"chosen": f"The sky is blue {i}.", "rejected": f"It is green {i}."}
                 for i in range(3)]
-    path = write_jsonl(tmp_path / "implicit.jsonl", implicit)
-    with pytest.raises(DataError) as exc:
-        load_pairs(str(path))
-    assert one_line(exc) == (
+    def refusal(name: str, records: list[dict]) -> tuple[Path, str]:
+        path = write_jsonl(tmp_path / name, records)
+        with pytest.raises(DataError) as exc:
+            load_pairs(str(path))
+        return path, one_line(exc)
+
+    path, said = refusal("implicit.jsonl", implicit)
+    assert said == (
         f"data file {path}: no usable preference pairs (all 3 records skipped: 3 with no "
         "\"\\n\\nAssistant:\" in 'chosen' (no prompt field, so read as hh-rlhf transcripts)); "
         "give the records a 'prompt' field that 'chosen' and 'rejected' answer, or write them "
         "as \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
-    path = write_jsonl(tmp_path / "mixed.jsonl", implicit[:2] + HH_RECORDS[1:])
-    with pytest.raises(DataError) as exc:
-        load_pairs(str(path))
-    assert one_line(exc) == (
+    path, said = refusal("mixed.jsonl", implicit[:2] + HH_RECORDS[1:])
+    assert said == (
         f"data file {path}: no usable preference pairs (all 4 records skipped: 2 with no "
         "\"\\n\\nAssistant:\" in 'chosen' (no prompt field, so read as hh-rlhf transcripts), 1 "
         "whose 'rejected' does not share the prompt of 'chosen', 1 with an empty answer); check "
