@@ -3,10 +3,14 @@
 Works on any Hugging Face causal-LM directory (config.json, weights, tokenizer files), or a hub
 name, loaded as train.py loads models (engine/models.py), and generates through the model's
 inference form (engine/inference_form.py: fused inference modules, CUDA graphs on a GPU; Hugging
-Face generate for architectures without them). The conversation uses the same Anthropic hh-rlhf
-format the model was trained on:
+Face generate for architectures without them). The conversation is written in the format the
+model was trained in, which train.py saves as its tokenizer's chat template
+(engine/chat_format.py): the model's own template (data.apply_chat_template) or the Anthropic
+hh-rlhf format, also used for a tokenizer without a template,
 
     \\n\\nHuman: {text}\\n\\nAssistant: {reply}\\n\\nHuman: {text}\\n\\nAssistant:
+
+in which a reply ends where the model starts the next human turn.
 
 Type `clear` to start a new conversation, `quit`/`exit` or EOF (Ctrl-D) to leave. With stdin
 piped, one user turn is read per line and each reply is printed as "Assistant: <reply>".
@@ -21,15 +25,13 @@ from typing import TYPE_CHECKING
 
 # torch, transformers and the engine are imported once the arguments and the model path are
 # checked: a mistyped flag or path fails at once, not after seconds of imports
+from engine.chat_format import HUMAN
 from engine.errors import UserError
 from engine.model_source import adapter_base, model_source, require_tokenizer_files
 
 if TYPE_CHECKING:
     import torch
 
-HUMAN = "\n\nHuman:"
-ASSISTANT = "\n\nAssistant:"
-STOP = HUMAN  # the model starting the next human turn means its reply is over
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -37,14 +39,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 # conversation helpers (pure string / token-list functions)
 
 
-def add_user_turn(history: str, text: str) -> str:
-    """Append a human turn and the assistant cue; the model's reply continues from here."""
-    return f"{history}{HUMAN} {text}{ASSISTANT}"
-
-
-def cut_reply(text: str) -> str:
-    """The reply ends where the model starts writing the next human turn."""
-    return text.split(STOP, 1)[0]
+def cut_reply(text: str, stop: str | None) -> str:
+    """The reply ends where the model starts writing `stop` (the hh format's next human
+    turn; None: a chat template's turn ends with a token generation stops on)."""
+    return text.split(stop, 1)[0] if stop else text
 
 
 def display_reply(reply: str) -> str:
@@ -52,41 +50,38 @@ def display_reply(reply: str) -> str:
     return reply.strip()
 
 
-def split_turns(history: str) -> list[str]:
-    """Split a history into whole exchanges, each starting with "\\n\\nHuman:"."""
-    parts = history.split(HUMAN)
-    turns = [HUMAN + p for p in parts[1:]]
-    if parts[0]:  # text before the first human turn (not produced by this script) stays first
-        turns.insert(0, parts[0])
-    return turns
+def without_oldest_exchange(messages: list[dict]) -> list[dict]:
+    """`messages` less their first exchange (a user message and the replies to it); a
+    system message that opens them stays."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    rest = messages[len(head):]
+    starts = [i for i, m in enumerate(rest) if m["role"] == "user" and i > 0]
+    return head + rest[starts[0]:] if starts else messages
 
 
-def fit_history(history: str, encode, budget: int) -> tuple[str, list[int]]:
-    """Make the tokenized history fit in `budget` tokens: drop the oldest exchanges first, and
-    if the newest one alone is still too long, keep its last tokens (after the BOS-like
-    prefix). `encode` maps text to token ids with the tokenizer's special tokens. Returns the
-    (possibly shortened) history and its token ids."""
-    turns = split_turns(history)
-    ids = encode(history)
-    while len(ids) > budget and len(turns) > 1:
-        turns = turns[1:]
-        history = "".join(turns)
-        ids = encode(history)
+def fit_history(messages: list[dict], encode, budget: int, prefix: list[int]
+                ) -> tuple[list[dict], list[int]]:
+    """Make the conversation's prompt fit in `budget` tokens: drop the oldest exchanges
+    first, and if the newest one alone is still too long, keep its last tokens after
+    `prefix` (e.g. [BOS]: the model expects it at position 0). `encode` maps messages to
+    prompt ids. Returns the (possibly shortened) messages and their prompt ids."""
+    ids = encode(messages)
+    while len(ids) > budget and (shorter := without_oldest_exchange(messages)) != messages:
+        messages, ids = shorter, encode(shorter)
     if len(ids) > budget:
-        prefix = encode("")  # e.g. [BOS]: the model expects it at position 0, keep it there
         if ids[: len(prefix)] != prefix or len(prefix) >= budget:
             prefix = []
         ids = prefix + ids[len(prefix) :][-(budget - len(prefix)) :]
-    return history, ids
+    return messages, ids
 
 
-def stream_safe(text: str) -> str:
+def stream_safe(text: str, stop: str | None) -> str:
     """The part of a partial reply that is safe to print now: hold back an incomplete UTF-8
-    character (decoded as U+FFFD), anything that may still become the stop string, and
+    character (decoded as U+FFFD), anything that may still become the `stop` string, and
     trailing whitespace (display_reply strips it at the end)."""
-    text = cut_reply(text).rstrip("\ufffd")
-    for k in range(len(STOP) - 1, 0, -1):
-        if text.endswith(STOP[:k]):
+    text = cut_reply(text, stop).rstrip("\ufffd")
+    for k in range(len(stop or "") - 1, 0, -1):
+        if text.endswith(stop[:k]):
             text = text[:-k]
             break
     return display_reply(text)
@@ -105,10 +100,11 @@ def decode_new(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
 
 class ReplyStreamer:
     """Per-token callback of generation: prints the reply as it grows, exactly as it will finally
-    read, and ends generation (returns True) once the model starts the next human turn."""
+    read, and ends generation (returns True) once the model writes `stop` (the hh format's
+    next human turn)."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], out=None):
-        self.tokenizer, self.prompt_ids = tokenizer, prompt_ids
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None, stop: str | None = HUMAN):
+        self.tokenizer, self.prompt_ids, self.stop = tokenizer, prompt_ids, stop
         self.out = out or sys.stdout  # looked up now, so redirected stdout is honoured
         self.new_ids: list[int] = []
         self.shown = ""
@@ -116,12 +112,12 @@ class ReplyStreamer:
     def __call__(self, tokens: torch.Tensor) -> bool:
         self.new_ids.extend(tokens.tolist())  # [1]: the one row's token
         text = decode_new(self.tokenizer, self.prompt_ids, self.new_ids)
-        self._show(stream_safe(text))
-        return STOP in text
+        self._show(stream_safe(text, self.stop))
+        return bool(self.stop) and self.stop in text
 
     def end(self):
         self._show(display_reply(cut_reply(decode_new(self.tokenizer, self.prompt_ids,
-                                                      self.new_ids))))
+                                                      self.new_ids), self.stop)))
 
     def _show(self, text: str):
         # only ever append; if decoding rewrote earlier text, wait for the final version
@@ -135,9 +131,10 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
+def reply(model, tokenizer, prompt_ids: list[int], args, out=None, stop: str | None = HUMAN
+          ) -> str:
     """Generate (and stream to `out`) the assistant's reply with `model`, an inference form
-    (engine.inference_form); returns its raw text."""
+    (engine.inference_form), until EOS or `stop`; returns its raw text."""
     import torch
 
     from engine.generation import SamplingSettings
@@ -148,13 +145,14 @@ def reply(model, tokenizer, prompt_ids: list[int], args, out=None) -> str:
     else:
         sampling = SamplingSettings(args.max_new_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k)
-    streamer = ReplyStreamer(tokenizer, prompt_ids, out)
+    streamer = ReplyStreamer(tokenizer, prompt_ids, out, stop)
     # the tokenizer's EOS, which training taught it to end with, and the checkpoint's own
     eos = sorted({tokenizer.eos_token_id, *_ids(model.generation_config.eos_token_id)})
     out_ids = model.generate(input_ids, torch.ones_like(input_ids), sampling, eos_token_id=eos,
                              pad_token_id=tokenizer.pad_token_id, on_token=streamer)
     streamer.end()
-    return cut_reply(decode_new(tokenizer, prompt_ids, out_ids[0, len(prompt_ids) :].tolist()))
+    return cut_reply(decode_new(tokenizer, prompt_ids, out_ids[0, len(prompt_ids) :].tolist()),
+                     stop)
 
 
 # -----------------------------------------------------------------------------
@@ -185,7 +183,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Chat with a trained causal LM (hh-rlhf format).")
+    p = argparse.ArgumentParser(description="Chat with a trained causal LM, in the format it was trained in.")
     p.add_argument("--path", required=True, help="model directory, e.g. output/step3/actor")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -287,12 +285,15 @@ def main(argv=None) -> int:
 def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
              interactive: bool) -> None:
     """Read user turns until EOF or quit, and stream each reply."""
+    from engine.chat_format import render, uses_hh
     from engine.models import prompt_ids as tokenized_prompts
 
-    def encode(text: str) -> list[int]:   # special tokens as in training (BOS, not EOS)
-        return tokenized_prompts([text], tokenizer)[0][0]
+    def encode(messages: list[dict]) -> list[int]:   # special tokens as in training (BOS)
+        return tokenized_prompts([render(tokenizer, messages, True)], tokenizer)[0][0]
 
-    history = ""
+    stop = HUMAN if uses_hh(tokenizer) else None
+    head = tokenized_prompts([""], tokenizer)[0][0]   # e.g. [BOS]
+    messages: list[dict] = []
     while True:
         try:
             line = input("Human: " if interactive else "")
@@ -309,22 +310,22 @@ def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
         if text in ("quit", "exit"):
             break
         if text == "clear":
-            history = ""
+            messages = []
             print("(history cleared)", file=sys.stderr)
             continue
-        history = add_user_turn(history, text)
+        messages = [*messages, {"role": "user", "content": text}]
         if budget is None:
-            prompt_ids = encode(history)
+            prompt_ids = encode(messages)
         else:
-            history, prompt_ids = fit_history(history, encode, budget)
+            messages, prompt_ids = fit_history(messages, encode, budget, head)
         print("Assistant: ", end="", flush=True)
         try:
-            answer = reply(model, tokenizer, prompt_ids, args)
+            answer = reply(model, tokenizer, prompt_ids, args, stop=stop)
         except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat
             print()
-            history = history[: -len(ASSISTANT)].rsplit(HUMAN, 1)[0]
+            messages = messages[:-1]
             continue
-        history += answer  # raw text (leading space included), as in the training data
+        messages.append({"role": "assistant", "content": display_reply(answer)})
         print("\n" if interactive else "", flush=True)
 
 

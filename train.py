@@ -74,6 +74,8 @@ FLAGS: dict[str, list[tuple[str, str, dict, str]]] = {"": [
      "reward model (step 2) and critic (step 3) sharding"),
     ("--resume", "resume", _const("true"), "continue the interrupted run in --output-dir (it "
      "must hold one); by default a run found there is continued anyway"),
+    ("--apply-chat-template", "data.apply_chat_template", _const(True), "render the data's "
+     "dialogues by the actor tokenizer's chat template, not as hh-rlhf text"),
     ("--disable-dropout", "ppo.disable_dropout", BOOL,
      "dropout off in the step-3 actor, critic, reference and reward models"),
 ], "hybrid engine (step 3 generation)": [

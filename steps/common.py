@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from engine.chat_format import HH_TEMPLATE
 from engine.checkpoint import Checkpointer
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
@@ -23,8 +24,8 @@ from engine.tracking import Tracker
 from engine.trainer import TrainEngine
 from steps import demo
 from steps.config import FINISHED, step_dir
-from steps.data import DataError, permutation, train_eval_split
-from steps.tokenize import TokenizeStats
+from steps.data import DataError, PreferencePair, permutation, train_eval_split
+from steps.tokenize import TokenizeStats, apply_chat_template
 
 
 def start_step(cfg: DictConfig, step: int, dp: DataParallel, *, resume: bool) -> Path:
@@ -94,6 +95,29 @@ def placement(cfg: DictConfig, rt: Runtime) -> Placement:
 
 def log(message: str) -> None:
     tqdm.write(message)   # to stdout, which train.py silences on ranks other than 0
+
+
+def in_chat_format(cfg: DictConfig, what: str, pairs: list[PreferencePair], tokenizer,
+                   owner: str) -> list[PreferencePair]:
+    """`pairs` in the format the run trains in: hh-rlhf text as read, or with
+    data.apply_chat_template as `tokenizer`'s chat template writes them (`owner` names the
+    model it is from); the dialogues the template refuses are counted."""
+    if not cfg.data.apply_chat_template:
+        return pairs
+    rendered, refused = apply_chat_template(pairs, tokenizer, owner)
+    if refused:
+        log(f"{what}: {refused} of {len(pairs)} dialogues skipped (the chat template of "
+            f"{owner} refuses them)")
+    return rendered
+
+
+def saving_chat_format(cfg: DictConfig, tokenizer):
+    """`tokenizer`, an actor's, made to save the format the run trains it in: with
+    data.apply_chat_template its own chat template, else the hh-rlhf one (engine.chat_format:
+    chat.py and other tools then talk to the model as it was trained)."""
+    if not cfg.data.apply_chat_template:
+        tokenizer.chat_template = HH_TEMPLATE
+    return tokenizer
 
 
 def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,

@@ -44,6 +44,8 @@ class DataConfig:
                                within(0, 1, high_open=True))
     max_prompt_len: int = val(256, "longer prompts are dropped (and counted)", COUNT)
     max_answer_len: int = val(256, "longer answers are truncated", COUNT)
+    apply_chat_template: bool = val(False, "render dialogues by the actor tokenizer's chat "
+                                    "template (else hh-rlhf text); saved with the model")
     demo_pairs: int = val(4000, "size of the built-in demo data set", COUNT)
     demo_task: str = val("digits", 'what "demo" generates: digits | distinct | pick '
                          '(steps/demo.py)')

@@ -45,9 +45,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.chat_format import ASSISTANT, HH_PREFIX
+
 log = logging.getLogger(__name__)
 
-ASSISTANT_TAG = "\n\nAssistant:"
 DEMO_SOURCE = "demo"
 
 # suffix -> `datasets` builder name
@@ -73,6 +74,9 @@ class PreferencePair(NamedTuple):
     prompt: str  # dialogue through the final "\n\nAssistant:" (or the record's prompt field)
     chosen: str  # preferred answer text (continuation of prompt)
     rejected: str  # dispreferred answer text
+    # the prompt's chat messages, for records that were chat messages (None: read them back
+    # from `prompt`); data.apply_chat_template renders them, exactly as written
+    messages: tuple[dict, ...] | None = None
 
 
 class DataError(ValueError):
@@ -396,18 +400,13 @@ def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | str
     of _SKIPPED).
     The prompt is `chosen` through its last "\\n\\nAssistant:", kept verbatim so that
     prompt + chosen answer == chosen transcript; `rejected` must start with the same prompt."""
-    cut = chosen.rfind(ASSISTANT_TAG)
+    cut = chosen.rfind(ASSISTANT)
     if cut < 0:
         return "no_marker"
-    prompt = chosen[: cut + len(ASSISTANT_TAG)]
+    prompt = chosen[: cut + len(ASSISTANT)]
     if not rejected.startswith(prompt):
         return "differs"
     return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
-
-
-# roles of chat messages -> how the hh-rlhf text format renders them (a system message is the
-# text before the first Human turn); an answer is " " + content after "\n\nAssistant:"
-_ROLES = {"system": "", "user": "\n\nHuman: ", "assistant": ASSISTANT_TAG + " "}
 
 
 def _messages_in(columns: dict[str, list[Any]], field: str = "chosen") -> bool:
@@ -430,7 +429,7 @@ def _message_column(columns: dict[str, list[Any]], field: str, label: str,
                             "elsewhere in this data; give every record's fields that shape")
         for n, message in enumerate(messages, 1):
             role = message.get("role") if isinstance(message, dict) else None
-            if role not in _ROLES or not isinstance(message.get("content"), str):
+            if role not in HH_PREFIX or not isinstance(message.get("content"), str):
                 raise DataError(f"{where} message {n} is not a {{\"role\": system/user/assistant, "
                                 f"\"content\": text}} message (got {_shown(message)}); fix or "
                                 "remove that record")
@@ -447,7 +446,7 @@ def _shown(value: Any) -> str:
 
 def _render(messages: list[dict]) -> str:
     """Chat messages as hh-rlhf text: "[system]\n\nHuman: ...\n\nAssistant: ..."."""
-    return "".join(_ROLES[m["role"]] + m["content"] for m in messages)
+    return "".join(HH_PREFIX[m["role"]] + m["content"] for m in messages)
 
 
 def _dialogue_records(columns: dict[str, list[Any]], label: str
@@ -466,16 +465,19 @@ def _dialogue_records(columns: dict[str, list[Any]], label: str
             for prompt, c, r in zip(prompts, chosen, rejected, strict=True)]
 
 
-def _split_dialogues(chosen: list[dict], rejected: list[dict]) -> tuple[str, str, str] | str:
-    """Two dialogues -> (prompt, chosen answer, rejected answer) as hh-rlhf text, or why not:
-    either does not end in an assistant message, or they differ before it."""
+def _split_dialogues(chosen: list[dict], rejected: list[dict]
+                     ) -> tuple[str, str, str, tuple[dict, ...]] | str:
+    """Two dialogues -> (prompt, chosen answer, rejected answer) as hh-rlhf text and the
+    prompt's messages, or why not: either does not end in an assistant message, or they
+    differ before it."""
     if not chosen or not rejected or chosen[-1]["role"] != "assistant" \
             or rejected[-1]["role"] != "assistant":
         return "no_answer"
-    prompt = _render(chosen[:-1]) + ASSISTANT_TAG
-    if _render(rejected[:-1]) + ASSISTANT_TAG != prompt:
+    prompt = _render(chosen[:-1]) + ASSISTANT
+    if _render(rejected[:-1]) + ASSISTANT != prompt:
         return "differs"
-    return prompt, " " + chosen[-1]["content"], " " + rejected[-1]["content"]
+    return (prompt, " " + chosen[-1]["content"], " " + rejected[-1]["content"],
+            tuple({"role": m["role"], "content": m["content"]} for m in chosen[:-1]))
 
 
 # ---------------------------------------------------------------------------------------------

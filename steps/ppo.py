@@ -71,11 +71,13 @@ from steps.common import (
     batches,
     check_export_fits,
     epoch_batches,
+    in_chat_format,
     log,
     num_batches,
     placement,
     report_tokenized,
     require_examples,
+    saving_chat_format,
     start_step,
     to_device,
 )
@@ -404,8 +406,11 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     actor_path, reward_path = model_paths(cfg)  # before start_step touches a previous run's files
     dp, place = DataParallel(rt), placement(cfg, rt)
     out = start_step(cfg, 3, dp, resume=resume)
-    tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")
-    prompts = load_prompts(cfg, tokenizer, pairs, ptx_pairs)
+    tokenizer = saving_chat_format(cfg, model_tokenizer(cfg, actor_path, "ppo.actor_path"))
+    owner = f"the step-3 actor {actor_path}"
+    prompts = load_prompts(cfg, tokenizer, in_chat_format(cfg, "step 3", pairs, tokenizer, owner),
+                           in_chat_format(cfg, "step 3 PTX", ptx_pairs, tokenizer, owner)
+                           if cfg.ppo.ptx.enabled else [])
     rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
     s = with_evaluations(resolve(cfg, total_samples=cfg.ppo.epochs * len(prompts.train)
                                  * cfg.ppo.samples_per_prompt), len(prompts.eval))

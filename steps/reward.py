@@ -13,7 +13,7 @@ from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer, require_positions
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, placement, to_device, train_eval_examples
+from steps.common import batches, in_chat_format, placement, to_device, train_eval_examples
 from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
 from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
@@ -52,6 +52,11 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
+    if cfg.data.apply_chat_template:   # the actor's: the format the reward model will score
+        actor_tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
+                                         trust_remote_code=cfg.trust_remote_code)
+        pairs = in_chat_format(cfg, "step 2", pairs, actor_tokenizer,
+                               f"--actor-model {cfg.actor_model}")
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.chat_format import turn_ends_with_eos
 from engine.errors import NonFiniteError, UserError
 from engine.models import decode_answer, prompt_ids, sequence_scores
 from steps.algorithms import RewardFn, load_reward_fn
@@ -24,6 +25,8 @@ class RewardScorer:
     def __init__(self, model, actor_tokenizer, reward_tokenizer, device):
         self.model, self.device = model, device
         self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
+        # a chat template's turn end that is the EOS is text the reward model was trained on
+        self.eos_in_text = turn_ends_with_eos(actor_tokenizer)
         self.same_vocabulary = actor_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
         self.reads_actor_ids = self.same_vocabulary and (
             actor_tokenizer.eos_token_id == reward_tokenizer.eos_token_id
@@ -39,12 +42,23 @@ class RewardScorer:
             sequences, attention_mask = ended_with(sequences, attention_mask,
                                                    self.reward_tokenizer.eos_token_id)
             return sequence_scores(self.model, sequences, attention_mask)
-        texts = [self.actor_tokenizer.decode(row[mask.bool()], skip_special_tokens=True)
+        texts = [self._text(row[mask.bool()].tolist())
                  for row, mask in zip(sequences, attention_mask, strict=True)]
         eos = self.reward_tokenizer.eos_token_id
-        ids = [row + [eos] for row in prompt_ids(texts, self.reward_tokenizer)[0]]
+        ids = [row if row[-1:] == [eos] else row + [eos]
+               for row in prompt_ids(texts, self.reward_tokenizer)[0]]
         batch = to_device(collate_prompts(ids, self.reward_tokenizer.pad_token_id), self.device)
         return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
+
+    def _text(self, ids: list[int]) -> str:
+        """A rollout's text as step 2 read it: special tokens kept (a chat template's turn
+        markers), but the actor's BOS and the EOS that ends its answer, for which the reward
+        tokenizer puts its own (unless the template writes that EOS as text)."""
+        if ids[:1] == [self.actor_tokenizer.bos_token_id]:
+            ids = ids[1:]
+        if ids[-1:] == [self.actor_tokenizer.eos_token_id] and not self.eos_in_text:
+            ids = ids[:-1]
+        return self.actor_tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def ended_with(sequences: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int

@@ -14,7 +14,14 @@ from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer, position_ids, require_positions
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, placement, to_device, train_eval_examples
+from steps.common import (
+    batches,
+    in_chat_format,
+    placement,
+    saving_chat_format,
+    to_device,
+    train_eval_examples,
+)
 from steps.data import PreferencePair
 from steps.rlhf import sft_loss
 from steps.tokenize import IGNORE_INDEX, SFTExample, collate_sft, tokenize_sft
@@ -51,8 +58,9 @@ def perplexity(model, examples: list[SFTExample], pad_token_id: int, batch_size:
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
     sft = OmegaConf.to_object(cfg.sft)   # a TrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
-    tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
-                               trust_remote_code=cfg.trust_remote_code)
+    tokenizer = saving_chat_format(cfg, load_tokenizer(
+        cfg.actor_model, tokenizer=cfg.tokenizer, trust_remote_code=cfg.trust_remote_code))
+    pairs = in_chat_format(cfg, "step 1", pairs, tokenizer, f"--actor-model {cfg.actor_model}")
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
 
     # trained_head: a reward model's directory here would train a random LM head

@@ -1,5 +1,6 @@
 """Preference pairs to token ids and padded batches.
 
+`apply_chat_template` re-renders pairs by a tokenizer's chat template (data.apply_chat_template).
 `tokenize_sft` / `tokenize_pairs` / `tokenize_prompts` make token-id lists (the prompt with
 the tokenizer's special tokens, the answer + EOS), counting what they drop or cut; the
 `collate_*` functions pad them into tensors (right padding for training, left padding for
@@ -13,8 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from jinja2 import TemplateError
 from torch import Tensor
 
+from engine.chat_format import hh_messages, render
 from engine.models import prompt_ids
 from steps.data import DataError, PreferencePair
 
@@ -36,6 +39,54 @@ class TokenizeStats(NamedTuple):
     dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
     truncated_answer: int      # answers of kept examples cut to max_answer_len (a pair: 0-2)
     dropped_empty_prompt: int = 0   # step-3 prompts dropped: 0 tokens, nothing to generate from
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+
+
+def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: str
+                        ) -> tuple[list[PreferencePair], int]:
+    """`pairs` as `tokenizer`'s chat template writes them (`owner`, e.g. "--actor-model X",
+    names it in errors): the prompt is the dialogue's messages (the record's own, or its hh
+    text read back) with the template's generation prompt; an answer is what the template
+    writes after that prompt for the assistant's message, trailing whitespace dropped, so
+    it ends with the turn's end token (e.g. <|im_end|>, then not doubled where it is the
+    EOS). Returns (pairs, dialogues skipped because the template refuses them, e.g. roles
+    that do not alternate)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"data.apply_chat_template=true: the tokenizer of {owner} has no chat "
+                        "template; use a model whose tokenizer has one, or "
+                        "data.apply_chat_template=false (the hh-rlhf format)")
+    rendered, refused = [], []
+    for pair in pairs:
+        messages = list(pair.messages) if pair.messages is not None else hh_messages(pair.prompt)
+        try:
+            prompt = render(tokenizer, messages, generation_prompt=True)
+            answers = [_templated_answer(tokenizer, messages, prompt, answer, owner)
+                       for answer in (pair.chosen, pair.rejected)]
+        except TemplateError as err:
+            refused.append(str(err))
+            continue
+        rendered.append(PreferencePair(prompt, *answers))
+    if refused and not rendered:
+        raise DataError(f"data.apply_chat_template: the chat template of {owner} refuses all "
+                        f"{len(refused)} dialogues (first: {refused[0]}); fix the data or use "
+                        "data.apply_chat_template=false")
+    return rendered, len(refused)
+
+
+def _templated_answer(tokenizer: Any, messages: list[dict], prompt: str, answer: str,
+                      owner: str) -> str:
+    """What the chat template writes after `prompt` (the rendering of `messages` with its
+    generation prompt) for the assistant's `answer` (hh text: one leading space dropped)."""
+    reply = {"role": "assistant", "content": answer.removeprefix(" ")}
+    whole = render(tokenizer, [*messages, reply], generation_prompt=False)
+    if not whole.startswith(prompt):
+        raise DataError(f"data.apply_chat_template: the chat template of {owner} does not write "
+                        "a dialogue as its prompt followed by the reply (it renders the turns "
+                        "before the reply otherwise); use data.apply_chat_template=false")
+    return whole[len(prompt):].rstrip()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 import chat
+from engine.chat_format import HUMAN, hh_messages, render, uses_hh
 from engine.generation import SamplingSettings
 from engine.inference_form import InferenceForm
 from engine.models import byte_tokenizer, preset_config
@@ -101,32 +102,49 @@ def replies(stdout: str) -> list[str]:
 # pure helpers
 
 
-def test_add_user_turn_matches_hh_rlhf_format():
-    h = chat.add_user_turn("", "hello")
-    assert h == "\n\nHuman: hello\n\nAssistant:"
-    h = chat.add_user_turn(h + " Hi there.", "how are you")
-    assert h == "\n\nHuman: hello\n\nAssistant: Hi there.\n\nHuman: how are you\n\nAssistant:"
+def test_the_hh_template_writes_the_hh_rlhf_format(tokenizer):
+    """A tokenizer without a chat template talks in the hh format train.py trains in."""
+    assert tokenizer.chat_template is None and uses_hh(tokenizer)
+    turns = [user("hello")]
+    assert render(tokenizer, turns, True) == "\n\nHuman: hello\n\nAssistant:"
+    turns += [{"role": "assistant", "content": "Hi there."}, user("how are you")]
+    assert render(tokenizer, turns, True) == ("\n\nHuman: hello\n\nAssistant: Hi there."
+                                              "\n\nHuman: how are you\n\nAssistant:")
+    assert hh_messages(render(tokenizer, turns, True)) == turns   # and reads back
 
 
 def test_cut_reply_and_display():
-    assert chat.cut_reply(" Sure.\n\nHuman: and then?\n\nAssistant: x") == " Sure."
-    assert chat.cut_reply(" no stop here") == " no stop here"
+    assert chat.cut_reply(" Sure.\n\nHuman: and then?\n\nAssistant: x", HUMAN) == " Sure."
+    assert chat.cut_reply(" no stop here", HUMAN) == " no stop here"
+    # a chat template's reply ends at a stop token, not a text
+    assert chat.cut_reply(" a\n\nHuman: b", None) == " a\n\nHuman: b"
     assert chat.display_reply(" Sure.\n") == "Sure."
 
 
 def test_stream_safe_holds_back_what_may_change():
-    assert chat.stream_safe(" Hi there") == "Hi there"
-    assert chat.stream_safe(" Hi there\n\nHum") == "Hi there"  # may become the stop string
-    assert chat.stream_safe(" Hi there\n\nHuman: x") == "Hi there"
-    assert chat.stream_safe(" caf\ufffd") == "caf"  # incomplete UTF-8 character
-    assert chat.stream_safe(" a Hu") == "a Hu"  # only a "\n\nHuman:" prefix is held back
+    assert chat.stream_safe(" Hi there", HUMAN) == "Hi there"
+    assert chat.stream_safe(" Hi there\n\nHum", HUMAN) == "Hi there"  # may become the stop
+    assert chat.stream_safe(" Hi there\n\nHuman: x", HUMAN) == "Hi there"
+    assert chat.stream_safe(" caf\ufffd", HUMAN) == "caf"  # incomplete UTF-8 character
+    assert chat.stream_safe(" a Hu", HUMAN) == "a Hu"  # only a "\n\nHuman:" prefix is held back
+    assert chat.stream_safe(" Hi\n\nHum", None) == "Hi\n\nHum"
 
 
-def test_split_turns():
-    h = "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:"
-    assert chat.split_turns(h) == ["\n\nHuman: a\n\nAssistant: b", "\n\nHuman: c\n\nAssistant:"]
-    assert "".join(chat.split_turns(h)) == h
-    assert chat.split_turns("") == []
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def bot(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def test_without_oldest_exchange():
+    talk = [user("a"), bot("b"), user("c"), bot("d"), user("e")]
+    assert chat.without_oldest_exchange(talk) == talk[2:]
+    assert chat.without_oldest_exchange(talk[2:]) == talk[4:]
+    assert chat.without_oldest_exchange(talk[4:]) == talk[4:]   # the newest stays
+    system = {"role": "system", "content": "Be brief."}
+    assert chat.without_oldest_exchange([system, *talk]) == [system, *talk[2:]]
 
 
 def char_encode(text: str) -> list[int]:
@@ -134,45 +152,48 @@ def char_encode(text: str) -> list[int]:
     return [0] + [ord(c) for c in text]
 
 
-def test_fit_history_keeps_short_history():
-    h = "\n\nHuman: a\n\nAssistant: b\n\nHuman: c\n\nAssistant:"
-    assert chat.fit_history(h, char_encode, 1000) == (h, char_encode(h))
+@pytest.fixture
+def encode(tokenizer):
+    """messages -> char_encode of their hh text"""
+    return lambda messages: char_encode(render(tokenizer, messages, True))
 
 
-def test_fit_history_drops_oldest_whole_turns():
-    turns = [f"\n\nHuman: q{i}\n\nAssistant: r{i}" for i in range(3)]
-    last = "\n\nHuman: now\n\nAssistant:"
-    h = "".join(turns) + last
+def test_fit_history_keeps_short_history(encode):
+    talk = [user("a"), bot("b"), user("c")]
+    assert chat.fit_history(talk, encode, 1000, [0]) == (talk, encode(talk))
+
+
+def test_fit_history_drops_oldest_whole_turns(encode):
+    talk = [m for i in range(3) for m in (user(f"q{i}"), bot(f"r{i}"))] + [user("now")]
     # room for exactly the last two exchanges
-    budget = len(char_encode(turns[2] + last))
-    fitted, ids = chat.fit_history(h, char_encode, budget)
-    assert fitted == turns[2] + last
-    assert ids == char_encode(fitted)
-    fitted, _ = chat.fit_history(h, char_encode, budget - 1)
-    assert fitted == last
+    budget = len(encode(talk[4:]))
+    fitted, ids = chat.fit_history(talk, encode, budget, [0])
+    assert fitted == talk[4:]
+    assert ids == encode(fitted)
+    fitted, _ = chat.fit_history(talk, encode, budget - 1, [0])
+    assert fitted == talk[6:]
 
 
-def test_fit_history_keeps_tail_of_one_long_turn():
-    h = "\n\nHuman: " + "x" * 50 + "\n\nAssistant:"
-    fitted, ids = chat.fit_history(h, char_encode, 20)
-    assert fitted == h  # the text is kept; only the tokens fed to the model are cut
+def test_fit_history_keeps_tail_of_one_long_turn(encode):
+    talk = [user("x" * 50)]
+    fitted, ids = chat.fit_history(talk, encode, 20, [0])
+    assert fitted == talk  # the text is kept; only the tokens fed to the model are cut
     assert len(ids) == 20
     assert ids[0] == 0  # BOS stays first
-    assert ids[1:] == char_encode(h)[-19:]  # ... followed by the newest tokens
+    assert ids[1:] == encode(talk)[-19:]  # ... followed by the newest tokens
 
 
 def test_fit_history_with_real_tokenizer(tokenizer):
-    def encode(text):
-        return tokenizer(text)["input_ids"]
+    def encode(messages):
+        return tokenizer(render(tokenizer, messages, True))["input_ids"]
 
-    h = ""
-    for i in range(10):
-        h = chat.add_user_turn(h, f"question number {i} about things") + f" answer {i}."
-    h = chat.add_user_turn(h, "last one")
-    fitted, ids = chat.fit_history(h, encode, 40)
-    assert len(ids) <= 40 and ids[0] == tokenizer.bos_token_id
-    assert fitted.startswith("\n\nHuman:") and fitted.endswith("\n\nHuman: last one\n\nAssistant:")
-    assert h.endswith(fitted) and len(fitted) < len(h)
+    talk = [m for i in range(10)
+            for m in (user(f"question number {i} about things"), bot(f"answer {i}."))]
+    talk.append(user("last one"))
+    fitted, ids = chat.fit_history(talk, encode, 40, [tokenizer.bos_token_id])
+    assert len(ids) <= 40 and ids[0] == tokenizer.bos_token_id and ids == encode(fitted)
+    assert fitted[0]["role"] == "user" and fitted[-1] == user("last one")
+    assert talk[-len(fitted):] == fitted and len(fitted) < len(talk)
 
 
 # -----------------------------------------------------------------------------
@@ -261,9 +282,9 @@ def test_reply_sampling_args(tokenizer):
 def test_main_in_process_history_and_clear(opt_dir, monkeypatch, capsys):
     prompts, real_reply = [], chat.reply
 
-    def spy(model, tokenizer, prompt_ids, args, out=None):
+    def spy(model, tokenizer, prompt_ids, args, out=None, stop=None):
         prompts.append(list(prompt_ids))
-        return real_reply(model, tokenizer, prompt_ids, args, out)
+        return real_reply(model, tokenizer, prompt_ids, args, out, stop)
 
     monkeypatch.setattr(chat, "reply", spy)
     monkeypatch.setattr(
@@ -285,7 +306,7 @@ def test_main_in_process_history_and_clear(opt_dir, monkeypatch, capsys):
 def test_main_truncates_history_to_context(opt_dir, monkeypatch, capsys):
     prompts = []
 
-    def canned_reply(model, tokenizer, prompt_ids, args, out=None):
+    def canned_reply(model, tokenizer, prompt_ids, args, out=None, stop=None):
         prompts.append(list(prompt_ids))  # only the prompts matter here: skip generation
         return " It is sunny."
 
@@ -346,7 +367,7 @@ def test_replies_are_hf_generate_greedy(preset, config, injected, tmp_path, monk
                               do_sample=False, pad_token_id=tok.pad_token_id)[0].tolist()
         assert got == want[: len(got)]  # shorter only if the reply started a human turn
         new = want[len(prompt) :]
-        assert text == chat.display_reply(chat.cut_reply(chat.decode_new(tok, prompt, new)))
+        assert text == chat.display_reply(chat.cut_reply(chat.decode_new(tok, prompt, new), HUMAN))
 
 
 def test_cli_piped_conversation(opt_dir):

@@ -249,13 +249,16 @@ CHAT_RECORDS = [   # whole dialogues (OpenRLHF, TRL's implicit prompt)
      "rejected": _chat(("user", "a"), ("assistant", "b"), ("user", "d"))},
 ]
 CHAT_PAIRS = [PreferencePair("Be brief.\n\nHuman: hi\n\nAssistant: Hello!\n\nHuman: how are "
-                             "you?\n\nAssistant:", " Fine.", " Bad.")]
+                             "you?\n\nAssistant:", " Fine.", " Bad.",
+                             tuple(_chat(("system", "Be brief."), ("user", "hi"),
+                                         ("assistant", "Hello!"), ("user", "how are you?"))))]
 
 
 @pytest.mark.parametrize("name", sorted(WRITERS))
 def test_load_chat_messages(tmp_path, name):
     """Chat messages are rendered as hh-rlhf text: the prompt ends in "\\n\\nAssistant:" as
-    chat.py's and the demo's do, and prompt + answer is the rendered dialogue."""
+    chat.py's and the demo's do, and prompt + answer is the rendered dialogue; the prompt's
+    messages are kept, exactly, for data.apply_chat_template."""
     path = WRITERS[name](tmp_path / name, CHAT_RECORDS)
     assert load_pairs(str(path)) == (CHAT_PAIRS, 2)
     hh = HH_RECORDS[0]["chosen"]
@@ -264,7 +267,7 @@ def test_load_chat_messages(tmp_path, name):
                         ("assistant", "Fine.")),
         "rejected": _chat(("user", "hi"), ("assistant", "Hello!"), ("user", "how are you?"),
                           ("assistant", "Bad."))}])))
-    assert pair == HH_PAIRS[0] and pair.prompt + pair.chosen == hh
+    assert pair[:3] == HH_PAIRS[0][:3] and pair.prompt + pair.chosen == hh
 
 
 def test_load_chat_messages_with_an_explicit_prompt(tmp_path):
@@ -290,7 +293,8 @@ def test_chat_messages_of_differing_keys_past_arrows_first_block(tmp_path):
                     "rejected": _chat(("user", "z"), ("assistant", "b"))})
     pairs, skipped = load_pairs(str(write_jsonl(tmp_path / "a.jsonl", records)))
     assert len(pairs) == 6001 and skipped == 0
-    assert pairs[-1] == PreferencePair("\n\nHuman: z\n\nAssistant:", " a", " b")
+    assert pairs[-1] == PreferencePair("\n\nHuman: z\n\nAssistant:", " a", " b",
+                                       tuple(_chat(("user", "z"))))
     # a value of another type there was not even refused: Arrow re-encoded the later block
     # (every content as '"z"', the int as '3') and skipped the 981 records it broke
     records[-1] = {"chosen": _chat(("user", "z"), ("assistant", 3)),

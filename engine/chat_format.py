@@ -1,0 +1,79 @@
+"""How a dialogue becomes the text a model reads: its tokenizer's chat template, or for a
+tokenizer without one the Anthropic hh-rlhf format,
+
+    [system]\\n\\nHuman: {text}\\n\\nAssistant: {reply}\\n\\nHuman: {text}\\n\\nAssistant:
+
+which `HH_TEMPLATE` writes as a chat template. train.py trains in one of the two
+(`data.apply_chat_template`) and saves the format with the model's tokenizer, the hh one as
+`HH_TEMPLATE`, so that chat.py, and any tool that applies chat templates, talks to the
+model in the format it was trained on."""
+
+from __future__ import annotations
+
+import re
+
+HUMAN = "\n\nHuman:"
+ASSISTANT = "\n\nAssistant:"
+
+# role -> what opens its turn in the hh format (a system message is the text before the
+# first Human turn); a turn's text follows after one space
+HH_PREFIX = {"system": "", "user": HUMAN + " ", "assistant": ASSISTANT + " "}
+
+HH_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and loop.first -%}{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}{{ '\\n\\nHuman: ' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ '\\n\\nAssistant: ' + message['content'] }}"
+    "{%- else -%}{{ raise_exception('the hh-rlhf format has system (first), user and "
+    "assistant messages, not ' + message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '\\n\\nAssistant:' }}{%- endif -%}"
+)
+
+_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def uses_hh(tokenizer) -> bool:
+    """Whether dialogues for `tokenizer` are hh-rlhf text: it has no chat template of its
+    own, or the hh one train.py saved with it."""
+    return tokenizer.chat_template in (None, HH_TEMPLATE)
+
+
+def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    """`messages` ({"role", "content"} dicts) as text by `tokenizer`'s chat template (the hh
+    format when it has none); `generation_prompt`: ending where the assistant's reply
+    starts. Raises jinja2's TemplateError for a dialogue the template refuses."""
+    template = None if tokenizer.chat_template else HH_TEMPLATE
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def hh_messages(text: str) -> list[dict]:
+    """hh-rlhf text -> chat messages, the inverse of the hh template: the text before the
+    first turn is a system message, each "\\n\\nHuman:" / "\\n\\nAssistant:" opens a user /
+    assistant message whose text (one space after the colon dropped) runs to the next; a
+    final empty Assistant turn, the cue to reply, is not a message. Text with no turns is
+    one user message (a bare instruction)."""
+    parts = _TURN.split(text)
+    if len(parts) == 1:
+        return [{"role": "user", "content": text.strip()}]
+    messages = [{"role": "system", "content": parts[0]}] if parts[0] else []
+    for speaker, said in zip(parts[1::2], parts[2::2], strict=True):
+        messages.append({"role": "user" if speaker == "Human" else "assistant",
+                         "content": said.removeprefix(" ")})
+    if messages[-1] == {"role": "assistant", "content": ""}:
+        messages.pop()
+    return messages
+
+
+def turn_ends_with_eos(tokenizer) -> bool:
+    """Whether `tokenizer`'s chat template ends an assistant turn with its EOS token as text
+    (ChatML's <|im_end|> where that is the EOS): the EOS is then part of what a reply says,
+    not a token added after it. Never in the hh format."""
+    if uses_hh(tokenizer) or not tokenizer.eos_token:
+        return False
+    dialogue = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    prompt = render(tokenizer, dialogue[:1], generation_prompt=True)
+    whole = render(tokenizer, dialogue, generation_prompt=False)
+    return whole.startswith(prompt) and whole[len(prompt):].rstrip().endswith(tokenizer.eos_token)

@@ -1,0 +1,202 @@
+"""data.apply_chat_template: the dialogues of all three steps written by the actor
+tokenizer's chat template, the format saved with the trained model and used by chat.py;
+without it, the hh-rlhf format, which is then what the model's tokenizer saves."""
+
+from __future__ import annotations
+
+import io
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import chat
+import train
+from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos
+from engine.models import byte_tokenizer, load_reward_model, sequence_scores
+from engine.parallel import frozen
+from engine.runtime import Runtime
+from steps.data import DataError, PreferencePair
+from steps.scoring import RewardScorer
+from steps.tokenize import apply_chat_template, tokenize_pairs, tokenize_sft
+
+CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+          "+ '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Llama-2's rule: user and assistant take turns, from a user turn
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "{{ '[' + m['role'] + '] ' + m['content'] + '\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}")
+OWNER = "--actor-model probe"
+
+
+def chatml(eos: str = "<|im_end|>", template: str = CHATML):
+    """The built-in byte tokenizer with ChatML's turn tokens and template; <|im_end|> is its
+    EOS, as in Qwen2.5-Instruct, unless `eos` says otherwise."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token, tok.chat_template = eos, template
+    return tok
+
+
+def turns(*texts: str) -> str:
+    return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n"
+                   for role, text in zip(("user", "assistant") * 3, texts, strict=False)
+                   ) + "<|im_start|>assistant\n"
+
+
+PAIRS = [PreferencePair("\n\nHuman: hi\n\nAssistant: Hello!\n\nHuman: and you?\n\nAssistant:",
+                        " Fine.", " Bad."),
+         PreferencePair("Name a color.", "Blue", "Seven")]   # a bare prompt: one user turn
+
+
+def test_pairs_are_written_by_the_template():
+    """hh text is read back into its turns; an answer is what the template writes after
+    the prompt, ending with the turn's end token; a chat-message record's own messages
+    are rendered exactly (the hh reading would split the text of this one)."""
+    rendered, refused = apply_chat_template(PAIRS, chatml(), OWNER)
+    assert refused == 0
+    assert rendered == [PreferencePair(turns("hi", "Hello!", "and you?"), "Fine.<|im_end|>",
+                                       "Bad.<|im_end|>"),
+                        PreferencePair(turns("Name a color."), "Blue<|im_end|>",
+                                       "Seven<|im_end|>")]
+    said = ({"role": "user", "content": "x\n\nAssistant: y"},)
+    (pair,), _ = apply_chat_template([PreferencePair("not read", " a", " b", said)], chatml(),
+                                     OWNER)
+    assert pair.prompt == turns("x\n\nAssistant: y")
+
+
+@pytest.mark.parametrize("eos, ending", [("<|im_end|>", ["<|im_end|>"]),
+                                         ("</s>", ["<|im_end|>", "</s>"])])
+def test_a_templated_answer_ends_with_the_turn_end_and_one_eos(eos, ending):
+    """Where the turn's end token is the EOS (Qwen2.5-Instruct), it is not doubled; where
+    it is not, the EOS follows it (generation stops on the EOS)."""
+    tok = chatml(eos)
+    rendered, _ = apply_chat_template(PAIRS, tok, OWNER)
+    (example, _), _ = tokenize_sft(rendered, tok, max_prompt_len=64, max_answer_len=16)
+    answer = [i for i in example.labels if i != -100]
+    assert tok.convert_ids_to_tokens(answer[-len(ending):]) == ending
+    assert tok.decode(answer, skip_special_tokens=False) == "Fine." + "".join(ending)
+    assert example.input_ids[:len(example.input_ids) - len(answer)] == \
+        tok(turns("hi", "Hello!", "and you?"))["input_ids"]
+    assert turn_ends_with_eos(tok) == (eos == "<|im_end|>")
+
+
+def test_the_hh_format_never_writes_eos_as_text():
+    tok = byte_tokenizer()
+    assert not turn_ends_with_eos(tok)
+    tok.chat_template = HH_TEMPLATE
+    assert not turn_ends_with_eos(tok)
+
+
+def test_what_the_template_cannot_write_is_counted_or_refused():
+    tok = chatml(template=ALTERNATING)
+    two_users = PreferencePair("\n\nHuman: a\n\nHuman: b\n\nAssistant:", " c", " d")
+    rendered, refused = apply_chat_template([PAIRS[1], two_users], tok, OWNER)
+    assert refused == 1 and rendered[0].prompt == "[user] Name a color.\n[assistant] "
+    with pytest.raises(DataError, match="refuses all 1 dialogues .*roles must alternate"):
+        apply_chat_template([two_users], tok, OWNER)
+    with pytest.raises(DataError, match=f"the tokenizer of {OWNER} has no chat template; .*"
+                                        "data.apply_chat_template=false"):
+        apply_chat_template(PAIRS, byte_tokenizer(), OWNER)
+    # a template that writes the turns before a reply otherwise than in the prompt
+    moving = CHATML.replace("{% if add_generation_prompt %}",
+                            "{% if add_generation_prompt %}{{ '(prompt)' }}")
+    with pytest.raises(DataError, match="does not write a dialogue as its prompt followed"):
+        apply_chat_template(PAIRS, chatml(template=moving), OWNER)
+
+
+def test_the_reward_model_reads_rollouts_as_step_2_wrote_them():
+    """Actor and reward model share a vocabulary but not an EOS, so rollouts are
+    re-tokenized: a template's turn end that is the actor's EOS (<|im_end|>) is text the
+    reward model was trained on, kept; the reward model's own EOS ends the text."""
+    actor_tok, reward_tok = chatml(), chatml(eos="</s>")
+    reward = frozen(load_reward_model("tiny-llama", reward_tok, seed=4), CPU)
+    scorer = RewardScorer(reward, actor_tok, reward_tok, CPU.device)
+    assert not scorer.reads_actor_ids and scorer.eos_in_text
+    (pair, _), _ = apply_chat_template(PAIRS, actor_tok, OWNER)
+    rollout = actor_tok(pair.prompt + pair.chosen)["input_ids"]   # generation stopped at EOS
+    assert rollout[-1] == actor_tok.eos_token_id
+    sequences = torch.tensor([rollout])
+    got = scorer(sequences, torch.ones_like(sequences))
+    (trained_on,), _ = tokenize_pairs([pair], reward_tok, 64, 16)
+    ids = torch.tensor([trained_on.chosen_ids])
+    assert reward_tok.convert_ids_to_tokens(trained_on.chosen_ids[-2:]) == ["<|im_end|>", "</s>"]
+    torch.testing.assert_close(got, sequence_scores(reward, ids, torch.ones_like(ids)),
+                               atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the three steps and chat.py
+
+
+SMALL = {"recipe": "demo", "data.path": "[demo]", "data.demo_pairs": 80,
+         "data.max_prompt_len": 96, "data.max_answer_len": 16, "sft.epochs": 1,
+         "sft.batch_size": 8, "rm.epochs": 1, "rm.batch_size": 8, "ppo.epochs": 1,
+         "ppo.rollout_batch_size": 16, "ppo.micro_batch_size": 8, "ppo.eval_prompts": 4,
+         "ppo.samples_per_prompt": 1, "ppo.best_of_n": 2, "ppo.export": "last",
+         "logging.progress": "false"}
+
+
+def run_train(out: Path, **settings) -> str:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    args = ["--actor-model", "tiny-llama", "--reward-model", "tiny-llama", "--output-dir",
+            str(out)] + [f"{k}={v}" for k, v in {**SMALL, **settings}.items()]
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        rc = train.main(args)
+    assert rc == 0, f"{stdout.getvalue()}\n{stderr.getvalue()}"
+    return stdout.getvalue()
+
+
+def chat_prompts(model_dir: Path, monkeypatch) -> list[tuple[list[int], str | None]]:
+    """(prompt ids, stop string) of each reply chat.py generated for two user turns."""
+    seen, real_reply = [], chat.reply
+
+    def spy(model, tokenizer, prompt_ids, args, out=None, stop=None):
+        seen.append((list(prompt_ids), stop))
+        return real_reply(model, tokenizer, prompt_ids, args, out, stop)
+
+    monkeypatch.setattr(chat, "reply", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nmore\n"))
+    with redirect_stdout(io.StringIO()):
+        assert chat.main(["--path", str(model_dir), "--greedy", "--max-new-tokens", "4"]) == 0
+    return seen
+
+
+@pytest.mark.slow
+def test_three_steps_and_chat_in_the_actors_chat_template(tmp_path, monkeypatch):
+    tokenizer_dir = tmp_path / "chatml"
+    chatml().save_pretrained(tokenizer_dir)
+    out = tmp_path / "run"
+    log = run_train(out, tokenizer=tokenizer_dir, **{"data.apply_chat_template": "true"})
+    assert "dialogues skipped" not in log
+    for name in ("actor", "step3/actor"):
+        assert AutoTokenizer.from_pretrained(out / name).chat_template == CHATML, name
+    tok = AutoTokenizer.from_pretrained(out / "step3" / "actor")
+    (first, stop), (second, _) = chat_prompts(out / "step3" / "actor", monkeypatch)
+    assert stop is None   # the reply ends at <|im_end|>, the EOS
+    assert tok.decode(first, skip_special_tokens=False) == "<s>" + turns("hi")
+    assert tok.decode(second, skip_special_tokens=False).startswith(
+        "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(second, skip_special_tokens=False).endswith(
+        "<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_the_hh_format_is_saved_with_the_actor_and_chatted_in(tmp_path, monkeypatch):
+    """A model trained on hh text, whose base tokenizer had a chat template of its own, is
+    saved with the hh one: chat.py (and other tools) then talk to it as it was trained."""
+    tokenizer_dir = tmp_path / "chatml"
+    chatml(eos="</s>").save_pretrained(tokenizer_dir)
+    out = tmp_path / "run"
+    run_train(out, tokenizer=tokenizer_dir, steps="[1]")
+    assert AutoTokenizer.from_pretrained(out / "actor").chat_template == HH_TEMPLATE
+    tok = AutoTokenizer.from_pretrained(out / "actor")
+    (first, stop), _ = chat_prompts(out / "actor", monkeypatch)
+    assert stop == "\n\nHuman:"
+    assert tok.decode(first, skip_special_tokens=False) == "<s>\n\nHuman: hi\n\nAssistant:"
