@@ -13,6 +13,7 @@ key of steps/config.py (see --help for all keys).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -535,8 +536,9 @@ def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
     from steps.data import DataError
 
     stop_with_launcher()
-    if rank != 0:
+    if rank != 0:   # what every rank would say alike (progress, the data's warnings): once
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+        logging.getLogger("steps").setLevel(logging.ERROR)
     try:
         run(cfg)
     except (UserError, DataError) as err:

@@ -322,6 +322,19 @@ def test_a_user_error_on_another_rank_than_0_is_printed_once_with_its_exit_code(
     assert "faulty_train.py: rank 1 failed (exit code 2)" in result.stderr
 
 
+def test_the_datas_warnings_are_printed_once_not_by_every_rank(tmp_path):
+    """Every rank reads the data; rank 0 alone says what it skipped (then the run is
+    refused, as every rank refuses it, before any training)."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "Hi", "chosen": " a", "rejected": " b"}\n'
+                    '{"prompt": "Hi", "chosen": " ", "rejected": " b"}\n')
+    # the one pair left is step 3's at a split of 2/4/4: step 1 has none
+    result = _train(tmp_path / "out", "--step", "1", "engine.procs=2", f"data.path=[{data}]")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("skipped 1 malformed or empty records") == 1, result.stderr
+    assert result.stderr.count("gives step 1 none of the 1 pairs") == 1, result.stderr
+
+
 def test_one_process_resume_flag_needs_an_interrupted_run(tmp_path):
     assert train.main(["--output-dir", str(tmp_path), "--resume", *ARGS]) == 2
 
