@@ -52,6 +52,10 @@ def each(rule: Rule) -> Rule:
 
 
 POSITIVE, COUNT, NON_NEGATIVE = above(0), at_least(1), at_least(0)
+# AdamW moves every weight by about the learning rate each update: above 1 it is a typo
+# (at 1e38 step 1's model evaluated to NaN, and step 3's Adam step size overflowed)
+LEARNING_RATE = Rule(lambda v: math.isfinite(v) and 0 < v <= 1,
+                     "give a learning rate above 0 and at most 1")
 EVEN = Rule(lambda v: v >= 2 and v % 2 == 0, "give an even number of values, e.g. 64")
 # transformers' schedules that need nothing beyond the warmup and the length (and
 # cosine_with_min_lr its floor); reduce_lr_on_plateau would need a metric to watch
@@ -93,7 +97,7 @@ class LoraConfig:
     target_modules: Any = val("all-linear", '"all-linear", a list of module names (or one '
                               'name), or a regex over full module names')
     only_optimize_lora: bool = False
-    learning_rate: Optional[float] = val(5e-4, "null: the model's", POSITIVE)  # noqa: UP045
+    learning_rate: Optional[float] = val(5e-4, "null: the model's", LEARNING_RATE)  # noqa: UP045
 
 
 @dataclass

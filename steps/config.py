@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from engine.config import (
     COUNT,
     FINITE,
+    LEARNING_RATE,
     NON_NEGATIVE,
     POSITIVE,
     SCHEDULERS,
@@ -69,7 +70,7 @@ class TrainConfig(OptimConfig):
     epochs: int = val(1, ok=COUNT)
     batch_size: int = val(8, "examples (step 2: pairs) per micro-batch", COUNT)
     grad_accum: int = val(1, ok=COUNT)
-    lr: float = val(9.65e-6, ok=POSITIVE)
+    lr: float = val(9.65e-6, ok=LEARNING_RATE)
     eval_batch_size: int = val(16, ok=COUNT)
     log_every: int = val(10, ok=COUNT)
     lora: LoraConfig = val(LoraConfig)
@@ -108,8 +109,8 @@ class PPOConfig(OptimConfig):
                                             "scores run in such chunks; null: a whole "
                                             "micro-batch (the experience: a whole round)",
                                             COUNT)
-    actor_lr: float = val(9.65e-6, ok=POSITIVE)
-    critic_lr: float = val(5e-6, ok=POSITIVE)
+    actor_lr: float = val(9.65e-6, ok=LEARNING_RATE)
+    critic_lr: float = val(5e-6, ok=LEARNING_RATE)
     lr_scheduler: str = val("linear", ok=SCHEDULERS)   # OptimConfig's key, its own default
     algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp (the last three train no "
                          "critic)", one_of("ppo", "grpo", "rloo", "reinforce_pp"))

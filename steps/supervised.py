@@ -4,6 +4,7 @@ then evaluation and export. A step passes what differs as a `Task`."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,6 +78,7 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     elapsed = position["seconds"]
     summary = {**metrics, "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
+    _refuse_non_finite(task, metrics, tracker, engine.steps)
     # the model first: a run killed before the summary row has not finished, on the page
     counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
     engine.export(task.tokenizer, task.export_dir)
@@ -86,6 +88,21 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     log(f"step {task.step} ({task.name}) done: {engine.steps} steps, final loss "
         f"{position['loss']:.4f}, {task.results(summary)}, {elapsed:.1f}s -> {task.export_dir}")
     return summary
+
+
+def _refuse_non_finite(task: Task, metrics: dict[str, float], tracker: Tracker,
+                       steps: int) -> None:
+    """Stop before the export when the trained model's evaluation is not finite: its weights
+    are finite (each update checked them) but overflow on held-out data, e.g. after an
+    update at a learning rate far too high; the evaluation is logged first."""
+    broken = {name: value for name, value in metrics.items() if not math.isfinite(value)}
+    if broken:
+        tracker.log(metrics, steps)
+        tracker.close()
+        said = ", ".join(f"{name} {value}" for name, value in broken.items())
+        raise NonFiniteError(f"step {task.step} ({task.name}): the trained model evaluates to "
+                             f"{said} on held-out data, so it is not exported; lower the "
+                             "learning rate (or check the data), then run the step again")
 
 
 def _windows(cfg: DictConfig, task: Task, position: dict, dp: DataParallel

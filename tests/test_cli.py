@@ -330,8 +330,11 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
 
 
 @pytest.mark.parametrize("override, said", [
-    ("sft.lr=-1e-3", "sft.lr=-0.001: give a number above 0"),
-    ("ppo.actor_lr=0", "ppo.actor_lr=0.0: give a number above 0"),
+    ("sft.lr=-1e-3", "sft.lr=-0.001: give a learning rate above 0 and at most 1"),
+    ("ppo.actor_lr=0", "ppo.actor_lr=0.0: give a learning rate above 0 and at most 1"),
+    # AdamW moves each weight by about the rate: 1e38 overflowed step 3's Adam step size
+    ("ppo.critic_lr=1e38", "ppo.critic_lr=1e+38: give a learning rate above 0 and at most 1"),
+    ("rm.lora.learning_rate=2", "rm.lora.learning_rate=2.0: give a learning rate above 0"),
     ("rm.batch_size=0", "rm.batch_size=0: give 1 or more"),
     ("ppo.micro_batch_size=0", "ppo.micro_batch_size=0: give 1 or more"),
     ("sft.epochs=-1", "sft.epochs=-1: give 1 or more"),
@@ -511,7 +514,7 @@ def test_an_output_dir_that_cannot_be_made_is_refused(tmp_path):
 @pytest.mark.parametrize("override, said", [
     ("data.split=[inf,1,1]", "data.split=[inf, 1.0, 1.0]: not a finite number; give 0 or more, "
                              "for every entry"),
-    ("sft.lr=inf", "sft.lr=inf: not a finite number; give a number above 0"),
+    ("sft.lr=inf", "sft.lr=inf: not a finite number; give a learning rate above 0 and at most 1"),
     ("ppo.kl_coef=1e999", "ppo.kl_coef=inf: not a finite number; give 0 or more"),
     ("ppo.gamma=nan", "ppo.gamma=nan: not a finite number; give a number in [0, 1]"),
     ("ppo.reward_fn_weight=inf", "ppo.reward_fn_weight=inf: give a finite number"),

@@ -11,9 +11,10 @@ from omegaconf import OmegaConf
 
 from engine.config import OptimConfig
 from engine.data_parallel import DataParallel
-from engine.errors import UserError
+from engine.errors import NonFiniteError, UserError
 from engine.models import byte_tokenizer, load_causal_lm, load_reward_model
 from engine.runtime import Runtime
+from engine.tracking import read_metrics
 from engine.trainer import TrainEngine
 from steps import reward, sft, supervised
 from steps.common import num_batches
@@ -110,3 +111,36 @@ def test_steps_1_and_2_refuse_an_export_the_host_cannot_hold_before_training(ste
                                         r"0 GiB; train on a machine with more memory"):
         step.run(cfg, pairs, CPU)
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+@pytest.mark.parametrize("step", [sft, reward])
+def test_a_model_that_evaluates_to_nan_is_not_exported(step, tmp_path, monkeypatch):
+    """Each update checks the weights are finite, but finite weights can still overflow on
+    held-out data (step 1 at sft.lr=1e38 exported a model whose eval perplexity was NaN):
+    the step stops before its export, the evaluation logged."""
+    nan = float("nan")
+    if step is sft:
+        monkeypatch.setattr(sft, "perplexity", lambda *args: nan)
+    else:
+        monkeypatch.setattr(reward, "evaluate", lambda *args: {"eval/accuracy": 0.5,
+                                                              "eval/chosen_score": nan})
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "reward_model": "tiny-llama", "output_dir": str(tmp_path),
+        "data": {"eval_fraction": 0.25}, "logging": {"progress": False}})
+    said = "eval/perplexity nan" if step is sft else "eval/chosen_score nan"
+    with pytest.raises(NonFiniteError, match=rf"^step {1 if step is sft else 2} .*evaluates to "
+                                             rf"{said} on held-out data, so it is not exported"):
+        step.run(cfg, pairs, CPU)
+    assert not (tmp_path / ("actor" if step is sft else "reward")).exists()
+    rows = read_metrics(tmp_path / f"step{1 if step is sft else 2}" / "metrics.jsonl")
+    assert any(name in rows[-1] for name in ("eval/perplexity", "eval/chosen_score"))
+
+
+def test_without_held_out_pairs_there_is_nothing_to_refuse(tmp_path):
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "output_dir": str(tmp_path),
+        "data": {"eval_fraction": 0.0}, "logging": {"progress": False}})
+    assert "eval/perplexity" not in sft.run(cfg, pairs, CPU)
+    assert (tmp_path / "actor" / "model.safetensors").exists()
