@@ -295,7 +295,7 @@ def check_split_shares(cfg: DictConfig) -> None:
     after the earlier ones ran, or silently leave ppo.ptx out."""
     split = list(cfg.data.split)
     for step in cfg.steps:
-        if split[step - 1] == 0:
+        if split[step - 1] == 0 and not (step == 3 and cfg.ppo.prompt_data):
             raise UserError(f"data.split={split}: step {step} gets no data (its weight, entry "
                             f"{step}, is 0); give it a weight above 0 or drop --step {step}")
     if 3 in cfg.steps and cfg.ppo.ptx.enabled and split[0] == 0:
@@ -413,7 +413,8 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
     from steps.data import DataError
 
     split, total = list(cfg.data.split), sum(len(share) for share in shares)
-    needs = [(step, f"step {step}", "") for step in steps]
+    needs = [(step, f"step {step}", "") for step in steps
+             if not (step == 3 and cfg.ppo.prompt_data)]   # its own prompts
     if 3 in steps and cfg.ppo.ptx.enabled:
         needs.append((1, "ppo.ptx (step 1's share)", ", or set ppo.ptx.enabled=false"))
     for share, who, or_else in needs:
@@ -422,27 +423,48 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
                             f"data.path; add data or raise entry {share} of data.split{or_else}")
 
 
+def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
+    """The pairs of steps 1, 2 and 3: data.path split by data.split, step 3's prompts from
+    ppo.prompt_data instead when it is set (then data.path is read only when another step,
+    or ppo.ptx, needs it)."""
+    from steps import demo
+    from steps.common import log
+    from steps.data import load_blend, load_prompt_data
+
+    ppo = cfg.ppo
+    shares: tuple[list, list, list] = ([], [], [])
+    if any(step != 3 for step in steps) or not ppo.prompt_data or ppo.ptx.enabled:
+        shares = load_blend(
+            list(cfg.data.path), list(cfg.data.split), cfg.seed,
+            demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task))
+        log(f"data {list(cfg.data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
+            f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)})")
+    if ppo.prompt_data:
+        prompts = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)
+        labelled = sum(prompt.label is not None for prompt in prompts)
+        log(f"step 3 prompts {list(ppo.prompt_data)}: {len(prompts)}, {labelled} with a "
+            f"'{ppo.label_key}' label")
+        shares = (shares[0], shares[1], prompts)
+    require_shares(cfg, steps, shares)
+    return shares
+
+
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
     from engine.comm_meter import logged_comm
     from engine.errors import NonFiniteError
     from engine.runtime import seed_everything, setup_runtime
-    from steps import demo, ppo, reward, sft
+    from steps import ppo, reward, sft
     from steps.common import log
-    from steps.data import DataError, load_blend
+    from steps.data import DataError
 
     rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed, cfg.engine.timeout_s,
                        cfg.engine.procs_per_node)
     plan = plan_steps(cfg)
-    sft_pairs, rm_pairs, ppo_pairs = load_blend(
-        list(cfg.data.path), list(cfg.data.split), cfg.seed,
-        demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task))
-    log(f"data {list(cfg.data.path)}: {len(sft_pairs)} / {len(rm_pairs)} / {len(ppo_pairs)} "
-        f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)}); device {rt.device}, "
-        f"{str(rt.dtype).removeprefix('torch.')}"
+    sft_pairs, rm_pairs, ppo_pairs = load_data(cfg, [step for step, mode in plan
+                                                     if mode != "skip"])
+    log(f"device {rt.device}, {str(rt.dtype).removeprefix('torch.')}"
         + (f", {rt.world_size} ranks" if rt.distributed else ""))
-    require_shares(cfg, [step for step, mode in plan if mode != "skip"],
-                   (sft_pairs, rm_pairs, ppo_pairs))
     seconds = {}
     out = Path(cfg.output_dir)
     out_existed = out.exists()

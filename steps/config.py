@@ -98,6 +98,11 @@ class PPOConfig(OptimConfig):
                                      "or preset instead (a small critic for a big actor; "
                                      "the actor's tokenizer); default: the reward model if "
                                      "it shares the actor's tokenizer, else the actor")
+    prompt_data: list[str] = val([], "step 3's prompts from these sources (files, dirs, hub "
+                                 "names; every record), not its share of data.path")
+    prompt_key: str = val("prompt", "prompt_data's field holding a prompt (text or messages)")
+    label_key: str = val("label", "prompt_data's field passed to reward_fn and eval_reward_fn "
+                         "as their third argument (e.g. a reference answer)")
     epochs: int = val(1, "passes over the step-3 prompts", COUNT)
     rollout_batch_size: int = val(8, "prompts per generation round", COUNT)
     ppo_epochs: int = val(1, "optimisation passes over each round's experience", COUNT)
@@ -117,8 +122,8 @@ class PPOConfig(OptimConfig):
     samples_per_prompt: int = val(1, "answers sampled per prompt, a group (GRPO and RLOO need "
                                   ">= 2); rollout_batch_size counts prompts", COUNT)
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
-    reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer) -> float: "  # noqa: UP045
-                                   "a rule-based reward (the demo's: steps.demo:score)")
+    reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer[, label]) -> "  # noqa: UP045
+                                   "float: a rule-based reward (the demo's: steps.demo:score)")
     reward_fn_weight: float = val(1.0, ok=FINITE)
     reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)",
                                      FINITE)
@@ -163,7 +168,7 @@ class PPOConfig(OptimConfig):
                             "reference measured, before, during and after step 3", NON_NEGATIVE)
     eval_every: int = val(10, "iterations between evaluations; 0: before and after only",
                           NON_NEGATIVE)
-    eval_reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer) -> "  # noqa: UP045
+    eval_reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer[, label]) -> "  # noqa: UP045
                                         "float: the gold score evaluations report (default: "
                                         "steps.demo:score on the demo data)")
     best_of_n: int = val(8, "the baseline step 3 must beat: the SFT model's best of n answers "

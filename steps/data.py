@@ -77,6 +77,9 @@ class PreferencePair(NamedTuple):
     # the prompt's chat messages, for records that were chat messages (None: read them back
     # from `prompt`); data.apply_chat_template renders them, exactly as written
     messages: tuple[dict, ...] | None = None
+    # a step-3 prompt's label (ppo.label_key: e.g. the reference answer a reward function
+    # checks against); step-3 prompt records have no answers
+    label: Any = None
 
 
 class DataError(ValueError):
@@ -93,32 +96,10 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
     (./ ../ / ~). Records with an empty answer, no Assistant turn, or a `rejected` that does
     not share the prompt of `chosen` are skipped and counted; anything else wrong raises
     DataError."""
-    path = Path(source).expanduser()
-    if source == DEMO_SOURCE and not path.exists():
-        raise DataError("data source 'demo' is the built-in demo task, not a file; use load_blend")
-    if path.is_dir() and _saved_dataset(path):
-        label = f"saved dataset {source}"
-        pairs, skipped = _pairs_from_columns(_read_saved(path, source), label)
-    elif path.is_dir():
-        files = _directory_files(path, source)
-        results = [_pairs_from_columns(_read_file(f), f"data file {f}") for f in files]
-        pairs = [pair for file_pairs, _ in results for pair in file_pairs]
-        skipped = sum((file_skipped for _, file_skipped in results), Counter())
-        label = f"data directory {source}"
-    elif path.exists():
-        if not _data_suffix(path):
-            raise DataError(f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
-                            ".json.gz or .parquet")
-        label = f"data file {source}"
-        pairs, skipped = _pairs_from_columns(_read_file(path), label)
-    elif _data_suffix(path):
-        raise DataError(f"data file not found: {source}; check data.path")
-    elif source.startswith(("./", "../", "/", "~")):   # a path, never a hub name
-        raise DataError(f"no such file or directory: {source}; check data.path")
-    else:
-        label = f"dataset '{source}'"
-        pairs, skipped = _pairs_from_columns(_read_hub(source), label)
-
+    label, tables = _read_source(source, "data.path")
+    results = [_pairs_from_columns(columns, where) for where, columns in tables]
+    pairs = [pair for table_pairs, _ in results for pair in table_pairs]
+    skipped = sum((table_skipped for _, table_skipped in results), Counter())
     if not pairs and not skipped:
         raise DataError(f"{label}: no records; check the data")
     if not pairs:
@@ -127,6 +108,74 @@ def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
         raise DataError(f"{label}: no usable preference pairs (all {skipped.total()} records "
                         f"skipped: {why}); {fix}")
     return pairs, skipped.total()
+
+
+def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, list]]]]:
+    """(what to call `source` in errors, its tables: (what to call each, its columns)) of
+    one source of config key `key`: a saved dataset, a directory of files (a table each), a
+    file or a hub dataset."""
+    path = Path(source).expanduser()
+    if source == DEMO_SOURCE and not path.exists():
+        raise DataError(f"{key}: 'demo' is the built-in demo task, not a file; it is a "
+                        "data.path source only")
+    if path.is_dir() and _saved_dataset(path):
+        label = f"saved dataset {source}"
+        return label, [(label, _read_saved(path, source))]
+    if path.is_dir():
+        return (f"data directory {source}",
+                [(f"data file {f}", _read_file(f)) for f in _directory_files(path, source)])
+    if path.exists():
+        if not _data_suffix(path):
+            raise DataError(f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
+                            ".json.gz or .parquet")
+        return f"data file {source}", [(f"data file {source}", _read_file(path))]
+    if _data_suffix(path):
+        raise DataError(f"data file not found: {source}; check {key}")
+    if source.startswith(("./", "../", "/", "~")):   # a path, never a hub name
+        raise DataError(f"no such file or directory: {source}; check {key}")
+    return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source))]
+
+
+def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label"
+                        ) -> tuple[list[PreferencePair], int]:
+    """Step 3's prompts read from one source of ppo.prompt_data (as load_pairs reads
+    sources): each record's `prompt_key` field, a text used as it is or chat messages
+    (rendered as hh-rlhf text ending in the assistant's cue, the messages kept), and its
+    `label_key` field, when the records have one, as the label a reward function checks
+    answers against (a reference answer). Returns (prompts as pairs without answers, the
+    records skipped: empty prompts, and dialogues that end in an assistant message)."""
+    label, tables = _read_source(source, "ppo.prompt_data")
+    results = [_prompts_from_columns(columns, where, prompt_key, label_key)
+               for where, columns in tables]
+    prompts = [prompt for table_prompts, _ in results for prompt in table_prompts]
+    skipped = sum(table_skipped for _, table_skipped in results)
+    if not prompts:
+        raise DataError(f"{label}: no usable prompts ({skipped} records, all empty or ending "
+                        "in an assistant message); check ppo.prompt_data")
+    return prompts, skipped
+
+
+def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
+                          label_key: str) -> tuple[list[PreferencePair], int]:
+    """The prompt records of one table (see load_prompt_records) and how many were skipped."""
+    if not columns or not next(iter(columns.values())):
+        return [], 0
+    if prompt_key not in columns:
+        raise DataError(f"{where}: records have no '{prompt_key}' field (columns: "
+                        f"{', '.join(columns)}); set ppo.prompt_key to the field holding the "
+                        "prompts")
+    labels = columns.get(label_key, [None] * len(columns[prompt_key]))
+    if _messages_in(columns, prompt_key):
+        dialogues = _message_column(columns, prompt_key, where, opens=True)
+        prompts = [(_render(d) + ASSISTANT, tuple(d))
+                   if d and d[-1]["role"] != "assistant" else None for d in dialogues]
+    else:
+        prompts = [(text, None) if text.strip() else None
+                   for text in _text_column(columns, prompt_key, where)]
+    kept = [PreferencePair(text, "", "", messages, label)
+            for found, label in zip(prompts, labels, strict=True) if found is not None
+            for text, messages in [found]]
+    return kept, len(prompts) - len(kept)
 
 
 def _saved_dataset(path: Path) -> bool:
@@ -533,6 +582,20 @@ def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
 
     sft, reward, ppo = ([step[i] for i in permutation(len(step), seed)] for step in steps)
     return sft, reward, ppo
+
+
+def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str
+                     ) -> list[PreferencePair]:
+    """Every prompt record of every source of ppo.prompt_data (load_prompt_records), in
+    order; what was skipped is counted in a warning."""
+    prompts = []
+    for source in sources:
+        found, skipped = load_prompt_records(source, prompt_key, label_key)
+        if skipped:
+            log.warning("%s: skipped %d empty prompts or dialogues ending in an assistant "
+                        "message", source, skipped)
+        prompts.extend(found)
+    return prompts
 
 
 def train_eval_split(items: list, eval_fraction: float, seed: int) -> tuple[list, list]:

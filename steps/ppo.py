@@ -41,7 +41,7 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,7 @@ from engine.models import (
     is_preset,
     load_tokenizer,
     position_ids,
+    prompt_ids,
     require_positions,
 )
 from engine.placement import Placement
@@ -162,12 +163,14 @@ class Settings(NamedTuple):
     greedy_floor: bool                # export=best: greedy gold at least the SFT model's
 
 
-def resolve(cfg: DictConfig, total_samples: int = 0) -> Settings:
+def resolve(cfg: DictConfig, total_samples: int = 0, labels: dict[str, Any] | None = None
+            ) -> Settings:
     """Settings from the run's config; `total_samples` (answers the run samples) sizes the
-    adaptive KL controller's default horizon."""
+    adaptive KL controller's default horizon; `labels` are the prompts' (Prompts.labels)."""
     ppo: PPOConfig = OmegaConf.to_object(cfg.ppo)
-    spec = ppo.eval_reward_fn or (DEMO_GOLD if list(cfg.data.path) == ["demo"] else None)
-    gold = RewardFunction.named(spec, "ppo.eval_reward_fn") if spec else None
+    demo = list(cfg.data.path) == ["demo"] and not ppo.prompt_data
+    spec = ppo.eval_reward_fn or (DEMO_GOLD if demo else None)
+    gold = RewardFunction.named(spec, "ppo.eval_reward_fn", labels) if spec else None
     # best-of-n's KL whether or not the baseline is measured: turning the baseline off
     # must not turn off the KL controller and the budget with it
     budget = ppo.kl_budget or best_of_n_kl(ppo.best_of_n or DEFAULT_BEST_OF_N)
@@ -239,6 +242,7 @@ class Prompts(NamedTuple):
     eval: list[list[int]]       # held-out prompts (before/after evaluation)
     eval_texts: list[str]
     ptx: list[SFTExample]       # step-1 examples for the PTX loss ([] when off)
+    labels: dict[str, Any]      # a prompt's label (ppo.prompt_data), by its decoded text
 
 
 def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
@@ -260,7 +264,28 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
         require_examples(3, "PTX examples (step 1's share)", ptx_stats, data.max_prompt_len,
                          or_else="set ppo.ptx.enabled=false")
     return Prompts(prompts, eval_prompts,
-                   tokenizer.batch_decode(eval_prompts, skip_special_tokens=True), ptx)
+                   tokenizer.batch_decode(eval_prompts, skip_special_tokens=True), ptx,
+                   prompt_labels(pairs, tokenizer))
+
+
+def prompt_labels(pairs: list[PreferencePair], tokenizer) -> dict[str, Any]:
+    """The labels of the prompts that have one, by the text a reward function gets for the
+    prompt (its ids decoded as steps.scoring.decode_rollouts decodes them). Prompts that
+    read the same with different labels keep the first, counted in the log."""
+    labelled = [pair for pair in pairs if pair.label is not None]
+    if not labelled:
+        return {}
+    ids, _ = prompt_ids([pair.prompt for pair in labelled], tokenizer)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True,
+                                   clean_up_tokenization_spaces=False)
+    labels: dict[str, Any] = {}
+    for text, pair in zip(texts, labelled, strict=True):
+        labels.setdefault(text, pair.label)
+    clashes = sum(labels[text] != pair.label for text, pair in zip(texts, labelled, strict=True))
+    if clashes:
+        log(f"step 3 prompts: {clashes} repeat an earlier prompt with another label; the "
+            "first prompt's label is used")
+    return labels
 
 
 class Models(NamedTuple):
@@ -275,8 +300,22 @@ class Models(NamedTuple):
     critic_tokenizer: object
 
 
+def report_labels(labels: dict[str, Any], functions: list[RewardFunction], label_key: str
+                  ) -> None:
+    """Say where the prompts' labels and the reward functions do not meet: labels that a
+    function taking (prompt, answer) never sees, or a function taking a label that every
+    prompt lacks (it gets None)."""
+    for fn in functions:
+        if labels and not fn.takes_label:
+            log(f"step 3: {fn.key}={fn.spec} takes (prompt, answer): the prompts' labels are "
+                "not passed to it")
+        elif fn.takes_label and not labels:
+            log(f"step 3: {fn.key}={fn.spec} takes a label, and no step-3 prompt has one "
+                f"(ppo.prompt_data records' '{label_key}' field): it gets None")
+
+
 def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
-                 reward_path: str | None, updates: int) -> Models:
+                 reward_path: str | None, updates: int, labels: dict[str, Any]) -> Models:
     ppo, trc = OmegaConf.to_object(cfg.ppo), cfg.trust_remote_code   # a PPOConfig
     scorer = None
     critic_start = dict(spec=actor_path, flag="ppo.actor_path", seed=cfg.seed)
@@ -302,7 +341,8 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     if ppo.critic_path is not None:
         critic_start, critic_tokenizer = _critic_start(ppo.critic_path, tokenizer, trc)
     rewards = Rewards(tokenizer, scorer, ppo.reward_model_weight,
-                      RewardFunction.named(ppo.reward_fn) if ppo.reward_fn else None,
+                      RewardFunction.named(ppo.reward_fn, labels=labels) if ppo.reward_fn
+                      else None,
                       ppo.reward_fn_weight)
     critic = None
     if ALGORITHMS[ppo.algorithm].critic:
@@ -412,12 +452,14 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                            in_chat_format(cfg, "step 3 PTX", ptx_pairs, tokenizer, owner)
                            if cfg.ppo.ptx.enabled else [])
     rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
-    s = with_evaluations(resolve(cfg, total_samples=cfg.ppo.epochs * len(prompts.train)
-                                 * cfg.ppo.samples_per_prompt), len(prompts.eval))
+    s = with_evaluations(resolve(cfg, cfg.ppo.epochs * len(prompts.train)
+                                 * cfg.ppo.samples_per_prompt, prompts.labels), len(prompts.eval))
     updates = s.ppo.epochs * rounds * s.ppo.ppo_epochs * num_batches(
         s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
     reset_memory_peak(dp.device)
-    models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates)
+    models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates, prompts.labels)
+    report_labels(prompts.labels, [fn for fn in (models.rewards.fn, s.gold) if fn is not None],
+                  cfg.ppo.label_key)
     check_merged_exports(models, s.ppo.ema.enabled, Path(cfg.output_dir),
                          adapter=s.ppo.export_weights == "adapter")
     # the trained parameters alone (all of them, unless LoRA over a frozen base, whose

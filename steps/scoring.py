@@ -4,6 +4,9 @@ test, a format rule), or a weighted sum of both."""
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 
 from engine.chat_format import turn_ends_with_eos
@@ -76,24 +79,30 @@ def ended_with(sequences: torch.Tensor, attention_mask: torch.Tensor, eos_token_
 
 
 class RewardFunction:
-    """A user's (prompt, answer) -> float, loaded from "package.module:function" (`key` is the
-    config key that named it): called on decoded texts, its failures and non-finite returns
-    refused in one line naming the key and the input."""
+    """A user's (prompt, answer) -> float, or (prompt, answer, label) -> float, loaded from
+    "package.module:function" (`key` is the config key that named it): called on decoded
+    texts, with the label of the prompt's record (`labels`: by the prompt's decoded text;
+    None for a prompt without one) when the function takes a third argument; its failures
+    and non-finite returns refused in one line naming the key and the input."""
 
-    def __init__(self, fn: RewardFn, spec: str, key: str = "ppo.reward_fn"):
-        self.fn, self.spec, self.key = fn, spec, key
+    def __init__(self, fn: RewardFn, spec: str, key: str = "ppo.reward_fn",
+                 labels: dict[str, Any] | None = None):
+        self.fn, self.spec, self.key, self.labels = fn, spec, key, labels or {}
+        self.takes_label = takes_label(fn)
 
     @classmethod
-    def named(cls, spec: str, key: str = "ppo.reward_fn") -> RewardFunction:
-        return cls(load_reward_fn(spec, key), spec, key)
+    def named(cls, spec: str, key: str = "ppo.reward_fn",
+              labels: dict[str, Any] | None = None) -> RewardFunction:
+        return cls(load_reward_fn(spec, key), spec, key, labels)
 
     def __call__(self, prompts: list[str], answers: list[str]) -> list[float]:
         return [self._call(p, a) for p, a in zip(prompts, answers, strict=True)]
 
     def _call(self, prompt: str, answer: str) -> float:
         where = f"{self.key}={self.spec}"
+        args = (prompt, answer, self.labels.get(prompt)) if self.takes_label else (prompt, answer)
         try:
-            value = self.fn(prompt, answer)
+            value = self.fn(*args)
         except Exception as why:   # the user's code: say which input broke it
             raise UserError(f"{where} raised {type(why).__name__}: {why} (on prompt "
                             f"{prompt[-60:]!r}, answer {answer[:60]!r})") from None
@@ -103,6 +112,15 @@ class RewardFunction:
             raise UserError(f"{where} returned {shown} (on prompt {prompt[-60:]!r}): it must "
                             "return a finite number within float32's range (±3.4e38)")
         return score
+
+
+def takes_label(fn: RewardFn) -> bool:
+    """Whether `fn` can be called as fn(prompt, answer, label)."""
+    try:
+        inspect.signature(fn).bind("", "", None)
+    except (TypeError, ValueError):   # ValueError: a callable without a signature
+        return False
+    return True
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -68,7 +68,7 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
         except TemplateError as err:
             refused.append(str(err))
             continue
-        rendered.append(PreferencePair(prompt, *answers))
+        rendered.append(PreferencePair(prompt, *answers, label=pair.label))
     if refused and not rendered:
         raise DataError(f"data.apply_chat_template: the chat template of {owner} refuses all "
                         f"{len(refused)} dialogues (first: {refused[0]}); fix the data or use "

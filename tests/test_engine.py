@@ -519,7 +519,7 @@ def step3_models(actor: str, reward: str, engine: dict | None = None,
                  **ppo_settings) -> ppo.Models:
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig),
                           {"ppo": ppo_settings, "engine": engine or {}})
-    return ppo.build_models(cfg, placement(cfg, CPU), byte_tokenizer(), actor, reward, 1)
+    return ppo.build_models(cfg, placement(cfg, CPU), byte_tokenizer(), actor, reward, 1, {})
 
 
 def test_step3_refuses_a_checkpoint_of_the_wrong_kind(tok, tmp_path):
@@ -582,7 +582,7 @@ def test_step3_refuses_rollouts_longer_than_learned_positions(tok, tmp_path):
     def build(prompt: int, answer: int):
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"data": dict(
             max_prompt_len=prompt, max_answer_len=answer)})
-        return ppo.build_models(cfg, placement(cfg, CPU), tok, lm, rm, 1)
+        return ppo.build_models(cfg, placement(cfg, CPU), tok, lm, rm, 1, {})
 
     with pytest.raises(UserError, match=rf"^data.max_prompt_len=2000 \+ ppo.max_new_tokens=2000 "
                                         rf".*but ppo.reward_path {rm} \(gpt2, .* 1024"):

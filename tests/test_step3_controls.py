@@ -128,7 +128,7 @@ def test_best_of_n_equals_a_direct_computation():
                           "ppo.eval_reward_fn")
     s = settings(best_of_n=n, rollout_batch_size=4, max_new_tokens=8)._replace(gold=gold)
     prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
-    prompts = ppo.Prompts([], prompt_ids, [], [])
+    prompts = ppo.Prompts([], prompt_ids, [], [], {})
     got = ppo.best_of_n(models, prompts, s, DataParallel(CPU))
 
     picked_rewards, picked_gold, all_rewards = [], [], []
@@ -172,7 +172,7 @@ def test_evaluations_measure_the_kl_over_the_vocabulary_at_each_answer_token():
         reference=frozen(load_causal_lm("tiny-llama", tok, seed=3), CPU))
     s = settings(rollout_batch_size=4, max_new_tokens=8)
     prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
-    got = ppo.evaluate(models, ppo.Prompts([], prompt_ids, [], []), s, DataParallel(CPU))
+    got = ppo.evaluate(models, ppo.Prompts([], prompt_ids, [], [], {}), s, DataParallel(CPU))
 
     full, sampled = [], []
     for i, prompt in enumerate(prompt_ids):

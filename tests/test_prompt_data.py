@@ -1,0 +1,134 @@
+"""ppo.prompt_data: step 3's prompts from their own records (OpenRLHF's --prompt_data), each
+with a label (ppo.label_key, e.g. a math problem's reference answer) that a reward function
+taking (prompt, answer, label) checks answers against, as rule-reward RL on math needs."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from engine.models import byte_tokenizer, prompt_ids
+from engine.tracking import read_metrics
+from steps.data import DataError, PreferencePair, load_prompt_records
+from steps.ppo import prompt_labels
+from steps.scoring import RewardFunction, decode_rollouts, takes_label
+from steps.tokenize import collate_prompts
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_prompt_records_with_labels_text_and_messages(tmp_path):
+    records = [{"question": "What is 2+3?", "answer": 5},
+               {"question": "   ", "answer": 1},                              # empty: skipped
+               {"question": "What is 1+1?"}]                                  # no label: None
+    prompts, skipped = load_prompt_records(str(write_jsonl(tmp_path / "q.jsonl", records)),
+                                           prompt_key="question", label_key="answer")
+    assert skipped == 1
+    assert prompts == [PreferencePair("What is 2+3?", "", "", None, 5),
+                       PreferencePair("What is 1+1?", "", "", None, None)]
+    chats = [{"prompt": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "2+2?"}], "label": "4"},
+             {"prompt": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "answered already"}], "label": "x"}]
+    (prompt,), skipped = load_prompt_records(str(write_jsonl(tmp_path / "c.jsonl", chats)))
+    assert skipped == 1   # a dialogue that ends in an answer has nothing to ask
+    assert prompt.prompt == "Be brief.\n\nHuman: 2+2?\n\nAssistant:" and prompt.label == "4"
+    assert prompt.messages == tuple(chats[0]["prompt"])
+
+
+def test_prompt_records_without_the_prompt_field_name_the_key(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 2+3?"}])
+    with pytest.raises(DataError, match=r"records have no 'prompt' field \(columns: question\); "
+                                        r"set ppo.prompt_key"):
+        load_prompt_records(str(path))
+    with pytest.raises(DataError, match=r"data file not found: .*missing.jsonl; check "
+                                        r"ppo.prompt_data"):
+        load_prompt_records(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_reward_function_gets_the_label_of_its_prompt():
+    """By the prompt's text as decode_rollouts gives it from left-padded rows; a function
+    taking (prompt, answer) is called as before."""
+    tok = byte_tokenizer()
+    pairs = [PreferencePair("What is 2+3?", "", "", None, "5"),
+             PreferencePair("What is 1+1?", "", "", None, "2"),
+             PreferencePair("Say hi.", "", "", None, None)]
+    labels = prompt_labels(pairs, tok)
+    assert labels == {"What is 2+3?": "5", "What is 1+1?": "2"}
+    rows = collate_prompts(prompt_ids([p.prompt for p in pairs], tok)[0], tok.pad_token_id)
+    answers = tok([" 5", " 3", " !"], add_special_tokens=False)["input_ids"]
+    sequences = torch.cat([rows["input_ids"], torch.tensor(answers)], dim=1)
+    texts = decode_rollouts(tok, sequences, rows["input_ids"].shape[1])
+
+    def right(prompt, answer, label):
+        return float(label is not None and answer.strip() == label)
+
+    assert takes_label(right) and not takes_label(lambda prompt, answer: 0.0)
+    assert RewardFunction(right, "t:right", labels=labels)(*texts) == [1.0, 0.0, 0.0]
+    assert RewardFunction(lambda p, a: len(a), "t:len", labels=labels)(*texts) == [2, 2, 2]
+
+
+def test_prompts_that_repeat_with_another_label_keep_the_first(capsys):
+    pairs = [PreferencePair("Q", "", "", None, "1"), PreferencePair("Q", "", "", None, "2")]
+    assert prompt_labels(pairs, byte_tokenizer()) == {"Q": "1"}
+    assert "1 repeat an earlier prompt with another label" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# step 3 end to end
+
+CHECKER = '''
+import re
+CALLS = []
+
+def right(prompt, answer, label):
+    """1 when the answer holds the reference number, else 0."""
+    CALLS.append((prompt, label))
+    return float(str(label) in re.findall(r"\\d+", answer))
+'''
+
+
+@pytest.mark.slow
+def test_step3_on_prompt_data_with_a_checker_of_labels(tmp_path, monkeypatch):
+    """GRPO on prompt records alone, rewarded by a checker of their labels: data.path (a hub
+    name, offline here) is not read, the checker sees every prompt's own label, and the
+    gold score of the evaluations is the same checker's."""
+    (tmp_path / "checker_of_labels.py").write_text(CHECKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    records = [{"question": f"\n\nHuman: What is {a}+{b}?\n\nAssistant:", "answer": a + b}
+               for a in range(6) for b in range(4)]
+    data = write_jsonl(tmp_path / "sums.jsonl", records)
+    out = tmp_path / "run"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        # a model flag: not the demo recipe, so data.path is its default, a hub dataset
+        rc = train.main(["--actor-model", "tiny-llama", "--step", "3", "--output-dir", str(out),
+                         "ppo.actor_path=tiny-llama",
+                         f"ppo.prompt_data=[{data}]", "ppo.prompt_key=question",
+                         "ppo.label_key=answer", "ppo.algorithm=grpo",
+                         "ppo.samples_per_prompt=2", "ppo.rollout_batch_size=4",
+                         "ppo.micro_batch_size=8", "ppo.max_new_tokens=4",
+                         "ppo.reward_fn=checker_of_labels:right", "ppo.reward_model_weight=0",
+                         "ppo.eval_reward_fn=checker_of_labels:right", "ppo.eval_prompts=2",
+                         "ppo.best_of_n=2", "data.eval_fraction=0.1", "logging.progress=false"])
+    log = stdout.getvalue()
+    assert rc == 0, f"{log}\n{stderr.getvalue()}"
+    assert "step 3 prompts [" in log and "24, 24 with a 'answer' label" in log
+    assert "data ['Dahoas/rm-static']" not in log
+    calls = sys.modules["checker_of_labels"].CALLS
+    assert calls and all(label == eval(re.search(r"(\d+\+\d+)", prompt)[1])
+                         for prompt, label in calls)
+    rows = read_metrics(out / "step3" / "metrics.jsonl")
+    assert any("eval/ground_truth" in row for row in rows)
+    assert (out / "step3" / "actor" / "model.safetensors").exists()
