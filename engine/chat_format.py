@@ -77,3 +77,14 @@ def turn_ends_with_eos(tokenizer) -> bool:
     prompt = render(tokenizer, dialogue[:1], generation_prompt=True)
     whole = render(tokenizer, dialogue, generation_prompt=False)
     return whole.startswith(prompt) and whole[len(prompt):].rstrip().endswith(tokenizer.eos_token)
+
+
+def template_writes_bos(tokenizer) -> bool:
+    """Whether `tokenizer`'s chat template writes its BOS token as text at the start of a
+    dialogue (Llama-3's <|begin_of_text|>, Mistral's and Gemma's bos_token): the BOS is
+    then part of the text step 2 trained the reward model on, not a token the tokenizer
+    adds. Never in the hh format."""
+    if uses_hh(tokenizer) or not tokenizer.bos_token:
+        return False
+    return render(tokenizer, [{"role": "user", "content": "Hi"}],
+                  generation_prompt=True).startswith(tokenizer.bos_token)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.chat_format import turn_ends_with_eos
+from engine.chat_format import template_writes_bos, turn_ends_with_eos
 from engine.errors import NonFiniteError, UserError
 from engine.models import decode_answer, prompt_ids, sequence_scores
 from steps.algorithms import RewardFn, load_reward_fn
@@ -30,6 +30,7 @@ class RewardScorer:
         self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
         # a chat template's turn end that is the EOS is text the reward model was trained on
         self.eos_in_text = turn_ends_with_eos(actor_tokenizer)
+        self.bos_in_text = template_writes_bos(actor_tokenizer)   # <|begin_of_text|>, likewise
         self.same_vocabulary = actor_tokenizer.get_vocab() == reward_tokenizer.get_vocab()
         self.reads_actor_ids = self.same_vocabulary and (
             actor_tokenizer.eos_token_id == reward_tokenizer.eos_token_id
@@ -56,12 +57,15 @@ class RewardScorer:
     def _text(self, ids: list[int]) -> str:
         """A rollout's text as step 2 read it: special tokens kept (a chat template's turn
         markers), but the actor's BOS and the EOS that ends its answer, for which the reward
-        tokenizer puts its own (unless the template writes that EOS as text)."""
+        tokenizer puts its own (unless the template writes them as text). A BOS the template
+        writes is put back as its text, not decoded with the rest: a SentencePiece decoder
+        would read the space marker after it as a space ("<s> [INST]")."""
+        head = ""
         if ids[:1] == [self.actor_tokenizer.bos_token_id]:
-            ids = ids[1:]
+            head, ids = self.actor_tokenizer.bos_token if self.bos_in_text else "", ids[1:]
         if ids[-1:] == [self.actor_tokenizer.eos_token_id] and not self.eos_in_text:
             ids = ids[:-1]
-        return self.actor_tokenizer.decode(ids, skip_special_tokens=False)
+        return head + self.actor_tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def ended_with(sequences: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int

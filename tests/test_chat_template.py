@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import processors
 from transformers import AutoTokenizer
 
 import chat
@@ -19,6 +20,7 @@ from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos
 from engine.models import byte_tokenizer, load_reward_model, sequence_scores
 from engine.parallel import frozen
 from engine.runtime import Runtime
+from steps import scoring
 from steps.data import DataError, PreferencePair
 from steps.scoring import RewardScorer
 from steps.tokenize import apply_chat_template, tokenize_pairs, tokenize_sft
@@ -129,6 +131,47 @@ def test_the_reward_model_reads_rollouts_as_step_2_wrote_them():
     assert reward_tok.convert_ids_to_tokens(trained_on.chosen_ids[-2:]) == ["<|im_end|>", "</s>"]
     torch.testing.assert_close(got, sequence_scores(reward, ids, torch.ones_like(ids)),
                                atol=1e-6, rtol=0)
+
+
+# Llama-3-Instruct's: the template writes the BOS (<|begin_of_text|>) itself, contents trimmed
+LLAMA3 = ("{% for m in messages %}{% set content = '<|start_header_id|>' + m['role'] + "
+          "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' %}"
+          "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def llama3():
+    """The byte tokenizer as Llama-3-Instruct's: <|begin_of_text|> its BOS (prepended, and
+    written by the template), <|eot_id|> its EOS."""
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                            "additional_special_tokens": ["<|start_header_id|>",
+                                                          "<|end_header_id|>"]})
+    bos = ("<|begin_of_text|>", tok.bos_token_id)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[bos])
+    tok.chat_template = LLAMA3
+    return tok
+
+
+def test_a_bos_the_template_writes_is_text_the_reward_model_reads(monkeypatch):
+    """Step 2 tokenizes the template's text, <|begin_of_text|> included: a reward tokenizer
+    of another family reads it as text. The re-tokenizing scorer dropped the actor's BOS
+    with the other special tokens' text kept, so it scored rollouts without it."""
+    actor_tok, reward_tok = llama3(), byte_tokenizer()   # <|begin_of_text|> is not its BOS
+    read = []
+    monkeypatch.setattr(scoring, "sequence_scores",
+                        lambda model, ids, mask: read.extend(ids.tolist()) or torch.zeros(len(ids)))
+    scorer = RewardScorer(None, actor_tok, reward_tok, CPU.device)
+    (pair, _), _ = apply_chat_template(PAIRS, actor_tok, OWNER)
+    (sft,), _ = tokenize_sft([pair], actor_tok, 256, 16)
+    assert sft.input_ids.count(actor_tok.bos_token_id) == 1   # not doubled by the tokenizer
+    rollout = torch.tensor([sft.input_ids])                    # prompt + answer + <|eot_id|>
+    scorer(rollout, torch.ones_like(rollout))
+    (trained_on,), _ = tokenize_pairs([pair], reward_tok, 256, 16)
+    assert reward_tok.decode(trained_on.chosen_ids[:18]) == "<s><|begin_of_text|>"
+    assert read == [trained_on.chosen_ids]
 
 
 # ---------------------------------------------------------------------------------------------
