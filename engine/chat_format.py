@@ -31,7 +31,8 @@ HH_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '\\n\\nAssistant:' }}{%- endif -%}"
 )
 
-_TURN = re.compile(r"\n\n(Human|Assistant):")
+# a turn opens after "\n\n", or at the very start: DeepSpeed-Chat style prompts begin "Human:"
+_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):")
 
 
 def uses_hh(tokenizer) -> bool:
@@ -53,8 +54,10 @@ def hh_messages(text: str) -> list[dict]:
     """hh-rlhf text -> chat messages, the inverse of the hh template: the text before the
     first turn is a system message, each "\\n\\nHuman:" / "\\n\\nAssistant:" opens a user /
     assistant message whose text (one space after the colon dropped) runs to the next; a
-    final empty Assistant turn, the cue to reply, is not a message. Text with no turns is
-    one user message (a bare instruction)."""
+    final empty Assistant turn, the cue to reply, is not a message. A text that begins
+    "Human:" (a prompt field "Human: ...\\n\\nAssistant:") opens with that turn: read as
+    the text before the first turn, the human's words were a system message. Text with no
+    turns is one user message (a bare instruction)."""
     parts = _TURN.split(text)
     if len(parts) == 1:
         return [{"role": "user", "content": text.strip()}]

@@ -73,6 +73,16 @@ def test_pairs_are_written_by_the_template():
     assert pair.prompt == turns("x\n\nAssistant: y")
 
 
+def test_a_prompt_that_begins_with_the_human_turn_is_the_users():
+    """A DeepSpeed-Chat style prompt field, "Human: ...\\n\\nAssistant:" (no "\\n\\n" before
+    the first turn), was read as a system message "Human: hi" and no user turn."""
+    pair = PreferencePair("Human: hi\n\nAssistant: Hello!\n\nHuman: and you?\n\nAssistant:",
+                          " Fine.", " Bad.")
+    (rendered,), refused = apply_chat_template([pair], chatml(), OWNER)
+    assert refused == 0 and rendered == PreferencePair(turns("hi", "Hello!", "and you?"),
+                                                       "Fine.<|im_end|>", "Bad.<|im_end|>")
+
+
 @pytest.mark.parametrize("eos, ending", [("<|im_end|>", ["<|im_end|>"]),
                                          ("</s>", ["<|im_end|>", "</s>"])])
 def test_a_templated_answer_ends_with_the_turn_end_and_one_eos(eos, ending):
