@@ -53,7 +53,7 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
     writes after that prompt for the assistant's message, trailing whitespace dropped, so
     it ends with the turn's end token (e.g. <|im_end|>, then not doubled where it is the
     EOS). Returns (pairs, dialogues skipped because the template refuses them, e.g. roles
-    that do not alternate)."""
+    that do not alternate, or cannot write them as a prompt and its reply)."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"data.apply_chat_template=true: the tokenizer of {owner} has no chat "
                         "template; use a model whose tokenizer has one, or "
@@ -63,7 +63,7 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
         messages = list(pair.messages) if pair.messages is not None else hh_messages(pair.prompt)
         try:
             prompt = render(tokenizer, messages, generation_prompt=True)
-            answers = [_templated_answer(tokenizer, messages, prompt, answer, owner)
+            answers = [_templated_answer(tokenizer, messages, prompt, answer)
                        for answer in (pair.chosen, pair.rejected)]
         except TemplateError as err:
             refused.append(str(err))
@@ -76,16 +76,17 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
     return rendered, len(refused)
 
 
-def _templated_answer(tokenizer: Any, messages: list[dict], prompt: str, answer: str,
-                      owner: str) -> str:
+def _templated_answer(tokenizer: Any, messages: list[dict], prompt: str, answer: str) -> str:
     """What the chat template writes after `prompt` (the rendering of `messages` with its
-    generation prompt) for the assistant's `answer` (hh text: one leading space dropped)."""
+    generation prompt) for the assistant's `answer` (hh text: one leading space dropped).
+    A TemplateError, the dialogue refused, where the template writes the turns before the
+    reply otherwise than in the prompt: it may do so for some dialogues only (Mistral's
+    recent templates put a system message into the last user turn, which the reply moves)."""
     reply = {"role": "assistant", "content": answer.removeprefix(" ")}
     whole = render(tokenizer, [*messages, reply], generation_prompt=False)
     if not whole.startswith(prompt):
-        raise DataError(f"data.apply_chat_template: the chat template of {owner} does not write "
-                        "a dialogue as its prompt followed by the reply (it renders the turns "
-                        "before the reply otherwise); use data.apply_chat_template=false")
+        raise TemplateError("it does not write the dialogue as its prompt followed by the "
+                            "reply (it renders the turns before the reply otherwise)")
     return whole[len(prompt):].rstrip()
 
 

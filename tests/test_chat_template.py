@@ -119,8 +119,29 @@ def test_what_the_template_cannot_write_is_counted_or_refused():
     # a template that writes the turns before a reply otherwise than in the prompt
     moving = CHATML.replace("{% if add_generation_prompt %}",
                             "{% if add_generation_prompt %}{{ '(prompt)' }}")
-    with pytest.raises(DataError, match="does not write a dialogue as its prompt followed"):
+    with pytest.raises(DataError, match="refuses all 2 dialogues .*does not write the dialogue "
+                                        "as its prompt followed by the reply"):
         apply_chat_template(PAIRS, chatml(template=moving), OWNER)
+
+
+# Mistral-7B-Instruct-v0.3's: a system message goes into the last user turn
+MISTRAL = ("{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+           "{% set messages = messages[1:] %}{% endif %}{{ bos_token }}{% for m in messages %}"
+           "{% if m['role'] == 'user' %}{% if loop.last and system is defined %}"
+           "{{ '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}"
+           "{% else %}{{ '[INST] ' + m['content'] + '[/INST]' }}{% endif %}"
+           "{% else %}{{ ' ' + m['content'] | trim + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_dialogue_the_template_writes_otherwise_before_its_reply_is_counted():
+    """Mistral's template writes a dialogue with a system message otherwise once the reply
+    follows: that dialogue is skipped and counted; the run stopped on it."""
+    with_system = PreferencePair("Be terse.\n\nHuman: hi\n\nAssistant:", " Fine.", " Bad.")
+    rendered, refused = apply_chat_template([PAIRS[1], with_system], chatml("</s>", MISTRAL),
+                                            OWNER)
+    assert refused == 1
+    assert rendered == [PreferencePair("<s>[INST] Name a color.[/INST]", " Blue</s>",
+                                       " Seven</s>")]
 
 
 def test_the_reward_model_reads_rollouts_as_step_2_wrote_them():
