@@ -47,16 +47,27 @@ def evaluate(model, examples: list[PairExample], pad_token_id: int, batch_size: 
             "eval/rejected_score": rejected_sum / n}
 
 
+def template_tokenizer(cfg: DictConfig) -> tuple[object, str]:
+    """(tokenizer, what to call its model) whose chat template step 2 renders with: step
+    3's actor's, the format the reward model will score, where that model is already saved
+    (step 1's, with the format it trained in: the hh one when step 1 ran without
+    data.apply_chat_template), else --actor-model's (that step 1 will train)."""
+    actor = cfg.ppo.actor_path or str(Path(cfg.output_dir) / "actor")
+    if (Path(actor).expanduser() / "config.json").exists():
+        return (load_tokenizer(actor, flag="ppo.actor_path",
+                               trust_remote_code=cfg.trust_remote_code), f"the actor {actor}")
+    return (load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
+                           trust_remote_code=cfg.trust_remote_code),
+            f"--actor-model {cfg.actor_model}")
+
+
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
     rm = OmegaConf.to_object(cfg.rm)   # a TrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
     if cfg.data.apply_chat_template:   # the actor's: the format the reward model will score
-        actor_tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
-                                         trust_remote_code=cfg.trust_remote_code)
-        pairs = in_chat_format(cfg, "step 2", pairs, actor_tokenizer,
-                               f"--actor-model {cfg.actor_model}")
+        pairs = in_chat_format(cfg, "step 2", pairs, *template_tokenizer(cfg))
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tokenizers import processors
 from transformers import AutoTokenizer
 
 import chat
 import train
-from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos
-from engine.models import byte_tokenizer, load_reward_model, sequence_scores
+from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos, uses_hh
+from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
 from engine.parallel import frozen
 from engine.runtime import Runtime
-from steps import scoring
+from steps import reward, scoring
+from steps.config import RunConfig
 from steps.data import DataError, PreferencePair
 from steps.scoring import RewardScorer
 from steps.tokenize import apply_chat_template, tokenize_pairs, tokenize_sft
@@ -274,3 +276,21 @@ def test_the_hh_format_is_saved_with_the_actor_and_chatted_in(tmp_path, monkeypa
     (first, stop), _ = chat_prompts(out / "actor", monkeypatch)
     assert stop == "\n\nHuman:"
     assert tok.decode(first, skip_special_tokens=False) == "<s>\n\nHuman: hi\n\nAssistant:"
+
+
+def test_step_2_renders_in_the_format_step_3s_actor_was_saved_with(tmp_path):
+    """Step 1 run without the flag saved its actor with the hh template: step 2 run with it
+    renders in that format, the one step 3's actor generates in, not --actor-model's own."""
+    tokenizer_dir = tmp_path / "chatml"
+    chatml().save_pretrained(tokenizer_dir)
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "tokenizer": str(tokenizer_dir),
+        "output_dir": str(tmp_path / "out"), "data": {"apply_chat_template": True}})
+    tok, owner = reward.template_tokenizer(cfg)
+    assert tok.chat_template == CHATML and owner == "--actor-model tiny-llama"
+    saved = chatml()
+    saved.chat_template = HH_TEMPLATE
+    load_causal_lm("tiny-llama", saved).save_pretrained(tmp_path / "out" / "actor")
+    saved.save_pretrained(tmp_path / "out" / "actor")
+    tok, owner = reward.template_tokenizer(cfg)
+    assert uses_hh(tok) and owner == f"the actor {tmp_path / 'out' / 'actor'}"
