@@ -11,17 +11,19 @@ import torch
 
 from engine.chat_format import template_writes_bos, turn_ends_with_eos
 from engine.errors import NonFiniteError, UserError
-from engine.models import decode_answer, prompt_ids, sequence_scores
+from engine.models import decode_answer, sequence_scores
 from steps.algorithms import RewardFn, load_reward_fn
 from steps.common import to_device
-from steps.tokenize import collate_prompts
+from steps.data import PreferencePair
+from steps.tokenize import collate_prompts, tokenize_pairs
 
 
 class RewardScorer:
-    """Scores prompt + answer with the reward model, re-tokenizing the text unless the
-    reward model's tokenizer gives the actor's ids: the same vocabulary is not enough (a
-    Qwen2.5-Instruct actor ends with <|im_end|>, a base reward model was trained on answers
-    ending with <|endoftext|>; one tokenizer may add a BOS or an EOS the other does not)."""
+    """Scores prompt + answer with the reward model, re-tokenizing the text as step 2
+    tokenized its pairs (steps.tokenize.tokenize_pairs) unless the reward model's tokenizer
+    gives the actor's ids: the same vocabulary is not enough (a Qwen2.5-Instruct actor ends
+    with <|im_end|>, a base reward model was trained on answers ending with <|endoftext|>;
+    one tokenizer may add a BOS or an EOS the other does not)."""
 
     PROBE = "Human: Is 2 + 2 = 4?\n\nAssistant: Yes."
 
@@ -38,34 +40,45 @@ class RewardScorer:
             == reward_tokenizer(self.PROBE)["input_ids"])
 
     @torch.no_grad()
-    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B] scores of rollouts [B, L], each read at the EOS that ends its answer: a cut-off
-        answer gets one appended, as step 2 trained the reward model to read (read at its
-        last token instead, running on past the end can score higher than ending)."""
+    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                 prompt_len: int) -> torch.Tensor:
+        """[B] scores of rollouts [B, L] (left-padded prompts in the first `prompt_len`
+        columns), each read at the EOS that ends its answer: a cut-off answer gets one
+        appended, as step 2 trained the reward model to read (read at its last token
+        instead, running on past the end can score higher than ending)."""
         if self.reads_actor_ids:
             sequences, attention_mask = ended_with(sequences, attention_mask,
                                                    self.reward_tokenizer.eos_token_id)
             return sequence_scores(self.model, sequences, attention_mask)
-        texts = [self._text(row[mask.bool()].tolist())
-                 for row, mask in zip(sequences, attention_mask, strict=True)]
-        eos = self.reward_tokenizer.eos_token_id
-        ids = [row if row[-1:] == [eos] else row + [eos]
-               for row in prompt_ids(texts, self.reward_tokenizer)[0]]
-        batch = to_device(collate_prompts(ids, self.reward_tokenizer.pad_token_id), self.device)
+        rows = [(row[:prompt_len][mask[:prompt_len].bool()].tolist(),
+                 row[prompt_len:][mask[prompt_len:].bool()].tolist())
+                for row, mask in zip(sequences, attention_mask, strict=True)]
+        texts = [self._texts(prompt, answer) for prompt, answer in rows]
+        pairs = [PreferencePair(prompt, answer, answer) for prompt, answer in texts]
+        unlimited = sequences.shape[1] * 64   # tokens: none dropped or cut
+        examples, _ = tokenize_pairs(pairs, self.reward_tokenizer, unlimited, unlimited)
+        batch = to_device(collate_prompts([example.chosen_ids for example in examples],
+                                          self.reward_tokenizer.pad_token_id), self.device)
         return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
 
-    def _text(self, ids: list[int]) -> str:
-        """A rollout's text as step 2 read it: special tokens kept (a chat template's turn
-        markers), but the actor's BOS and the EOS that ends its answer, for which the reward
-        tokenizer puts its own (unless the template writes them as text). A BOS the template
-        writes is put back as its text, not decoded with the rest: a SentencePiece decoder
-        would read the space marker after it as a space ("<s> [INST]")."""
-        head = ""
-        if ids[:1] == [self.actor_tokenizer.bos_token_id]:
-            head, ids = self.actor_tokenizer.bos_token if self.bos_in_text else "", ids[1:]
-        if ids[-1:] == [self.actor_tokenizer.eos_token_id] and not self.eos_in_text:
-            ids = ids[:-1]
-        return head + self.actor_tokenizer.decode(ids, skip_special_tokens=False)
+    def _texts(self, prompt: list[int], answer: list[int]) -> tuple[str, str]:
+        """(prompt text, answer text as it follows the prompt) of a rollout's ids, as step 2
+        read the pair: special tokens kept (a chat template's turn markers), but the actor's
+        BOS and the EOS that ends the answer, for which the reward tokenizer puts its own
+        (unless the template writes them as text). A BOS the template writes is put back as
+        its text, not decoded with the rest: a SentencePiece decoder would read the space
+        marker after it as a space ("<s> [INST]")."""
+        tok, head = self.actor_tokenizer, ""
+        if prompt[:1] == [tok.bos_token_id]:
+            head, prompt = tok.bos_token if self.bos_in_text else "", prompt[1:]
+        if answer[-1:] == [tok.eos_token_id] and not self.eos_in_text:
+            answer = answer[:-1]
+        said = tok.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        whole = tok.decode(prompt + answer, skip_special_tokens=False,
+                           clean_up_tokenization_spaces=False)
+        reply = whole[len(said):] if whole.startswith(said) else tok.decode(
+            answer, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return head + said, reply
 
 
 def ended_with(sequences: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int
@@ -170,7 +183,7 @@ class Rewards:
         """[B] scores of left-padded prompts (P = `prompt_len` columns) + answers [B, P+N]."""
         total = torch.zeros(len(sequences), device=sequences.device)
         if self.scorer is not None:
-            scores = self.scorer(sequences, attention_mask).float()
+            scores = self.scorer(sequences, attention_mask, prompt_len).float()
             if not bool(torch.isfinite(scores).all()):
                 raise NonFiniteError(f"the reward model scored {int((~scores.isfinite()).sum())}"
                                      f" of {len(scores)} answers NaN or inf; its weights or "

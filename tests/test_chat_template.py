@@ -18,7 +18,13 @@ from transformers import AutoTokenizer
 import chat
 import train
 from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos, uses_hh
-from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
+from engine.models import (
+    byte_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+    prompt_ids,
+    sequence_scores,
+)
 from engine.parallel import frozen
 from engine.runtime import Runtime
 from steps import reward, scoring
@@ -158,7 +164,7 @@ def test_the_reward_model_reads_rollouts_as_step_2_wrote_them():
     rollout = actor_tok(pair.prompt + pair.chosen)["input_ids"]   # generation stopped at EOS
     assert rollout[-1] == actor_tok.eos_token_id
     sequences = torch.tensor([rollout])
-    got = scorer(sequences, torch.ones_like(sequences))
+    got = scorer(sequences, torch.ones_like(sequences), len(prompt_ids([pair.prompt], actor_tok)[0][0]))
     (trained_on,), _ = tokenize_pairs([pair], reward_tok, 64, 16)
     ids = torch.tensor([trained_on.chosen_ids])
     assert reward_tok.convert_ids_to_tokens(trained_on.chosen_ids[-2:]) == ["<|im_end|>", "</s>"]
@@ -201,10 +207,33 @@ def test_a_bos_the_template_writes_is_text_the_reward_model_reads(monkeypatch):
     (sft,), _ = tokenize_sft([pair], actor_tok, 256, 16)
     assert sft.input_ids.count(actor_tok.bos_token_id) == 1   # not doubled by the tokenizer
     rollout = torch.tensor([sft.input_ids])                    # prompt + answer + <|eot_id|>
-    scorer(rollout, torch.ones_like(rollout))
+    scorer(rollout, torch.ones_like(rollout), len(prompt_ids([pair.prompt], actor_tok)[0][0]))
     (trained_on,), _ = tokenize_pairs([pair], reward_tok, 256, 16)
     assert reward_tok.decode(trained_on.chosen_ids[:18]) == "<s><|begin_of_text|>"
     assert read == [trained_on.chosen_ids]
+
+
+def test_the_reward_model_reads_prompt_and_answer_tokenized_as_in_step_2(monkeypatch,
+                                                                        opt_tokenizer_path):
+    """Step 2 tokenizes an answer as it follows its prompt, or alone where the two do not
+    split at the prompt's end: OPT reads Llama-3's "\n\n" that ends a prompt as one token,
+    but as two before a word. The scorer tokenized the rollout's whole text instead, so an
+    OPT reward model scored a Llama-3 actor's rollouts on ids it was never trained on."""
+    actor_tok = llama3()
+    reward_tok = AutoTokenizer.from_pretrained(opt_tokenizer_path)
+    read = []
+    monkeypatch.setattr(scoring, "sequence_scores",
+                        lambda model, ids, mask: read.extend(ids.tolist()) or torch.zeros(len(ids)))
+    scorer = RewardScorer(None, actor_tok, reward_tok, CPU.device)
+    (pair, _), _ = apply_chat_template(PAIRS, actor_tok, OWNER)
+    assert pair.prompt.endswith("<|end_header_id|>\n\n")
+    (sft,), _ = tokenize_sft([pair], actor_tok, 256, 16)
+    rollout = torch.tensor([sft.input_ids])
+    scorer(rollout, torch.ones_like(rollout), len(prompt_ids([pair.prompt], actor_tok)[0][0]))
+    (trained_on,), _ = tokenize_pairs([pair], reward_tok, 256, 16)
+    assert read == [trained_on.chosen_ids]
+    whole = reward_tok(pair.prompt + pair.chosen)["input_ids"] + [reward_tok.eos_token_id]
+    assert whole != trained_on.chosen_ids   # what the scorer read before
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def test_a_cut_off_answer_is_scored_as_if_it_ended_with_eos():
             + [PAD] * (len(answer) - 3)]
     sequences = torch.tensor(rows)
     mask = (sequences != PAD).long()
-    got = scorer(sequences, mask)
+    got = scorer(sequences, mask, len(prompt))
     for i, real in enumerate([prompt + answer + [EOS], short + answer[:2] + [EOS]]):
         want = sequence_scores(reward, torch.tensor([real]), torch.ones(1, len(real)))[0]
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=0)
@@ -71,7 +71,7 @@ def test_a_reward_model_whose_eos_differs_reads_what_step_2_trained_it_on():
     assert scorer.same_vocabulary and not scorer.reads_actor_ids
     text = "Q: 2+2 A: 4"
     sequences = torch.tensor([tok(text)["input_ids"] + [EOS]])
-    got = scorer(sequences, torch.ones_like(sequences))
+    got = scorer(sequences, torch.ones_like(sequences), len(tok("Q: 2+2")["input_ids"]))
     trained_on = torch.tensor([other(text)["input_ids"] + [other.eos_token_id]])
     want = sequence_scores(reward, trained_on, torch.ones_like(trained_on))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
