@@ -429,14 +429,15 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
     or ppo.ptx, needs it)."""
     from steps import demo
     from steps.common import log
-    from steps.data import load_blend, load_prompt_data
+    from steps.data import Fields, load_blend, load_prompt_data
 
     ppo = cfg.ppo
     shares: tuple[list, list, list] = ([], [], [])
     if any(step != 3 for step in steps) or not ppo.prompt_data or ppo.ptx.enabled:
         shares = load_blend(
             list(cfg.data.path), list(cfg.data.split), cfg.seed,
-            demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task))
+            demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task),
+            fields=Fields(cfg.data.prompt_key, cfg.data.chosen_key, cfg.data.rejected_key))
         log(f"data {list(cfg.data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
             f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)})")
     if ppo.prompt_data:

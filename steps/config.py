@@ -39,6 +39,10 @@ from engine.config import (
 class DataConfig:
     path: list[str] = val(["Dahoas/rm-static"], "files (.json .jsonl .jsonl.gz .parquet), "
                           'dirs, hub names, or "demo"')
+    prompt_key: str = val("prompt", "the records' prompt field (absent: hh-rlhf transcripts "
+                          "or whole dialogues in chosen/rejected)")
+    chosen_key: str = val("chosen", "the records' preferred answer (or dialogue) field")
+    rejected_key: str = val("rejected", "the records' other answer (or dialogue) field")
     split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3",
                              each(NON_NEGATIVE))
     eval_fraction: float = val(0.05, "held out of each step's share for evaluation",

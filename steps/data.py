@@ -82,6 +82,18 @@ class PreferencePair(NamedTuple):
     label: Any = None
 
 
+class Fields(NamedTuple):
+    """The names of a preference record's fields (data.prompt_key, chosen_key, rejected_key):
+    stack-exchange-paired's question/response_j/response_k, say."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+
+
+FIELDS = Fields()
+
+
 class DataError(ValueError):
     """A user-facing, one-line problem with the training data (names the source and the fix)."""
 
@@ -90,14 +102,14 @@ class DataError(ValueError):
 # Reading
 
 
-def load_pairs(source: str) -> tuple[list[PreferencePair], int]:
+def load_pairs(source: str, fields: Fields = FIELDS) -> tuple[list[PreferencePair], int]:
     """Read one source; returns (pairs, n_skipped). A hub name is tried only when no such
     local path exists and the name has neither a data-file extension nor a path's start
     (./ ../ / ~). Records with an empty answer, no Assistant turn, or a `rejected` that does
     not share the prompt of `chosen` are skipped and counted; anything else wrong raises
-    DataError."""
+    DataError. `fields` names the records' fields."""
     label, tables = _read_source(source, "data.path")
-    results = [_pairs_from_columns(columns, where) for where, columns in tables]
+    results = [_pairs_from_columns(columns, where, fields) for where, columns in tables]
     pairs = [pair for table_pairs, _ in results for pair in table_pairs]
     skipped = sum((table_skipped for _, table_skipped in results), Counter())
     if not pairs and not skipped:
@@ -418,25 +430,26 @@ def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[
     return values
 
 
-def _pairs_from_columns(columns: dict[str, list[Any]], label: str
+def _pairs_from_columns(columns: dict[str, list[Any]], label: str, fields: Fields
                         ) -> tuple[list[PreferencePair], Counter]:
     """Detect the record format from the column names and build pairs; returns (pairs, the
     records skipped, counted by reason: a key of _SKIPPED)."""
     if not columns or not next(iter(columns.values())):
         return [], Counter()
-    for field in ("chosen", "rejected"):
+    for field, key in ((fields.chosen, "chosen_key"), (fields.rejected, "rejected_key")):
         if field not in columns:
             raise DataError(f"{label}: records have no '{field}' field (columns: "
-                            f"{', '.join(columns)}); {_FORMAT_HINT}")
-    if _messages_in(columns):
-        records = _dialogue_records(columns, label)
-    elif "prompt" in columns:
-        records = list(zip(*(_text_column(columns, field, label)
-                             for field in ("prompt", "chosen", "rejected")), strict=True))
+                            f"{', '.join(columns)}); {_FORMAT_HINT}, or set data.{key} to "
+                            "the field that holds them")
+    if _messages_in(columns, fields.chosen):
+        records = _dialogue_records(columns, label, fields)
+    elif fields.prompt in columns:
+        records = list(zip(*(_text_column(columns, field, label) for field in fields),
+                           strict=True))
     else:
         records = [_split_transcripts(c, r) for c, r in zip(
-            _text_column(columns, "chosen", label), _text_column(columns, "rejected", label),
-            strict=True)]
+            _text_column(columns, fields.chosen, label),
+            _text_column(columns, fields.rejected, label), strict=True)]
     skipped = Counter(record if isinstance(record, str) else "empty" for record in records
                       if isinstance(record, str) or not (record[1].strip() and record[2].strip()))
     pairs = [PreferencePair(*record) for record in records
@@ -458,7 +471,7 @@ def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | str
     return prompt, chosen[len(prompt) :], rejected[len(prompt) :]
 
 
-def _messages_in(columns: dict[str, list[Any]], field: str = "chosen") -> bool:
+def _messages_in(columns: dict[str, list[Any]], field: str) -> bool:
     """Whether column `field` holds chat messages (OpenRLHF / TRL): its first value is a
     list (the records that differ from it are named as errors)."""
     first = next((value for value in columns[field] if value is not None), None)
@@ -498,17 +511,17 @@ def _render(messages: list[dict]) -> str:
     return "".join(HH_PREFIX[m["role"]] + m["content"] for m in messages)
 
 
-def _dialogue_records(columns: dict[str, list[Any]], label: str
+def _dialogue_records(columns: dict[str, list[Any]], label: str, fields: Fields
                       ) -> list[tuple[str, str, str] | str]:
     """(prompt, chosen, rejected) texts of chat-message records, or why not: whole
     dialogues in `chosen`/`rejected`, or TRL's explicit `prompt` messages continued by them.
     The prompt is the dialogue before its final assistant message, through "\n\nAssistant:".
     A text `prompt` beside whole dialogues (UltraFeedback's: their first user turn) is not
     read, as OpenRLHF reads such data."""
-    explicit = "prompt" in columns and _messages_in(columns, "prompt")
-    chosen = _message_column(columns, "chosen", label, opens=not explicit)
-    rejected = _message_column(columns, "rejected", label, opens=not explicit)
-    prompts = (_message_column(columns, "prompt", label, opens=True) if explicit
+    explicit = fields.prompt in columns and _messages_in(columns, fields.prompt)
+    chosen = _message_column(columns, fields.chosen, label, opens=not explicit)
+    rejected = _message_column(columns, fields.rejected, label, opens=not explicit)
+    prompts = (_message_column(columns, fields.prompt, label, opens=True) if explicit
                else [[] for _ in chosen])
     return [_split_dialogues(prompt + c, prompt + r)
             for prompt, c, r in zip(prompts, chosen, rejected, strict=True)]
@@ -552,7 +565,8 @@ def split_indices(n: int, split: Sequence[float], seed: int) -> list[list[int]]:
 
 
 def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
-               demo_pairs: Callable[[], list[PreferencePair]] | None = None
+               demo_pairs: Callable[[], list[PreferencePair]] | None = None,
+               fields: Fields = FIELDS
                ) -> tuple[list[PreferencePair], list[PreferencePair], list[PreferencePair]]:
     """Load every source, split EACH source by `split` (e.g. (2,4,4) -> 20%/40%/40% for steps
     1,2,3) with a seeded permutation, concatenate per step, shuffle each step's list with the
@@ -574,7 +588,7 @@ def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
                             "read (pass ./demo to read it)")
             pairs = list(demo_pairs())
         else:
-            pairs, skipped = load_pairs(source)
+            pairs, skipped = load_pairs(source, fields)
             if skipped:
                 log.warning("%s: skipped %d malformed or empty records", source, skipped)
         for step, indices in zip(steps, split_indices(len(pairs), split, seed), strict=True):

@@ -25,6 +25,7 @@ from steps.common import report_tokenized, require_examples, train_eval_examples
 from steps.config import RunConfig
 from steps.data import (
     DataError,
+    Fields,
     PreferencePair,
     load_blend,
     load_pairs,
@@ -828,3 +829,23 @@ def test_rollout_answers_decode_as_they_follow_their_prompts():
     (sft,), _ = tokenize_sft([pair], tok, 64, 64)
     prompts, answers = decode_rollouts(tok, torch.tensor([sft.input_ids]), len(prompt))
     assert answers == [pair.chosen] and prompts[0] + answers[0] == pair.prompt + pair.chosen
+
+
+def test_records_with_fields_of_other_names(tmp_path):
+    """data.prompt_key / chosen_key / rejected_key: stack-exchange-paired's fields, and chat
+    messages under other names; a field that is missing is named with the key to set."""
+    paired = Fields("question", "response_j", "response_k")
+    path = write_jsonl(tmp_path / "se.jsonl", [
+        {"qid": 1, "question": "Why?", "response_j": " Because.", "response_k": " No."}])
+    assert load_pairs(str(path), paired) == ([PreferencePair("Why?", " Because.", " No.")], 0)
+    chats = Fields("prompt", "good", "bad")
+    path = write_jsonl(tmp_path / "chat.jsonl", [
+        {"good": _chat(("user", "hi"), ("assistant", "Hello!")),
+         "bad": _chat(("user", "hi"), ("assistant", "Go."))}])
+    (pair,), _ = load_pairs(str(path), chats)
+    assert pair[:3] == ("\n\nHuman: hi\n\nAssistant:", " Hello!", " Go.")
+    with pytest.raises(DataError, match=r"records have no 'response_j' field \(columns: good, "
+                                        r"bad\); .*or set data.chosen_key to the field"):
+        load_pairs(str(path), paired)
+    sft, reward, ppo = load_blend([str(tmp_path / "se.jsonl")] * 5, [1, 0, 0], 0, fields=paired)
+    assert len(sft) == 5 and not reward and not ppo
