@@ -104,7 +104,8 @@ class PPOConfig(OptimConfig):
                                      "it shares the actor's tokenizer, else the actor")
     prompt_data: list[str] = val([], "step 3's prompts from these sources (files, dirs, hub "
                                  "names; every record), not its share of data.path")
-    prompt_key: str = val("prompt", "prompt_data's field holding a prompt (text or messages)")
+    prompt_key: str = val("${data.prompt_key}", "prompt_data's field holding a prompt (text "  # type: ignore[assignment]
+                          "or messages)")
     label_key: str = val("label", "prompt_data's field passed to reward_fn and eval_reward_fn "
                          "as their third argument (e.g. a reference answer)")
     epochs: int = val(1, "passes over the step-3 prompts", COUNT)
