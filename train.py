@@ -426,7 +426,8 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
 def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
     """The pairs of steps 1, 2 and 3: data.path split by data.split, step 3's prompts from
     ppo.prompt_data instead when it is set (then data.path is read only when another step,
-    or ppo.ptx, needs it)."""
+    or ppo.ptx, needs it). ppo.prompt_data is read only when step 3 runs: a config kept for
+    a later --step 3 must not stop steps 1-2 on a source they never use."""
     from steps import demo
     from steps.common import log
     from steps.data import Fields, load_blend, load_prompt_data
@@ -440,7 +441,7 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
             fields=Fields(cfg.data.prompt_key, cfg.data.chosen_key, cfg.data.rejected_key))
         log(f"data {list(cfg.data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
             f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)})")
-    if ppo.prompt_data:
+    if ppo.prompt_data and 3 in steps:
         prompts = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)
         labelled = sum(prompt.label is not None for prompt in prompts)
         log(f"step 3 prompts {list(ppo.prompt_data)}: {len(prompts)}, {labelled} with a "

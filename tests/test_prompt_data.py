@@ -132,3 +132,18 @@ def test_step3_on_prompt_data_with_a_checker_of_labels(tmp_path, monkeypatch):
     rows = read_metrics(out / "step3" / "metrics.jsonl")
     assert any("eval/ground_truth" in row for row in rows)
     assert (out / "step3" / "actor" / "model.safetensors").exists()
+
+
+def test_prompt_data_is_read_only_when_step_3_runs(tmp_path):
+    """A config that names step 3's prompts for a later --step 3 (here: a file not made
+    yet) must not stop steps 1-2, which never use them."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": " yes", "rejected": " no"}
+        for i in range(10)])
+    cfg = train.build_config(train.parse_args([
+        "--actor-model", "tiny-llama", "--step", "1", f"data.path=[{pairs}]",
+        f"ppo.prompt_data=[{tmp_path / 'later.jsonl'}]"]))
+    sft_pairs, _, ppo_pairs = train.load_data(cfg, [1])
+    assert len(sft_pairs) == 2 and len(ppo_pairs) == 4   # data.path's split, as without it
+    with pytest.raises(DataError, match=r"later.jsonl; check ppo.prompt_data"):
+        train.load_data(cfg, [1, 3])
