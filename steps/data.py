@@ -132,10 +132,10 @@ def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, 
                         "data.path source only")
     if path.is_dir() and _saved_dataset(path):
         label = f"saved dataset {source}"
-        return label, [(label, _read_saved(path, source))]
+        return label, [(label, _read_saved(path, source, key))]
     if path.is_dir():
         return (f"data directory {source}",
-                [(f"data file {f}", _read_file(f)) for f in _directory_files(path, source)])
+                [(f"data file {f}", _read_file(f)) for f in _directory_files(path, source, key)])
     if path.exists():
         if not _data_suffix(path):
             raise DataError(f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
@@ -145,7 +145,7 @@ def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, 
         raise DataError(f"data file not found: {source}; check {key}")
     if source.startswith(("./", "../", "/", "~")):   # a path, never a hub name
         raise DataError(f"no such file or directory: {source}; check {key}")
-    return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source))]
+    return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source, key))]
 
 
 def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label"
@@ -197,8 +197,9 @@ def _saved_dataset(path: Path) -> bool:
             or (path / "dataset_dict.json").is_file())
 
 
-def _read_saved(path: Path, source: str) -> dict[str, list[Any]]:
-    """Columns of a save_to_disk directory; of a DatasetDict, its train split."""
+def _read_saved(path: Path, source: str, key: str = "data.path") -> dict[str, list[Any]]:
+    """Columns of a save_to_disk directory; of a DatasetDict, its train split (`key`: the
+    config key that named it, for the fixes errors suggest)."""
     import datasets
 
     try:
@@ -206,11 +207,11 @@ def _read_saved(path: Path, source: str) -> dict[str, list[Any]]:
             saved = datasets.load_from_disk(str(path), keep_in_memory=True)
     except Exception as exc:
         raise DataError(f"cannot read saved dataset {source}: {_short(exc)}; save it again "
-                        "with save_to_disk or pass its data files in data.path") from exc
+                        f"with save_to_disk or pass its data files in {key}") from exc
     if isinstance(saved, datasets.DatasetDict):
         if "train" not in saved:
             raise DataError(f"saved dataset {source} has no train split (splits: "
-                            f"{', '.join(saved)}); pass the split's directory in data.path")
+                            f"{', '.join(saved)}); pass the split's directory in {key}")
         if len(saved) > 1:
             log.warning("saved dataset %s: read its train split, left out %s", source,
                         ", ".join(f"{name} ({len(split)} records)"
@@ -219,35 +220,35 @@ def _read_saved(path: Path, source: str) -> dict[str, list[Any]]:
     return saved.to_dict()
 
 
-def _directory_files(path: Path, source: str) -> list[Path]:
+def _directory_files(path: Path, source: str, key: str = "data.path") -> list[Path]:
     """The data files directly in directory `path`, saying what else is there: other files
     and subdirectories (not searched: a hub snapshot's train and test splits would both
     land in the blend) are left out, counted, never read unsaid. Files named for hub
     splits (train-00000-of-00001.parquet, test.jsonl) are read as `datasets` reads them:
-    the train split only."""
+    the train split only. `key` is the config key that named it, for the fixes suggested."""
     entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
     files = [p for p in entries if p.is_file() and _data_suffix(p)]
     left_out = [p.name + ("/" if p.is_dir() else "") for p in entries if p not in files]
     if not files:
         raise DataError(f"data directory {source} has no .json, .jsonl, .jsonl.gz, .json.gz or "
-                        f".parquet files{_found(entries)}; put the preference data there as one of "
-                        "those or name the files in data.path")
+                        f".parquet files{_found(entries)}; put the data there as one of those or "
+                        f"name the files in {key}")
     split_named = [p for p in files if _split_of(p) is not None]
     if split_named:
         train = [p for p in split_named if _split_of(p) == "train"]
         others = [p.name for p in files if p not in train]
         if not train:
             raise DataError(f"data directory {source} holds hub split files but no train split "
-                            f"({_listed(others)}); name the file to train on in data.path")
+                            f"({_listed(others)}); name the file to train on in {key}")
         if others:
             log.warning("data directory %s: read its train split (%d files), left out %d other "
-                        "data files (%s); name them in data.path to train on them",
-                        source, len(train), len(others), _listed(others))
+                        "data files (%s); name them in %s to train on them",
+                        source, len(train), len(others), _listed(others), key)
         files = train
     if left_out:
         log.warning("data directory %s: read %d data files, left out %d other entries (%s): "
-                    "subdirectories and other file types are not read; name them in data.path",
-                    source, len(files), len(left_out), _listed(left_out))
+                    "subdirectories and other file types are not read; name them in %s",
+                    source, len(files), len(left_out), _listed(left_out), key)
     return files
 
 
@@ -377,15 +378,16 @@ def _json_records(path: Path) -> list[dict] | None:
     return records if all(isinstance(r, dict) for r in records) else None
 
 
-def _read_hub(name: str) -> dict[str, list[Any]]:
-    """Load the train split of hub dataset `name` into columns (default `datasets` cache)."""
+def _read_hub(name: str, key: str = "data.path") -> dict[str, list[Any]]:
+    """Load the train split of hub dataset `name` into columns (default `datasets` cache);
+    `key` is the config key that named it, for the fixes errors suggest."""
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
     from engine.model_source import hub_offline
 
     unreachable = (f"cannot load dataset '{name}': not a local file and the Hugging Face hub is "
-                   "unreachable (offline?); download it and pass the local file path in data.path")
+                   f"unreachable (offline?); download it and pass the local file path in {key}")
     # checked first: with no network and no cache, `datasets` retries for half a minute
     if hub_offline() and not _hub_dataset_cached(name):
         raise DataError(unreachable)
@@ -396,13 +398,13 @@ def _read_hub(name: str) -> dict[str, list[Any]]:
     except DatasetNotFoundError as exc:
         raise DataError(f"cannot load dataset '{name}': not a local file and not found on the "
                         f"Hugging Face hub ({_short(exc)}); check the name or pass a local file "
-                        "path in data.path") from exc
+                        f"path in {key}") from exc
     except FileNotFoundError as exc:
         raise DataError(f"cannot load dataset '{name}': no such local file and not a Hugging Face "
-                        "hub dataset name; check data.path") from exc
+                        f"hub dataset name; check {key}") from exc
     except Exception as exc:
         raise DataError(f"cannot load dataset '{name}': {_short(exc)}; pass a local file path in "
-                        "data.path") from exc
+                        f"{key}") from exc
     return ds.to_dict()
 
 

@@ -167,8 +167,7 @@ def test_a_directory_of_other_file_types_names_them(tmp_path):
         load_pairs(str(tmp_path))
     assert one_line(exc) == (f"data directory {tmp_path} has no .json, .jsonl, .jsonl.gz, "
                              ".json.gz or .parquet files (found only .csv, .md files); put the "
-                             "preference data there as one of those or name the files in "
-                             "data.path")
+                             "data there as one of those or name the files in data.path")
 
 
 def test_a_directory_of_hub_split_files_reads_its_train_split(tmp_path, caplog):

@@ -147,3 +147,17 @@ def test_prompt_data_is_read_only_when_step_3_runs(tmp_path):
     assert len(sft_pairs) == 2 and len(ppo_pairs) == 4   # data.path's split, as without it
     with pytest.raises(DataError, match=r"later.jsonl; check ppo.prompt_data"):
         train.load_data(cfg, [1, 3])
+
+
+def test_a_prompt_data_source_that_cannot_be_read_names_ppo_prompt_data(tmp_path, monkeypatch):
+    """Not data.path, which the fix would send the user to: hub names, directories and
+    saved datasets of ppo.prompt_data are refused naming the key that gave them."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"pass the local file path in ppo.prompt_data$"):
+        load_prompt_records("nobody-here/math-prompts-not-cached")
+    with pytest.raises(DataError, match=r"name the files in ppo.prompt_data$"):
+        load_prompt_records(str(tmp_path))
+    (tmp_path / "test.jsonl").write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(DataError, match=r"name the file to train on in ppo.prompt_data$"):
+        load_prompt_records(str(tmp_path))
