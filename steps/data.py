@@ -483,13 +483,16 @@ def _messages_in(columns: dict[str, list[Any]], field: str) -> bool:
 def _message_column(columns: dict[str, list[Any]], field: str, label: str,
                     opens: bool) -> list[list]:
     """columns[field], checked to be lists of {"role", "content"} messages; `opens`: each
-    list starts a dialogue (only there may a system message stand, first)."""
-    values = columns[field]
+    list starts a dialogue (only there may a system message stand, first). A value of
+    another shape is named against the column whose first value made the records chat
+    messages: 'chosen' for the answers, the field itself for prompts (TRL's explicit
+    `prompt`, ppo.prompt_key's)."""
+    values, shaped = columns[field], "chosen" if field == "rejected" else field
     for i, messages in enumerate(values):
         where = f"{label} record {i + 1}: field '{field}'"
         if not isinstance(messages, list):
             got = "null" if messages is None else type(messages).__name__
-            raise DataError(f"{where} is not a list of chat messages (got {got}) as 'chosen' is "
+            raise DataError(f"{where} is not a list of chat messages (got {got}) as '{shaped}' is "
                             "elsewhere in this data; give every record's fields that shape")
         for n, message in enumerate(messages, 1):
             role = message.get("role") if isinstance(message, dict) else None

@@ -161,3 +161,13 @@ def test_a_prompt_data_source_that_cannot_be_read_names_ppo_prompt_data(tmp_path
     (tmp_path / "test.jsonl").write_text('{"prompt": "Hi"}\n')
     with pytest.raises(DataError, match=r"name the file to train on in ppo.prompt_data$"):
         load_prompt_records(str(tmp_path))
+
+
+def test_a_prompt_record_of_another_shape_is_named_against_the_prompts(tmp_path):
+    """Prompt records have no 'chosen' field to blame: a null among chat-message prompts is
+    named against the prompts, which are messages elsewhere."""
+    path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]},
+                                              {"prompt": None}])
+    with pytest.raises(DataError, match=r"record 2: field 'prompt' is not a list of chat "
+                                        r"messages \(got null\) as 'prompt' is elsewhere"):
+        load_prompt_records(str(path))
