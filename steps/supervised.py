@@ -78,7 +78,7 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     elapsed = position["seconds"]
     summary = {**metrics, "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
-    _refuse_non_finite(task, metrics, tracker, engine.steps)
+    _refuse_non_finite(task, metrics, tracker, engine.steps, ckpt.checkpointer.latest())
     # the model first: a run killed before the summary row has not finished, on the page
     counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
     engine.export(task.tokenizer, task.export_dir)
@@ -91,18 +91,23 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
 
 
 def _refuse_non_finite(task: Task, metrics: dict[str, float], tracker: Tracker,
-                       steps: int) -> None:
+                       steps: int, checkpoint: Path | None) -> None:
     """Stop before the export when the trained model's evaluation is not finite: its weights
     are finite (each update checked them) but overflow on held-out data, e.g. after an
-    update at a learning rate far too high; the evaluation is logged first."""
+    update at a learning rate far too high; the evaluation is logged first. Where the step
+    left a `checkpoint`, running it again would resume from it, with the learning rate it
+    saved (the schedule's): a checkpoint of the last update would be refused again at once,
+    so the fix says to start afresh."""
     broken = {name: value for name, value in metrics.items() if not math.isfinite(value)}
     if broken:
         tracker.log(metrics, steps)
         tracker.close()
         said = ", ".join(f"{name} {value}" for name, value in broken.items())
+        afresh = (f" with resume=false (a resume would go on from {checkpoint.name}, at the "
+                  "rate it saved)" if checkpoint else "")
         raise NonFiniteError(f"step {task.step} ({task.name}): the trained model evaluates to "
                              f"{said} on held-out data, so it is not exported; lower the "
-                             "learning rate (or check the data), then run the step again")
+                             f"learning rate (or check the data), then run the step again{afresh}")
 
 
 def _windows(cfg: DictConfig, task: Task, position: dict, dp: DataParallel

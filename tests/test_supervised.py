@@ -144,3 +144,18 @@ def test_without_held_out_pairs_there_is_nothing_to_refuse(tmp_path):
         "data": {"eval_fraction": 0.0}, "logging": {"progress": False}})
     assert "eval/perplexity" not in sft.run(cfg, pairs, CPU)
     assert (tmp_path / "actor" / "model.safetensors").exists()
+
+
+def test_a_refused_model_with_a_checkpoint_is_to_be_trained_afresh(tmp_path, monkeypatch):
+    """Run again as it was, the step resumes from its checkpoint, with the learning rate
+    the checkpoint saved: one of the last update would be refused again at once. The fix
+    says resume=false."""
+    monkeypatch.setattr(sft, "perplexity", lambda *args: float("nan"))
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "output_dir": str(tmp_path), "data": {"eval_fraction": 0.25},
+        "engine": {"checkpoint_every": 1}, "logging": {"progress": False}})
+    with pytest.raises(NonFiniteError, match=r"then run the step again with resume=false \(a "
+                                             r"resume would go on from step-00000001, at the "
+                                             r"rate it saved\)$"):
+        sft.run(cfg, pairs, CPU)
