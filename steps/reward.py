@@ -76,15 +76,16 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
                       f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
                       f"{cfg.data.max_answer_len}", f"--reward-model {cfg.reward_model}")
-    pad, nan = tokenizer.pad_token_id, float("nan")
+    pad = tokenizer.pad_token_id
     task = supervised.Task(
         step=2, name="reward model", role="reward", family="scorer", section=rm, examples=train,
         collate=partial(collate_pairs, pad_token_id=pad), loss=pair_loss,
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)
         if evals else {},
-        results=lambda summary: (f"eval accuracy {summary.get('eval/accuracy', nan):.3f} (chosen "
-                                 f"{summary.get('eval/chosen_score', nan):.3f} vs rejected "
-                                 f"{summary.get('eval/rejected_score', nan):.3f})"),
+        results=lambda summary: (f"eval accuracy {summary['eval/accuracy']:.3f} (chosen "
+                                 f"{summary['eval/chosen_score']:.3f} vs rejected "
+                                 f"{summary['eval/rejected_score']:.3f})" if evals
+                                 else supervised.NOT_EVALUATED),
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "reward")
     return supervised.run(cfg, task, model, dp, place, resume)

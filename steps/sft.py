@@ -70,13 +70,14 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
                       f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
                       f"{cfg.data.max_answer_len}", f"--actor-model {cfg.actor_model}")
-    pad, nan = tokenizer.pad_token_id, float("nan")
+    pad = tokenizer.pad_token_id
     task = supervised.Task(
         step=1, name="SFT", role="actor", family="policy", section=sft, examples=train,
         collate=partial(collate_sft, pad_token_id=pad), loss=batch_loss,
         tokens=lambda batch: sum(len(ex.input_ids) for ex in batch),
         evaluate=lambda engine: {"eval/perplexity": perplexity(
             engine, evals, pad, sft.eval_batch_size, dp)} if evals else {},
-        results=lambda summary: f"eval perplexity {summary.get('eval/perplexity', nan):.3f}",
+        results=lambda summary: (f"eval perplexity {summary['eval/perplexity']:.3f}" if evals
+                                 else supervised.NOT_EVALUATED),
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "actor")
     return supervised.run(cfg, task, model, dp, place, resume)

@@ -35,6 +35,10 @@ from steps.config import TrainConfig
 LossFn = Callable[[TrainEngine, dict[str, torch.Tensor], list],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
+# the closing line's eval results of a step with no held-out examples: not "nan", which a
+# finite run never shows (a model evaluating to NaN is refused, _refuse_non_finite)
+NOT_EVALUATED = "not evaluated (no held-out examples: data.eval_fraction)"
+
 
 class Task(NamedTuple):
     step: int                    # 1 or 2

@@ -137,13 +137,17 @@ def test_a_model_that_evaluates_to_nan_is_not_exported(step, tmp_path, monkeypat
     assert any(name in rows[-1] for name in ("eval/perplexity", "eval/chosen_score"))
 
 
-def test_without_held_out_pairs_there_is_nothing_to_refuse(tmp_path):
+@pytest.mark.parametrize("step", [sft, reward])
+def test_without_held_out_pairs_there_is_nothing_to_refuse(step, tmp_path, capsys):
+    """Nor a "nan" in the closing line, which a finite run otherwise never shows."""
     pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(8)]
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
-        "actor_model": "tiny-llama", "output_dir": str(tmp_path),
+        "actor_model": "tiny-llama", "reward_model": "tiny-llama", "output_dir": str(tmp_path),
         "data": {"eval_fraction": 0.0}, "logging": {"progress": False}})
-    assert "eval/perplexity" not in sft.run(cfg, pairs, CPU)
-    assert (tmp_path / "actor" / "model.safetensors").exists()
+    assert not any(name.startswith("eval/") for name in step.run(cfg, pairs, CPU))
+    assert (tmp_path / ("actor" if step is sft else "reward") / "model.safetensors").exists()
+    done = next(line for line in capsys.readouterr().out.splitlines() if " done: " in line)
+    assert "nan" not in done and "not evaluated (no held-out examples" in done
 
 
 def test_a_refused_model_with_a_checkpoint_is_to_be_trained_afresh(tmp_path, monkeypatch):
