@@ -303,8 +303,12 @@ class Models(NamedTuple):
 def report_labels(labels: dict[str, Any], functions: list[RewardFunction], label_key: str
                   ) -> None:
     """Say where the prompts' labels and the reward functions do not meet: labels that a
-    function taking (prompt, answer) never sees, or a function taking a label that every
-    prompt lacks (it gets None)."""
+    function taking (prompt, answer) never sees, or that no function is there to see (no
+    ppo.reward_fn nor ppo.eval_reward_fn), or a function taking a label that every prompt
+    lacks (it gets None)."""
+    if labels and not functions:
+        log(f"step 3: {len(labels)} prompts have a label, and no ppo.reward_fn or "
+            "ppo.eval_reward_fn is set to take it: the labels are not used")
     for fn in functions:
         if labels and not fn.takes_label:
             log(f"step 3: {fn.key}={fn.spec} takes (prompt, answer): the prompts' labels are "

@@ -18,7 +18,7 @@ import train
 from engine.models import byte_tokenizer, prompt_ids
 from engine.tracking import read_metrics
 from steps.data import DataError, PreferencePair, load_prompt_records
-from steps.ppo import prompt_labels
+from steps.ppo import prompt_labels, report_labels
 from steps.scoring import RewardFunction, decode_rollouts, takes_label
 from steps.tokenize import collate_prompts
 
@@ -171,3 +171,13 @@ def test_a_prompt_record_of_another_shape_is_named_against_the_prompts(tmp_path)
     with pytest.raises(DataError, match=r"record 2: field 'prompt' is not a list of chat "
                                         r"messages \(got null\) as 'prompt' is elsewhere"):
         load_prompt_records(str(path))
+
+
+def test_labels_that_no_function_takes_are_reported(capsys):
+    """Labels read for a run rewarded by the reward model alone, with no gold function,
+    would otherwise go unused unsaid."""
+    report_labels({"What is 2+3?": 5}, [], "answer")
+    assert ("step 3: 1 prompts have a label, and no ppo.reward_fn or ppo.eval_reward_fn is set "
+            "to take it: the labels are not used") in capsys.readouterr().out
+    report_labels({}, [], "answer")
+    assert capsys.readouterr().out == ""
