@@ -426,7 +426,7 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
 def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
     """The pairs of steps 1, 2 and 3: data.path split by data.split, step 3's prompts from
     ppo.prompt_data instead when it is set (then data.path is read only when another step,
-    or ppo.ptx, needs it). ppo.prompt_data is read only when step 3 runs: a config kept for
+    or ppo.ptx, needs it, and split between steps 1 and 2 alone). ppo.prompt_data is read only when step 3 runs: a config kept for
     a later --step 3 must not stop steps 1-2 on a source they never use."""
     from steps import demo
     from steps.common import log
@@ -434,13 +434,16 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
 
     ppo = cfg.ppo
     shares: tuple[list, list, list] = ([], [], [])
+    # with prompts of its own, step 3's weight would set aside data that nothing reads
+    split = [*cfg.data.split[:2], 0.0] if ppo.prompt_data else list(cfg.data.split)
     if any(step != 3 for step in steps) or not ppo.prompt_data or ppo.ptx.enabled:
         shares = load_blend(
-            list(cfg.data.path), list(cfg.data.split), cfg.seed,
+            list(cfg.data.path), split, cfg.seed,
             demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task),
             fields=Fields(cfg.data.prompt_key, cfg.data.chosen_key, cfg.data.rejected_key))
         log(f"data {list(cfg.data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
-            f"pairs for steps 1 / 2 / 3 (split {list(cfg.data.split)})")
+            f"pairs for steps 1 / 2 / 3 (split {split}"
+            + ("; step 3's prompts are ppo.prompt_data's)" if ppo.prompt_data else ")"))
     if ppo.prompt_data and 3 in steps:
         prompts = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)
         labelled = sum(prompt.label is not None for prompt in prompts)

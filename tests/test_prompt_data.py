@@ -143,8 +143,9 @@ def test_prompt_data_is_read_only_when_step_3_runs(tmp_path):
     cfg = train.build_config(train.parse_args([
         "--actor-model", "tiny-llama", "--step", "1", f"data.path=[{pairs}]",
         f"ppo.prompt_data=[{tmp_path / 'later.jsonl'}]"]))
-    sft_pairs, _, ppo_pairs = train.load_data(cfg, [1])
-    assert len(sft_pairs) == 2 and len(ppo_pairs) == 4   # data.path's split, as without it
+    # data.path split between steps 1 and 2 alone (2/4/4 -> 2/4/0): step 3 has its prompts
+    shares = train.load_data(cfg, [1])
+    assert [len(share) for share in shares] == [3, 7, 0]
     with pytest.raises(DataError, match=r"later.jsonl; check ppo.prompt_data"):
         train.load_data(cfg, [1, 3])
 
