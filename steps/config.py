@@ -106,8 +106,8 @@ class PPOConfig(OptimConfig):
                                  "names; every record), not its share of data.path")
     prompt_key: str = val("${data.prompt_key}", "prompt_data's field holding a prompt (text "  # type: ignore[assignment]
                           "or messages)")
-    label_key: str = val("label", "prompt_data's field passed to reward_fn and eval_reward_fn "
-                         "as their third argument (e.g. a reference answer)")
+    label_key: str = val("label", "prompt_data's field passed as label= to reward_fn and "
+                         "eval_reward_fn (e.g. a reference answer)")
     epochs: int = val(1, "passes over the step-3 prompts", COUNT)
     rollout_batch_size: int = val(8, "prompts per generation round", COUNT)
     ppo_epochs: int = val(1, "optimisation passes over each round's experience", COUNT)

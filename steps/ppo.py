@@ -311,7 +311,7 @@ def report_labels(labels: dict[str, Any], functions: list[RewardFunction], label
             "ppo.eval_reward_fn is set to take it: the labels are not used")
     for fn in functions:
         if labels and not fn.takes_label:
-            log(f"step 3: {fn.key}={fn.spec} takes (prompt, answer): the prompts' labels are "
+            log(f"step 3: {fn.key}={fn.spec} has no `label` parameter: the prompts' labels are "
                 "not passed to it")
         elif fn.takes_label and not labels:
             log(f"step 3: {fn.key}={fn.spec} takes a label, and no step-3 prompt has one "

@@ -99,8 +99,8 @@ class RewardFunction:
     """A user's (prompt, answer) -> float, or (prompt, answer, label) -> float, loaded from
     "package.module:function" (`key` is the config key that named it): called on decoded
     texts, with the label of the prompt's record (`labels`: by the prompt's decoded text;
-    None for a prompt without one) when the function takes a third argument; its failures
-    and non-finite returns refused in one line naming the key and the input."""
+    None for a prompt without one) as `label=` when the function has that parameter; its
+    failures and non-finite returns refused in one line naming the key and the input."""
 
     def __init__(self, fn: RewardFn, spec: str, key: str = "ppo.reward_fn",
                  labels: dict[str, Any] | None = None):
@@ -117,9 +117,9 @@ class RewardFunction:
 
     def _call(self, prompt: str, answer: str) -> float:
         where = f"{self.key}={self.spec}"
-        args = (prompt, answer, self.labels.get(prompt)) if self.takes_label else (prompt, answer)
         try:
-            value = self.fn(*args)
+            value = (self.fn(prompt, answer, label=self.labels.get(prompt)) if self.takes_label
+                     else self.fn(prompt, answer))
         except Exception as why:   # the user's code: say which input broke it
             raise UserError(f"{where} raised {type(why).__name__}: {why} (on prompt "
                             f"{prompt[-60:]!r}, answer {answer[:60]!r})") from None
@@ -132,12 +132,14 @@ class RewardFunction:
 
 
 def takes_label(fn: RewardFn) -> bool:
-    """Whether `fn` can be called as fn(prompt, answer, label)."""
+    """Whether `fn` takes the label: it has a parameter named `label` (or takes any keyword),
+    so that a third parameter of its own (`weight=0.5`) is never handed the label."""
     try:
-        inspect.signature(fn).bind("", "", None)
-    except (TypeError, ValueError):   # ValueError: a callable without a signature
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):   # a callable without a signature
         return False
-    return True
+    return any(p.name == "label" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD
+               for p in parameters)
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -74,7 +74,10 @@ def test_a_reward_function_gets_the_label_of_its_prompt():
     def right(prompt, answer, label):
         return float(label is not None and answer.strip() == label)
 
-    assert takes_label(right) and not takes_label(lambda prompt, answer: 0.0)
+    assert takes_label(right) and takes_label(lambda prompt, answer, **extra: 0.0)
+    # a third parameter of the function's own is never handed the label
+    assert not takes_label(lambda prompt, answer: 0.0)
+    assert not takes_label(lambda prompt, answer, weight=0.5: 0.0)
     assert RewardFunction(right, "t:right", labels=labels)(*texts) == [1.0, 0.0, 0.0]
     assert RewardFunction(lambda p, a: len(a), "t:len", labels=labels)(*texts) == [2, 2, 2]
 
