@@ -50,6 +50,12 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
                                          add_generation_prompt=generation_prompt)
 
 
+def has_turns(text: str) -> bool:
+    """Whether `text` holds hh-rlhf turns ("\\n\\nHuman:", "\\n\\nAssistant:", or "Human:"
+    at its start)."""
+    return _TURN.search(text) is not None
+
+
 def hh_messages(text: str) -> list[dict]:
     """hh-rlhf text -> chat messages, the inverse of the hh template: the text before the
     first turn is a system message, each "\\n\\nHuman:" / "\\n\\nAssistant:" opens a user /

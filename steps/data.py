@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.chat_format import ASSISTANT, HH_PREFIX
+from engine.chat_format import ASSISTANT, HH_PREFIX, has_turns
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,9 @@ def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, 
 def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label"
                         ) -> tuple[list[PreferencePair], int]:
     """Step 3's prompts read from one source of ppo.prompt_data (as load_pairs reads
-    sources): each record's `prompt_key` field, a text used as it is or chat messages
-    (rendered as hh-rlhf text ending in the assistant's cue, the messages kept), and its
+    sources): each record's `prompt_key` field, hh-rlhf text used as it is, a bare text
+    (one user turn) or chat messages (rendered as hh-rlhf text ending in the assistant's
+    cue, the messages kept), and its
     `label_key` field, when the records have one, as the label a reward function checks
     answers against (a reference answer). Returns (prompts as pairs without answers, the
     records skipped: empty prompts, and dialogues that end in an assistant message)."""
@@ -182,12 +183,22 @@ def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key:
         prompts = [(_render(d) + ASSISTANT, tuple(d))
                    if d and d[-1]["role"] != "assistant" else None for d in dialogues]
     else:
-        prompts = [(text, None) if text.strip() else None
+        prompts = [_text_prompt(text) if text.strip() else None
                    for text in _text_column(columns, prompt_key, where)]
     kept = [PreferencePair(text, "", "", messages, label)
             for found, label in zip(prompts, labels, strict=True) if found is not None
             for text, messages in [found]]
     return kept, len(prompts) - len(kept)
+
+
+def _text_prompt(text: str) -> tuple[str, tuple[dict, ...] | None]:
+    """(prompt, its messages) of a prompt record's text: hh-rlhf turns as written; a bare
+    question (GSM8K's) is one user turn, as a chat template reads it too, so that a model
+    trained on hh text is asked in hh text."""
+    if has_turns(text):
+        return text, None
+    asked = ({"role": "user", "content": text.strip()},)
+    return _render(list(asked)) + ASSISTANT, asked
 
 
 def _saved_dataset(path: Path) -> bool:

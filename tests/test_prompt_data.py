@@ -28,6 +28,10 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
 def test_prompt_records_with_labels_text_and_messages(tmp_path):
     records = [{"question": "What is 2+3?", "answer": 5},
                {"question": "   ", "answer": 1},                              # empty: skipped
@@ -35,8 +39,13 @@ def test_prompt_records_with_labels_text_and_messages(tmp_path):
     prompts, skipped = load_prompt_records(str(write_jsonl(tmp_path / "q.jsonl", records)),
                                            prompt_key="question", label_key="answer")
     assert skipped == 1
-    assert prompts == [PreferencePair("What is 2+3?", "", "", None, 5),
-                       PreferencePair("What is 1+1?", "", "", None, None)]
+    # a bare question is the user's turn, asked in the hh-rlhf format the model trained in
+    assert prompts == [
+        PreferencePair("\n\nHuman: What is 2+3?\n\nAssistant:", "", "", (user("What is 2+3?"),), 5),
+        PreferencePair("\n\nHuman: What is 1+1?\n\nAssistant:", "", "", (user("What is 1+1?"),),
+                       None)]
+    framed = write_jsonl(tmp_path / "hh.jsonl", [{"prompt": "Human: hi\n\nAssistant:"}])
+    assert load_prompt_records(str(framed))[0][0].prompt == "Human: hi\n\nAssistant:"  # as is
     chats = [{"prompt": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": "2+2?"}], "label": "4"},
              {"prompt": [{"role": "user", "content": "hi"},
