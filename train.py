@@ -289,16 +289,24 @@ def check_launch(cfg: DictConfig) -> None:
                             f"multi_node, or drop {flag}")
 
 
+def own_data(cfg: DictConfig) -> dict[int, str]:
+    """The steps that read data of their own, not a share of data.path: step 1 with
+    data.sft_path, step 3 with ppo.prompt_data (the key that names it)."""
+    return {step: key for step, key in ((1, "data.sft_path"), (3, "ppo.prompt_data"))
+            if OmegaConf.select(cfg, key)}
+
+
 def check_split_shares(cfg: DictConfig) -> None:
     """Each selected step trains on its own share of data.split (step 3 on its prompts, and
-    with ppo.ptx on step 1's share too): a share of 0 would otherwise stop that step only
-    after the earlier ones ran, or silently leave ppo.ptx out."""
-    split = list(cfg.data.split)
+    with ppo.ptx on step 1's share too) unless it reads data of its own: a share of 0 would
+    otherwise stop that step only after the earlier ones ran, or silently leave ppo.ptx
+    out."""
+    split, own = list(cfg.data.split), own_data(cfg)
     for step in cfg.steps:
-        if split[step - 1] == 0 and not (step == 3 and cfg.ppo.prompt_data):
+        if split[step - 1] == 0 and step not in own:
             raise UserError(f"data.split={split}: step {step} gets no data (its weight, entry "
                             f"{step}, is 0); give it a weight above 0 or drop --step {step}")
-    if 3 in cfg.steps and cfg.ppo.ptx.enabled and split[0] == 0:
+    if 3 in cfg.steps and cfg.ppo.ptx.enabled and split[0] == 0 and 1 not in own:
         raise UserError(f"data.split={split}: ppo.ptx trains on step 1's share, and its "
                         "weight (entry 1) is 0; give it a weight above 0 or set "
                         "ppo.ptx.enabled=false")
@@ -409,13 +417,13 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
 def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, list]) -> None:
     """Before any step runs, each step to run (and ppo.ptx, which trains on step 1's share)
     has pairs: too little data split by data.split can leave a share empty (2 pairs at
-    2/4/4 give step 1 none), which was blamed on data.max_prompt_len."""
+    2/4/4 give step 1 none), which was blamed on data.max_prompt_len. Data of a step's own
+    is checked as it is read."""
     from steps.data import DataError
 
-    split, total = list(cfg.data.split), sum(len(share) for share in shares)
-    needs = [(step, f"step {step}", "") for step in steps
-             if not (step == 3 and cfg.ppo.prompt_data)]   # its own prompts
-    if 3 in steps and cfg.ppo.ptx.enabled:
+    split, total, own = list(cfg.data.split), sum(map(len, shares)), own_data(cfg)
+    needs = [(step, f"step {step}", "") for step in steps if step not in own]
+    if 3 in steps and cfg.ppo.ptx.enabled and 1 not in own:
         needs.append((1, "ppo.ptx (step 1's share)", ", or set ppo.ptx.enabled=false"))
     for share, who, or_else in needs:
         if not shares[share - 1]:
@@ -424,34 +432,37 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
 
 
 def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
-    """The pairs of steps 1, 2 and 3: data.path split by data.split, step 3's prompts from
-    ppo.prompt_data instead when it is set (then data.path is read only when another step,
-    or ppo.ptx, needs it, and split between steps 1 and 2 alone). ppo.prompt_data is read only when step 3 runs: a config kept for
+    """The pairs of steps 1, 2 and 3: shares of data.path split by data.split, but for a
+    step that reads data of its own (own_data), whose weight is then ignored. Each source
+    is read only when a step to run needs it (ppo.ptx trains on step 1's): a config kept for
     a later --step 3 must not stop steps 1-2 on a source they never use."""
     from steps import demo
     from steps.common import log
-    from steps.data import Fields, load_blend, load_prompt_data
+    from steps.data import Fields, load_blend, load_prompt_data, load_sft_data
 
-    ppo = cfg.ppo
-    shares: tuple[list, list, list] = ([], [], [])
-    # with prompts of its own, step 3's weight would set aside data that nothing reads
-    split = [*cfg.data.split[:2], 0.0] if ppo.prompt_data else list(cfg.data.split)
-    if any(step != 3 for step in steps) or not ppo.prompt_data or ppo.ptx.enabled:
-        shares = load_blend(
-            list(cfg.data.path), split, cfg.seed,
-            demo_pairs=lambda: demo.make_pairs(cfg.data.demo_pairs, cfg.seed, cfg.data.demo_task),
-            fields=Fields(cfg.data.prompt_key, cfg.data.chosen_key, cfg.data.rejected_key))
-        log(f"data {list(cfg.data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
+    data, ppo, own = cfg.data, cfg.ppo, own_data(cfg)
+    reads = {*steps, *([1] if 3 in steps and ppo.ptx.enabled else [])}
+    split = [0.0 if step in own else weight for step, weight in enumerate(data.split, 1)]
+    shares: list[list] = [[], [], []]
+    if reads - set(own):
+        shares = list(load_blend(
+            list(data.path), split, cfg.seed,
+            demo_pairs=lambda: demo.make_pairs(data.demo_pairs, cfg.seed, data.demo_task),
+            fields=Fields(data.prompt_key, data.chosen_key, data.rejected_key)))
+        log(f"data {list(data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
             f"pairs for steps 1 / 2 / 3 (split {split}"
-            + ("; step 3's prompts are ppo.prompt_data's)" if ppo.prompt_data else ")"))
-    if ppo.prompt_data and 3 in steps:
-        prompts = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)
-        labelled = sum(prompt.label is not None for prompt in prompts)
-        log(f"step 3 prompts {list(ppo.prompt_data)}: {len(prompts)}, {labelled} with a "
+            + "".join(f"; step {step}'s are {key}'s" for step, key in own.items()) + ")")
+    if 1 in own and 1 in reads:
+        shares[0] = load_sft_data(list(data.sft_path), data.sft_prompt_key,
+                                  data.sft_answer_key)
+        log(f"step 1 examples {list(data.sft_path)}: {len(shares[0])}")
+    if 3 in own and 3 in reads:
+        shares[2] = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)
+        labelled = sum(prompt.label is not None for prompt in shares[2])
+        log(f"step 3 prompts {list(ppo.prompt_data)}: {len(shares[2])}, {labelled} with a "
             f"'{ppo.label_key}' label")
-        shares = (shares[0], shares[1], prompts)
-    require_shares(cfg, steps, shares)
-    return shares
+    require_shares(cfg, steps, tuple(shares))
+    return tuple(shares)
 
 
 def run(cfg: DictConfig) -> dict[int, float]:

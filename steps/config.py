@@ -43,6 +43,12 @@ class DataConfig:
                           "or whole dialogues in chosen/rejected)")
     chosen_key: str = val("chosen", "the records' preferred answer (or dialogue) field")
     rejected_key: str = val("rejected", "the records' other answer (or dialogue) field")
+    sft_path: list[str] = val([], "step 1's examples from these sources (every record: a "
+                              "prompt and its answer), not its share of data.path")
+    sft_prompt_key: str = val("${data.prompt_key}", "sft_path's prompt field (text or "  # type: ignore[assignment]
+                              "messages)")
+    sft_answer_key: str = val("response", "sft_path's answer field (absent: whole dialogues "
+                              "in sft_prompt_key)")
     split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3",
                              each(NON_NEGATIVE))
     eval_fraction: float = val(0.05, "held out of each step's share for evaluation",

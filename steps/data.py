@@ -169,15 +169,20 @@ def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str 
 
 
 def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
-                          label_key: str) -> tuple[list[PreferencePair], int]:
-    """The prompt records of one table (see load_prompt_records) and how many were skipped."""
+                          label_key: str | None, keep_empty: bool = False,
+                          setting: str = "ppo.prompt_key"
+                          ) -> tuple[list[PreferencePair | None], int]:
+    """The prompt records of one table (see load_prompt_records) and how many were skipped;
+    `keep_empty`: None in place of each skipped record, the records' order kept; `setting`:
+    the config key that names `prompt_key`."""
     if not columns or not next(iter(columns.values())):
         return [], 0
     if prompt_key not in columns:
         raise DataError(f"{where}: records have no '{prompt_key}' field (columns: "
-                        f"{', '.join(columns)}); set ppo.prompt_key to the field holding the "
+                        f"{', '.join(columns)}); set {setting} to the field holding the "
                         "prompts")
-    labels = columns.get(label_key, [None] * len(columns[prompt_key]))
+    labels = columns.get(label_key, [None] * len(columns[prompt_key])) if label_key \
+        else [None] * len(columns[prompt_key])
     if _messages_in(columns, prompt_key):
         dialogues = _message_column(columns, prompt_key, where, opens=True)
         prompts = [(_render(d) + ASSISTANT, tuple(d))
@@ -185,10 +190,60 @@ def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key:
     else:
         prompts = [_text_prompt(text) if text.strip() else None
                    for text in _text_column(columns, prompt_key, where)]
-    kept = [PreferencePair(text, "", "", messages, label)
-            for found, label in zip(prompts, labels, strict=True) if found is not None
-            for text, messages in [found]]
-    return kept, len(prompts) - len(kept)
+    kept = [None if found is None else PreferencePair(found[0], "", "", found[1], label)
+            for found, label in zip(prompts, labels, strict=True)]
+    skipped = sum(prompt is None for prompt in kept)
+    return (kept if keep_empty else [prompt for prompt in kept if prompt is not None]), skipped
+
+
+def load_sft_records(source: str, prompt_key: str = "prompt", answer_key: str = "response"
+                     ) -> tuple[list[PreferencePair], int]:
+    """Step 1's examples read from one source of data.sft_path (as load_pairs reads sources):
+    each record's `prompt_key` field (as a step-3 prompt: hh-rlhf text as written, a bare
+    text as one user turn, or chat messages) answered by its `answer_key` field (Alpaca's
+    output, Dahoas/rm-static's response); or, without that field, whole dialogues in
+    `prompt_key` (UltraChat's messages) answered by their final assistant message. Returns
+    (examples as pairs with the answer as `chosen` and no `rejected`, the records skipped:
+    empty prompts or answers, dialogues that do not end in an assistant message)."""
+    label, tables = _read_source(source, "data.sft_path")
+    results = [_sft_from_columns(columns, where, prompt_key, answer_key)
+               for where, columns in tables]
+    examples = [example for table_examples, _ in results for example in table_examples]
+    skipped = sum(table_skipped for _, table_skipped in results)
+    if not examples:
+        raise DataError(f"{label}: no usable examples ({skipped} records, all with an empty "
+                        "prompt or answer); check data.sft_path")
+    return examples, skipped
+
+
+def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
+                      answer_key: str) -> tuple[list[PreferencePair], int]:
+    """The SFT records of one table (see load_sft_records) and how many were skipped."""
+    if not columns or not next(iter(columns.values())):
+        return [], 0
+    if answer_key in columns:
+        prompts, _ = _prompts_from_columns(columns, where, prompt_key, None, keep_empty=True,
+                                           setting="data.sft_prompt_key")
+        answers = _text_column(columns, answer_key, where)
+        examples = [PreferencePair(p.prompt, _following_cue(answer), "", p.messages)
+                    for p, answer in zip(prompts, answers, strict=True)
+                    if p is not None and answer.strip()]
+        return examples, len(answers) - len(examples)
+    if prompt_key in columns and _messages_in(columns, prompt_key):
+        dialogues = _message_column(columns, prompt_key, where, opens=True)
+        records = [_split_dialogues(d, d) for d in dialogues]
+        examples = [PreferencePair(record[0], record[1], "", record[3]) for record in records
+                    if not isinstance(record, str) and record[1].strip()]
+        return examples, len(records) - len(examples)
+    raise DataError(f"{where}: records have no '{answer_key}' field (columns: "
+                    f"{', '.join(columns)}); set data.sft_answer_key to the field holding the "
+                    "answers, or give whole chat dialogues in data.sft_prompt_key")
+
+
+def _following_cue(answer: str) -> str:
+    """An answer as it follows "Assistant:": after one space, as hh-rlhf's and rendered chat
+    messages' answers do (and a chat template's rendering drops)."""
+    return answer if answer[:1].isspace() else " " + answer
 
 
 def _text_prompt(text: str) -> tuple[str, tuple[dict, ...] | None]:
@@ -612,6 +667,20 @@ def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
 
     sft, reward, ppo = ([step[i] for i in permutation(len(step), seed)] for step in steps)
     return sft, reward, ppo
+
+
+def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str
+                  ) -> list[PreferencePair]:
+    """Every example of every source of data.sft_path (load_sft_records), in order; what
+    was skipped is counted in a warning."""
+    examples = []
+    for source in sources:
+        found, skipped = load_sft_records(source, prompt_key, answer_key)
+        if skipped:
+            log.warning("%s: skipped %d records with an empty prompt or answer, or a dialogue "
+                        "that does not end in an assistant message", source, skipped)
+        examples.extend(found)
+    return examples
 
 
 def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str

@@ -29,6 +29,7 @@ from steps.data import (
     PreferencePair,
     load_blend,
     load_pairs,
+    load_sft_records,
     split_indices,
     train_eval_split,
 )
@@ -848,3 +849,31 @@ def test_records_with_fields_of_other_names(tmp_path):
         load_pairs(str(path), paired)
     sft, reward, ppo = load_blend([str(tmp_path / "se.jsonl")] * 5, [1, 0, 0], 0, fields=paired)
     assert len(sft) == 5 and not reward and not ppo
+
+
+def test_sft_records_of_their_own(tmp_path):
+    """data.sft_path: a prompt answered by another field (Alpaca's instruction/output), a
+    bare prompt asked as the user's turn and the answer after "Assistant:"'s space; or whole
+    dialogues (UltraChat's messages) answered by their last assistant message. Empty prompts
+    or answers, and dialogues without a final answer, are skipped and counted."""
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "Name a color.", "output": "Blue."},
+        {"instruction": "\n\nHuman: hey\n\nAssistant:", "output": " Hello."},   # as written
+        {"instruction": "", "output": "x"}, {"instruction": "Hi", "output": " "}])
+    examples, skipped = load_sft_records(str(alpaca), "instruction", "output")
+    assert skipped == 2
+    assert [e[:3] for e in examples] == [("\n\nHuman: Name a color.\n\nAssistant:", " Blue.", ""),
+                                         ("\n\nHuman: hey\n\nAssistant:", " Hello.", "")]
+    chats = write_jsonl(tmp_path / "chats.jsonl", [
+        {"messages": _chat(("system", "Be brief."), ("user", "hi"), ("assistant", "Hello!"))},
+        {"messages": _chat(("user", "hi"))}])
+    (example,), skipped = load_sft_records(str(chats), "messages", "response")
+    assert skipped == 1
+    assert example[:3] == ("Be brief.\n\nHuman: hi\n\nAssistant:", " Hello!", "")
+    assert example.messages == tuple(_chat(("system", "Be brief."), ("user", "hi")))
+    with pytest.raises(DataError, match=r"records have no 'response' field \(columns: "
+                                        r"instruction, output\); set data.sft_answer_key"):
+        load_sft_records(str(alpaca), "instruction", "response")
+    with pytest.raises(DataError, match=r"records have no 'prompt' field .*; set "
+                                        r"data.sft_prompt_key to the field"):
+        load_sft_records(str(alpaca), "prompt", "output")

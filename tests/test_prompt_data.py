@@ -194,3 +194,44 @@ def test_labels_that_no_function_takes_are_reported(capsys):
             "to take it: the labels are not used") in capsys.readouterr().out
     report_labels({}, [], "answer")
     assert capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# step 1's examples of their own (data.sft_path)
+
+
+def test_sft_path_gives_step_1_its_examples_and_data_path_the_rest(tmp_path):
+    """data.sft_path replaces step 1's share: data.path is split between steps 2 and 3
+    alone (its first weight ignored), and read only when they (or nothing but step 1) run."""
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": f"Say {i}.", "output": f"{i}"} for i in range(5)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": " yes", "rejected": " no"}
+        for i in range(10)])
+    cfg = train.build_config(train.parse_args([
+        "--actor-model", "tiny-llama", f"data.path=[{pairs}]", f"data.sft_path=[{alpaca}]",
+        "data.sft_prompt_key=instruction", "data.sft_answer_key=output", "data.split=[0,1,1]"]))
+    sft, reward, ppo = train.load_data(cfg, [1, 2, 3])
+    assert [len(sft), len(reward), len(ppo)] == [5, 5, 5]
+    assert sft[0][:3] == ("\n\nHuman: Say 0.\n\nAssistant:", " 0", "")
+    offline = cfg.copy()
+    offline.data.path = ["no-such/hub-dataset"]   # step 1 alone: data.path is not read
+    assert [len(share) for share in train.load_data(offline, [1])] == [5, 0, 0]
+
+
+@pytest.mark.slow
+def test_step_1_trains_on_sft_path_alone(tmp_path):
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": f"What is {a}+{b}?", "output": f"{a + b}"}
+        for a in range(5) for b in range(4)])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        rc = train.main(["--actor-model", "tiny-llama", "--step", "1", "--output-dir",
+                         str(tmp_path / "out"), f"data.sft_path=[{alpaca}]",
+                         "data.sft_prompt_key=instruction", "data.sft_answer_key=output",
+                         "sft.epochs=1", "sft.batch_size=4", "logging.progress=false"])
+    log = stdout.getvalue()
+    assert rc == 0, f"{log}\n{stderr.getvalue()}"
+    assert "step 1 examples [" in log and "]: 20" in log and "data [" not in log
+    assert "step 1 train: 19 examples" in log   # one held out (data.eval_fraction 0.05)
+    assert (tmp_path / "out" / "actor" / "model.safetensors").exists()
