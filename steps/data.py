@@ -6,7 +6,8 @@ hub dataset name) into `PreferencePair`s.
 Three record shapes are accepted, detected by the columns of the record set and their types:
 
 * DeepSpeed-Chat style: `prompt`, `chosen`, `rejected` (extra columns such as `response`
-  are ignored); `chosen`/`rejected` are the answers that continue `prompt`.
+  are ignored); `chosen`/`rejected` are the answers that continue `prompt`. A bare-text
+  prompt (no hh-rlhf turns) is one user turn, "\\n\\nHuman: {prompt}\\n\\nAssistant:".
 * Anthropic hh-rlhf: only `chosen` and `rejected`, each a whole "\\n\\nHuman: ...\\n\\nAssistant: ..."
   transcript; the prompt is the text of `chosen` through its last "\\n\\nAssistant:".
 * Chat messages (OpenRLHF, TRL): `chosen` and `rejected` are lists of {"role", "content"}
@@ -512,8 +513,8 @@ def _pairs_from_columns(columns: dict[str, list[Any]], label: str, fields: Field
     if _messages_in(columns, fields.chosen):
         records = _dialogue_records(columns, label, fields)
     elif fields.prompt in columns:
-        records = list(zip(*(_text_column(columns, field, label) for field in fields),
-                           strict=True))
+        records = [_text_record(*record) for record in zip(
+            *(_text_column(columns, field, label) for field in fields), strict=True)]
     else:
         records = [_split_transcripts(c, r) for c, r in zip(
             _text_column(columns, fields.chosen, label),
@@ -523,6 +524,18 @@ def _pairs_from_columns(columns: dict[str, list[Any]], label: str, fields: Field
     pairs = [PreferencePair(*record) for record in records
              if not isinstance(record, str) and record[1].strip() and record[2].strip()]
     return pairs, skipped
+
+
+def _text_record(prompt: str, chosen: str, rejected: str
+                 ) -> tuple[str, str, str, tuple[dict, ...] | None]:
+    """(prompt, chosen, rejected, the prompt's messages) of a record of text fields: hh-rlhf
+    text as written; a bare prompt (stack-exchange's question) is one user turn, as step 3
+    asks ppo.prompt_data's (_text_prompt) and chat.py asks, its answers following
+    "\\n\\nAssistant: ". An empty prompt stays empty: the answers alone are the text."""
+    if has_turns(prompt) or not prompt.strip():
+        return prompt, chosen, rejected, None
+    framed, messages = _text_prompt(prompt)
+    return framed, " " + chosen.removeprefix(" "), " " + rejected.removeprefix(" "), messages
 
 
 def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | str:

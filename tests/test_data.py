@@ -29,6 +29,7 @@ from steps.data import (
     PreferencePair,
     load_blend,
     load_pairs,
+    load_prompt_records,
     load_sft_records,
     split_indices,
     train_eval_split,
@@ -535,7 +536,8 @@ def test_train_eval_split():
 
 
 def _pairs(tag: str, n: int) -> list[PreferencePair]:
-    return [PreferencePair(f"{tag}{i}", " c", " r") for i in range(n)]
+    """hh-rlhf pairs, which a data file gives back as written."""
+    return [PreferencePair(f"\n\nHuman: {tag}{i}\n\nAssistant:", " c", " r") for i in range(n)]
 
 
 def test_load_blend(tmp_path):
@@ -544,8 +546,8 @@ def test_load_blend(tmp_path):
     steps = load_blend([str(a), "demo"], (2, 4, 4), seed=7, demo_pairs=lambda: demo)
     assert [len(s) for s in steps] == [6 + 4, 12 + 8, 12 + 8]
     for step in steps:
-        assert any(p.prompt.startswith("a") for p in step)
-        assert any(p.prompt.startswith("demo") for p in step)
+        assert any(p.prompt.startswith("\n\nHuman: a") for p in step)
+        assert any(p.prompt.startswith("\n\nHuman: demo") for p in step)
     everything = [p for step in steps for p in step]
     assert sorted(everything) == sorted(_pairs("a", 30) + demo)
     assert load_blend([str(a), "demo"], (2, 4, 4), seed=7, demo_pairs=lambda: demo) == steps
@@ -837,7 +839,9 @@ def test_records_with_fields_of_other_names(tmp_path):
     paired = Fields("question", "response_j", "response_k")
     path = write_jsonl(tmp_path / "se.jsonl", [
         {"qid": 1, "question": "Why?", "response_j": " Because.", "response_k": " No."}])
-    assert load_pairs(str(path), paired) == ([PreferencePair("Why?", " Because.", " No.")], 0)
+    asked = ({"role": "user", "content": "Why?"},)
+    assert load_pairs(str(path), paired) == ([PreferencePair(
+        "\n\nHuman: Why?\n\nAssistant:", " Because.", " No.", asked)], 0)
     chats = Fields("prompt", "good", "bad")
     path = write_jsonl(tmp_path / "chat.jsonl", [
         {"good": _chat(("user", "hi"), ("assistant", "Hello!")),
@@ -877,3 +881,20 @@ def test_sft_records_of_their_own(tmp_path):
     with pytest.raises(DataError, match=r"records have no 'prompt' field .*; set "
                                         r"data.sft_prompt_key to the field"):
         load_sft_records(str(alpaca), "prompt", "output")
+
+
+def test_a_bare_prompt_is_one_user_turn_in_every_step(tmp_path):
+    """A prompt field of bare text (stack-exchange-paired's question) is asked as step 3
+    asks ppo.prompt_data's and chat.py asks: "\\n\\nHuman: ...\\n\\nAssistant:", the
+    answers after one space. Used as written, step 1 trained on "What is 2+3?5" while step 3
+    and chat.py asked the model in hh text it had never read."""
+    records = [{"question": "What is 2+3?", "good": "5", "bad": " 6"},
+               {"question": "", "good": "alone", "bad": "x"},                  # stays empty
+               {"question": "\n\nHuman: hi\n\nAssistant:", "good": " yo", "bad": " no"}]
+    path = str(write_jsonl(tmp_path / "q.jsonl", records))
+    pairs, _ = load_pairs(path, Fields("question", "good", "bad"))
+    asked = load_prompt_records(path, "question")[0][0]
+    assert pairs[0].prompt == asked.prompt == "\n\nHuman: What is 2+3?\n\nAssistant:"
+    assert pairs[0][1:] == (" 5", " 6", asked.messages, None)
+    assert pairs[1][:3] == ("", "alone", "x")
+    assert pairs[2][:3] == ("\n\nHuman: hi\n\nAssistant:", " yo", " no")
