@@ -59,14 +59,15 @@ _FORMAT_HINT = ("preference data needs prompt/chosen/rejected, hh-rlhf chosen/re
                 "or chosen/rejected chat messages")
 
 
-# why a record is skipped -> what the log says
+# why a record is skipped -> what the log says ({chosen}, {rejected}, {prompt}: the Fields)
 _SKIPPED = {"empty": "with an empty answer",
-            "no_marker": "with no \"\\n\\nAssistant:\" in 'chosen' (no prompt field, so read as "
-                         "hh-rlhf transcripts)",
+            "no_marker": "with no \"\\n\\nAssistant:\" in '{chosen}' (no '{prompt}' field, so read "
+                         "as hh-rlhf transcripts)",
             "no_answer": "whose dialogue does not end in an assistant message",
-            "differs": "whose 'rejected' does not share the prompt of 'chosen'"}
-_NO_MARKER_FIX = ("give the records a 'prompt' field that 'chosen' and 'rejected' answer, or "
-                  "write them as \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
+            "differs": "whose '{rejected}' does not share the prompt of '{chosen}'"}
+_NO_MARKER_FIX = ("give the records a '{prompt}' field that '{chosen}' and '{rejected}' answer "
+                  "(or set data.prompt_key to the field that holds their prompts), or write them "
+                  "as \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
 
 
 class PreferencePair(NamedTuple):
@@ -116,8 +117,10 @@ def load_pairs(source: str, fields: Fields = FIELDS) -> tuple[list[PreferencePai
     if not pairs and not skipped:
         raise DataError(f"{label}: no records; check the data")
     if not pairs:
-        why = ", ".join(f"{n} {_SKIPPED[reason]}" for reason, n in skipped.most_common())
-        fix = (_NO_MARKER_FIX if skipped["no_marker"] == skipped.total() else "check the data")
+        why = ", ".join(f"{n} {_SKIPPED[reason].format(**fields._asdict())}"
+                        for reason, n in skipped.most_common())
+        fix = (_NO_MARKER_FIX.format(**fields._asdict())
+               if skipped["no_marker"] == skipped.total() else "check the data")
         raise DataError(f"{label}: no usable preference pairs (all {skipped.total()} records "
                         f"skipped: {why}); {fix}")
     return pairs, skipped.total()

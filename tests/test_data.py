@@ -478,13 +478,14 @@ def test_records_all_skipped_say_why(tmp_path):
     path, said = refusal("implicit.jsonl", implicit)
     assert said == (
         f"data file {path}: no usable preference pairs (all 3 records skipped: 3 with no "
-        "\"\\n\\nAssistant:\" in 'chosen' (no prompt field, so read as hh-rlhf transcripts)); "
-        "give the records a 'prompt' field that 'chosen' and 'rejected' answer, or write them "
-        "as \"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
+        "\"\\n\\nAssistant:\" in 'chosen' (no 'prompt' field, so read as hh-rlhf transcripts)); "
+        "give the records a 'prompt' field that 'chosen' and 'rejected' answer (or set "
+        "data.prompt_key to the field that holds their prompts), or write them as "
+        "\"\\n\\nHuman: ...\\n\\nAssistant: ...\" transcripts")
     path, said = refusal("mixed.jsonl", implicit[:2] + HH_RECORDS[1:])
     assert said == (
         f"data file {path}: no usable preference pairs (all 4 records skipped: 2 with no "
-        "\"\\n\\nAssistant:\" in 'chosen' (no prompt field, so read as hh-rlhf transcripts), 1 "
+        "\"\\n\\nAssistant:\" in 'chosen' (no 'prompt' field, so read as hh-rlhf transcripts), 1 "
         "whose 'rejected' does not share the prompt of 'chosen', 1 with an empty answer); check "
         "the data")
 
@@ -842,6 +843,13 @@ def test_records_with_fields_of_other_names(tmp_path):
     asked = ({"role": "user", "content": "Why?"},)
     assert load_pairs(str(path), paired) == ([PreferencePair(
         "\n\nHuman: Why?\n\nAssistant:", " Because.", " No.", asked)], 0)
+    # the prompt field's name forgotten: the records read as transcripts, none has a turn
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path), Fields("prompt", "response_j", "response_k"))
+    assert ("1 with no \"\\n\\nAssistant:\" in 'response_j' (no 'prompt' field, so read as "
+            "hh-rlhf transcripts)); give the records a 'prompt' field that 'response_j' and "
+            "'response_k' answer (or set data.prompt_key to the field that holds their "
+            "prompts)") in one_line(exc)
     chats = Fields("prompt", "good", "bad")
     path = write_jsonl(tmp_path / "chat.jsonl", [
         {"good": _chat(("user", "hi"), ("assistant", "Hello!")),
