@@ -563,13 +563,12 @@ def _messages_in(columns: dict[str, list[Any]], field: str) -> bool:
 
 
 def _message_column(columns: dict[str, list[Any]], field: str, label: str,
-                    opens: bool) -> list[list]:
+                    opens: bool, shaped: str | None = None) -> list[list]:
     """columns[field], checked to be lists of {"role", "content"} messages; `opens`: each
     list starts a dialogue (only there may a system message stand, first). A value of
-    another shape is named against the column whose first value made the records chat
-    messages: 'chosen' for the answers, the field itself for prompts (TRL's explicit
-    `prompt`, ppo.prompt_key's)."""
-    values, shaped = columns[field], "chosen" if field == "rejected" else field
+    another shape is named against `shaped`, the column whose first value made the records
+    chat messages: the chosen answers' for the rejected ones, else the field itself."""
+    values, shaped = columns[field], shaped or field
     for i, messages in enumerate(values):
         where = f"{label} record {i + 1}: field '{field}'"
         if not isinstance(messages, list):
@@ -607,7 +606,8 @@ def _dialogue_records(columns: dict[str, list[Any]], label: str, fields: Fields
     read, as OpenRLHF reads such data."""
     explicit = fields.prompt in columns and _messages_in(columns, fields.prompt)
     chosen = _message_column(columns, fields.chosen, label, opens=not explicit)
-    rejected = _message_column(columns, fields.rejected, label, opens=not explicit)
+    rejected = _message_column(columns, fields.rejected, label, opens=not explicit,
+                               shaped=fields.chosen)
     prompts = (_message_column(columns, fields.prompt, label, opens=True) if explicit
                else [[] for _ in chosen])
     return [_split_dialogues(prompt + c, prompt + r)

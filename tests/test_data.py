@@ -856,6 +856,12 @@ def test_records_with_fields_of_other_names(tmp_path):
          "bad": _chat(("user", "hi"), ("assistant", "Go."))}])
     (pair,), _ = load_pairs(str(path), chats)
     assert pair[:3] == ("\n\nHuman: hi\n\nAssistant:", " Hello!", " Go.")
+    # the rejected answers of another shape are named against the chosen ones' field
+    texts = write_jsonl(tmp_path / "texts.jsonl", [
+        {"good": _chat(("user", "hi"), ("assistant", "Hello!")), "bad": "Go."}])
+    with pytest.raises(DataError, match=r"field 'bad' is not a list of chat messages \(got "
+                                        r"str\) as 'good' is elsewhere"):
+        load_pairs(str(texts), chats)
     with pytest.raises(DataError, match=r"records have no 'response_j' field \(columns: good, "
                                         r"bad\); .*or set data.chosen_key to the field"):
         load_pairs(str(path), paired)
