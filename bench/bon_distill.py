@@ -53,8 +53,9 @@ def favourites(sft, tokenizer, scorer, prompt_ids, texts, max_len: int, seed: in
     """Per prompt, the reward model's favourite of n SFT samples: (sequences [B, L], masks
     [B, L], their mean ground truth)."""
     best = [(-float("inf"), None, None, 0.0)] * len(prompt_ids)
+    prompt_len = max(map(len, prompt_ids))   # the left-padded prompts' columns
     for sequences, mask, truths in samples(sft, tokenizer, prompt_ids, texts, max_len, seed, n):
-        for i, score in enumerate(scorer(sequences, mask).tolist()):
+        for i, score in enumerate(scorer(sequences, mask, prompt_len).tolist()):
             if score > best[i][0]:
                 best[i] = (score, sequences[i], mask[i], truths[i])
     length = max(row[1].shape[0] for row in best)

@@ -54,7 +54,8 @@ def greedy_answers(actor_dir: Path, scorer: RewardScorer, prompt_ids: list[list[
     model, tokenizer = load_actor(actor_dir)
     sequences, mask, said = answers(model, tokenizer, prompt_ids,
                                     SamplingSettings(max_len, do_sample=False), None)
-    return said, scorer(sequences, mask).tolist()
+    prompt_len = max(map(len, prompt_ids))   # the left-padded prompts' columns
+    return said, scorer(sequences, mask, prompt_len).tolist()
 
 
 def main() -> None:

@@ -181,7 +181,7 @@ def best_of_n(base: Path, prompt_ids: list[list[int]], texts: list[str], max_len
     prompt_len = collate_prompts(prompt_ids, tokenizer.pad_token_id)["input_ids"].shape[1]
     for sequences, mask, said_truths in samples(actor, tokenizer, prompt_ids, texts, max_len,
                                                 seed, max(n, frontier_n)):
-        scores.append(scorer(sequences, mask).tolist())
+        scores.append(scorer(sequences, mask, prompt_len).tolist())
         logprobs.append(sequence_logprobs(actor, sequences, mask, prompt_len))
         truths.append(said_truths)
     rows_ = range(len(prompt_ids))
