@@ -452,6 +452,7 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
         log(f"data {list(data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
             f"pairs for steps 1 / 2 / 3 (split {split}"
             + "".join(f"; step {step}'s are {key}'s" for step, key in own.items()) + ")")
+    require_shares(cfg, steps, tuple(shares))   # data.path's shares alone, and counted alone
     if 1 in own and 1 in reads:
         shares[0] = load_sft_data(list(data.sft_path), data.sft_prompt_key,
                                   data.sft_answer_key)
@@ -461,7 +462,6 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
         labelled = sum(prompt.label is not None for prompt in shares[2])
         log(f"step 3 prompts {list(ppo.prompt_data)}: {len(shares[2])}, {labelled} with a "
             f"'{ppo.label_key}' label")
-    require_shares(cfg, steps, tuple(shares))
     return tuple(shares)
 
 

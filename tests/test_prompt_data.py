@@ -162,6 +162,19 @@ def test_prompt_data_is_read_only_when_step_3_runs(tmp_path):
         train.load_data(cfg, [1, 3])
 
 
+def test_a_share_of_data_path_left_empty_counts_data_paths_pairs_alone(tmp_path):
+    """Step 3's prompts are not data.path's pairs: counted among them, 1 pair and 24
+    prompts were refused as 'none of the 25 pairs in data.path'."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": "\n\nHuman: q\n\nAssistant:", "chosen": " yes", "rejected": " no"}])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"q{i}"} for i in range(24)])
+    cfg = train.build_config(train.parse_args([
+        "--actor-model", "tiny-llama", "--step", "1", "3", f"data.path=[{pairs}]",
+        f"ppo.prompt_data=[{prompts}]", "data.split=[1,4,4]"]))
+    with pytest.raises(DataError, match=r"gives step 1 none of the 1 pairs in data.path"):
+        train.load_data(cfg, [1, 3])
+
+
 def test_a_prompt_data_source_that_cannot_be_read_names_ppo_prompt_data(tmp_path, monkeypatch):
     """Not data.path, which the fix would send the user to: hub names, directories and
     saved datasets of ppo.prompt_data are refused naming the key that gave them."""
