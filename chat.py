@@ -183,7 +183,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Chat with a trained causal LM, in the format it was trained in.")
+    p = argparse.ArgumentParser(
+        description="Chat with a trained causal LM, in the format it was trained in.")
     p.add_argument("--path", required=True, help="model directory, e.g. output/step3/actor")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)

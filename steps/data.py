@@ -157,9 +157,8 @@ def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str 
     """Step 3's prompts read from one source of ppo.prompt_data (as load_pairs reads
     sources): each record's `prompt_key` field, hh-rlhf text used as it is, a bare text
     (one user turn) or chat messages (rendered as hh-rlhf text ending in the assistant's
-    cue, the messages kept), and its
-    `label_key` field, when the records have one, as the label a reward function checks
-    answers against (a reference answer). Returns (prompts as pairs without answers, the
+    cue, the messages kept), and its `label_key` field, when the records have one, as the
+    label a reward function checks answers against (a reference answer). Returns (prompts as pairs without answers, the
     records skipped: empty prompts, and dialogues that end in an assistant message)."""
     label, tables = _read_source(source, "ppo.prompt_data")
     results = [_prompts_from_columns(columns, where, prompt_key, label_key)
