@@ -81,7 +81,11 @@ def _templated_answer(tokenizer: Any, messages: list[dict], prompt: str, answer:
     generation prompt) for the assistant's `answer` (hh text: one leading space dropped).
     A TemplateError, the dialogue refused, where the template writes the turns before the
     reply otherwise than in the prompt: it may do so for some dialogues only (Mistral's
-    recent templates put a system message into the last user turn, which the reply moves)."""
+    recent templates put a system message into the last user turn, which the reply moves).
+    No `answer` (a step-3 prompt of ppo.prompt_data) is nothing to write: the prompt alone
+    is what step 3 generates from."""
+    if not answer:
+        return ""
     reply = {"role": "assistant", "content": answer.removeprefix(" ")}
     whole = render(tokenizer, [*messages, reply], generation_prompt=False)
     if not whole.startswith(prompt):

@@ -150,6 +150,10 @@ def test_a_dialogue_the_template_writes_otherwise_before_its_reply_is_counted():
     assert refused == 1
     assert rendered == [PreferencePair("<s>[INST] Name a color.[/INST]", " Blue</s>",
                                        " Seven</s>")]
+    # a step-3 prompt record has no reply to move: its prompt is what step 3 generates from
+    asked = with_system._replace(chosen="", rejected="", label="4")
+    assert apply_chat_template([asked], chatml("</s>", MISTRAL), OWNER) == (
+        [PreferencePair("<s>[INST] Be terse.\n\nhi[/INST]", "", "", label="4")], 0)
 
 
 def test_the_reward_model_reads_rollouts_as_step_2_wrote_them():
