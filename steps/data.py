@@ -266,7 +266,7 @@ def _saved_dataset(path: Path) -> bool:
             or (path / "dataset_dict.json").is_file())
 
 
-def _read_saved(path: Path, source: str, key: str = "data.path") -> dict[str, list[Any]]:
+def _read_saved(path: Path, source: str, key: str) -> dict[str, list[Any]]:
     """Columns of a save_to_disk directory; of a DatasetDict, its train split (`key`: the
     config key that named it, for the fixes errors suggest)."""
     import datasets
@@ -289,7 +289,7 @@ def _read_saved(path: Path, source: str, key: str = "data.path") -> dict[str, li
     return saved.to_dict()
 
 
-def _directory_files(path: Path, source: str, key: str = "data.path") -> list[Path]:
+def _directory_files(path: Path, source: str, key: str) -> list[Path]:
     """The data files directly in directory `path`, saying what else is there: other files
     and subdirectories (not searched: a hub snapshot's train and test splits would both
     land in the blend) are left out, counted, never read unsaid. Files named for hub
@@ -447,7 +447,7 @@ def _json_records(path: Path) -> list[dict] | None:
     return records if all(isinstance(r, dict) for r in records) else None
 
 
-def _read_hub(name: str, key: str = "data.path") -> dict[str, list[Any]]:
+def _read_hub(name: str, key: str) -> dict[str, list[Any]]:
     """Load the train split of hub dataset `name` into columns (default `datasets` cache);
     `key` is the config key that named it, for the fixes errors suggest."""
     import datasets
