@@ -31,8 +31,9 @@ HH_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '\\n\\nAssistant:' }}{%- endif -%}"
 )
 
-# a turn opens after "\n\n", or at the very start: DeepSpeed-Chat style prompts begin "Human:"
-_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):")
+# a turn opens after "\n\n", or at the start, after any whitespace: DeepSpeed-Chat style
+# prompts begin "Human:" or, as its get_prompt() writes them, " Human:"
+_TURN = re.compile(r"(?:^\s*|\n\n)(Human|Assistant):")
 
 
 def uses_hh(tokenizer) -> bool:
@@ -52,7 +53,7 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
 
 def has_turns(text: str) -> bool:
     """Whether `text` holds hh-rlhf turns ("\\n\\nHuman:", "\\n\\nAssistant:", or "Human:"
-    at its start)."""
+    at its start, after any whitespace)."""
     return _TURN.search(text) is not None
 
 

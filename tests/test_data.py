@@ -912,3 +912,13 @@ def test_a_bare_prompt_is_one_user_turn_in_every_step(tmp_path):
     assert pairs[0][1:] == (" 5", " 6", asked.messages, None)
     assert pairs[1][:3] == ("", "alone", "x")
     assert pairs[2][:3] == ("\n\nHuman: hi\n\nAssistant:", " yo", " no")
+
+
+def test_a_prompt_as_deepspeed_chat_writes_it_is_read_as_written(tmp_path):
+    """DeepSpeed-Chat's get_prompt() writes " Human: ... Assistant:": turns already, not
+    a bare question to frame again as "\\n\\nHuman:  Human: ..."."""
+    path = write_jsonl(tmp_path / "ds.jsonl", [
+        {"prompt": " Human: What is 2+3? Assistant:", "chosen": " 5", "rejected": " 6"}])
+    (pair,), _ = load_pairs(str(path))
+    assert pair[:3] == (" Human: What is 2+3? Assistant:", " 5", " 6")
+    assert load_prompt_records(str(path))[0][0].prompt == " Human: What is 2+3? Assistant:"
