@@ -421,7 +421,9 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
     is checked as it is read."""
     from steps.data import DataError
 
-    split, total, own = list(cfg.data.split), sum(map(len, shares)), own_data(cfg)
+    split, own = list(cfg.data.split), own_data(cfg)
+    # data.path's pairs alone: a step's own data is no share of it
+    total = sum(len(share) for step, share in enumerate(shares, 1) if step not in own)
     needs = [(step, f"step {step}", "") for step in steps if step not in own]
     if 3 in steps and cfg.ppo.ptx.enabled and 1 not in own:
         needs.append((1, "ppo.ptx (step 1's share)", ", or set ppo.ptx.enabled=false"))

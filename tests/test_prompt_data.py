@@ -232,6 +232,20 @@ def test_sft_path_gives_step_1_its_examples_and_data_path_the_rest(tmp_path):
     assert [len(share) for share in train.load_data(offline, [1])] == [5, 0, 0]
 
 
+def test_an_empty_share_counts_the_pairs_of_data_path_alone(tmp_path):
+    """Step 1's own examples are no pairs of data.path: 1 pair left step 2 none "of the 6
+    pairs in data.path", counting the 5 examples of data.sft_path."""
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": f"Say {i}.", "output": f"{i}"} for i in range(5)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": "\n\nHuman: q\n\nAssistant:", "chosen": " yes", "rejected": " no"}])
+    cfg = train.build_config(train.parse_args([
+        "--actor-model", "tiny-llama", f"data.path=[{pairs}]", f"data.sft_path=[{alpaca}]",
+        "data.sft_prompt_key=instruction", "data.sft_answer_key=output", "data.split=[2,1,4]"]))
+    with pytest.raises(DataError, match=r"gives step 2 none of the 1 pairs in data.path"):
+        train.load_data(cfg, [1, 2])
+
+
 @pytest.mark.slow
 def test_step_1_trains_on_sft_path_alone(tmp_path):
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
