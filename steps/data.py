@@ -245,8 +245,9 @@ def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str
 
 def _following_cue(answer: str) -> str:
     """An answer as it follows "Assistant:": after one space, as hh-rlhf's and rendered chat
-    messages' answers do (and a chat template's rendering drops)."""
-    return answer if answer[:1].isspace() else " " + answer
+    messages' answers do (and a chat template's rendering drops); only a space is that
+    space: an answer that opens with a newline (code) is one as a message too."""
+    return answer if answer.startswith(" ") else " " + answer
 
 
 def _text_prompt(text: str) -> tuple[str, tuple[dict, ...] | None]:
@@ -537,7 +538,7 @@ def _text_record(prompt: str, chosen: str, rejected: str
     if has_turns(prompt) or not prompt.strip():
         return prompt, chosen, rejected, None
     framed, messages = _text_prompt(prompt)
-    return framed, " " + chosen.removeprefix(" "), " " + rejected.removeprefix(" "), messages
+    return framed, _following_cue(chosen), _following_cue(rejected), messages
 
 
 def _split_transcripts(chosen: str, rejected: str) -> tuple[str, str, str] | str:

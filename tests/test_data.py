@@ -922,3 +922,16 @@ def test_a_prompt_as_deepspeed_chat_writes_it_is_read_as_written(tmp_path):
     (pair,), _ = load_pairs(str(path))
     assert pair[:3] == (" Human: What is 2+3? Assistant:", " 5", " 6")
     assert load_prompt_records(str(path))[0][0].prompt == " Human: What is 2+3? Assistant:"
+
+
+def test_an_sft_answer_follows_the_cue_as_a_message_does(tmp_path):
+    """An answer opening with a newline follows "Assistant:"'s space, as the same reply
+    as a chat message does (the hh template writes one before every reply); it was
+    glued to the colon."""
+    answer = "\n```py\nx = 1\n```"
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "Code?", "response": answer}])
+    chat = write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": _chat(("user", "Code?"), ("assistant", answer))}])
+    (from_text,), _ = load_sft_records(str(text))
+    (from_chat,), _ = load_sft_records(str(chat), "messages")
+    assert from_text[:3] == from_chat[:3] == ("\n\nHuman: Code?\n\nAssistant:", " " + answer, "")
