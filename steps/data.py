@@ -224,6 +224,10 @@ def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str
     """The SFT records of one table (see load_sft_records) and how many were skipped."""
     if not columns or not next(iter(columns.values())):
         return [], 0
+    if answer_key in columns and _messages_in(columns, answer_key):   # TRL's completion
+        raise DataError(f"{where}: field '{answer_key}' holds chat messages, not text answers; "
+                        "set data.sft_answer_key to a field of text answers, or give whole "
+                        "dialogues (prompt and answer messages) in data.sft_prompt_key")
     if answer_key in columns:
         prompts, _ = _prompts_from_columns(columns, where, prompt_key, None, keep_empty=True,
                                            setting="data.sft_prompt_key")

@@ -935,3 +935,13 @@ def test_an_sft_answer_follows_the_cue_as_a_message_does(tmp_path):
     (from_text,), _ = load_sft_records(str(text))
     (from_chat,), _ = load_sft_records(str(chat), "messages")
     assert from_text[:3] == from_chat[:3] == ("\n\nHuman: Code?\n\nAssistant:", " " + answer, "")
+
+
+def test_sft_answers_of_chat_messages_are_refused_naming_the_key(tmp_path):
+    """TRL's prompt/completion messages: the answer field is read as text, and a list
+    there was "not text ...; fix or remove that record", of the first record alone."""
+    path = write_jsonl(tmp_path / "trl.jsonl", [
+        {"prompt": _chat(("user", "hi")), "completion": _chat(("assistant", "Hello!"))}] * 2)
+    with pytest.raises(DataError, match=r"field 'completion' holds chat messages, not text "
+                                        r"answers; set data.sft_answer_key to a field"):
+        load_sft_records(str(path), "prompt", "completion")
