@@ -210,7 +210,8 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(f"{err.key}={err.value}{flag}: {err.allowed}") from None
     steps = list(cfg.steps)
     check_output_dir(Path(cfg.output_dir))
-    if sum(cfg.data.split) <= 0:
+    # the weights of steps with data of their own are ignored: all 0 if no step reads data.path
+    if sum(cfg.data.split) <= 0 and not set(steps) <= set(own_data(cfg)):
         raise UserError(f"data.split={list(cfg.data.split)}: give at least one weight above 0")
     check_launch(cfg)
     check_zeropp(cfg)

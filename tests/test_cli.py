@@ -360,6 +360,21 @@ def test_out_of_range_values_are_refused_naming_the_key(capsys, tmp_path, overri
     assert said in line, line
 
 
+def test_a_split_of_zeros_is_refused_only_where_a_step_reads_data_path(tmp_path):
+    """Steps with data of their own ignore data.split: --step 1 with data.sft_path was
+    refused "give at least one weight above 0"; ppo.ptx still needs step 1's share."""
+    zeros = ("--actor-model", "tiny-llama", "--output-dir", str(tmp_path / "out"),
+             "data.split=[0,0,0]", "ppo.prompt_data=[q.jsonl]", "ppo.actor_path=tiny-llama",
+             "ppo.reward_model_weight=0", "ppo.reward_fn=steps.demo:score")
+    own = (*zeros, "data.sft_path=[sft.jsonl]")
+    for chosen in (["--step", "1"], ["--step", "1", "3"], ["--step", "3"]):
+        train.check_config(config(*own, *chosen))
+    with pytest.raises(train.UserError, match=r"give at least one weight above 0"):
+        train.check_config(config(*own, "--step", "1", "2"))
+    with pytest.raises(train.UserError, match=r"ppo.ptx trains on step 1's share"):
+        train.check_config(config(*zeros, "--step", "3", "ppo.ptx.enabled=true"))
+
+
 def test_every_key_with_a_rule_accepts_its_default():
     steps.config.validate(OmegaConf.structured(steps.config.RunConfig))
     steps.config.validate(config())   # the demo recipe's values
