@@ -152,19 +152,28 @@ def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, 
     return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source, key))]
 
 
+def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int]]
+             ) -> tuple[str, list, int]:
+    """(what to call `source`, of config key `key`, in errors; the records `parse(columns,
+    what to call the table)` makes of each of its tables; how many records it skipped)."""
+    label, tables = _read_source(source, key)
+    results = [parse(columns, where) for where, columns in tables]
+    return label, [record for found, _ in results for record in found], \
+        sum(skipped for _, skipped in results)
+
+
 def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label"
                         ) -> tuple[list[PreferencePair], int]:
     """Step 3's prompts read from one source of ppo.prompt_data (as load_pairs reads
     sources): each record's `prompt_key` field, hh-rlhf text used as it is, a bare text
     (one user turn) or chat messages (rendered as hh-rlhf text ending in the assistant's
     cue, the messages kept), and its `label_key` field, when the records have one, as the
-    label a reward function checks answers against (a reference answer). Returns (prompts as pairs without answers, the
-    records skipped: empty prompts, and dialogues that end in an assistant message)."""
-    label, tables = _read_source(source, "ppo.prompt_data")
-    results = [_prompts_from_columns(columns, where, prompt_key, label_key)
-               for where, columns in tables]
-    prompts = [prompt for table_prompts, _ in results for prompt in table_prompts]
-    skipped = sum(table_skipped for _, table_skipped in results)
+    label a reward function checks answers against (a reference answer). Returns (prompts
+    as pairs without answers, the records skipped: empty prompts, and dialogues that end in
+    an assistant message)."""
+    label, prompts, skipped = _records(source, "ppo.prompt_data", lambda columns, where:
+                                       _prompts_from_columns(columns, where, prompt_key,
+                                                             label_key))
     if not prompts:
         raise DataError(f"{label}: no usable prompts ({skipped} records, all empty or ending "
                         "in an assistant message); check ppo.prompt_data")
@@ -208,11 +217,9 @@ def load_sft_records(source: str, prompt_key: str = "prompt", answer_key: str = 
     `prompt_key` (UltraChat's messages) answered by their final assistant message. Returns
     (examples as pairs with the answer as `chosen` and no `rejected`, the records skipped:
     empty prompts or answers, dialogues that do not end in an assistant message)."""
-    label, tables = _read_source(source, "data.sft_path")
-    results = [_sft_from_columns(columns, where, prompt_key, answer_key)
-               for where, columns in tables]
-    examples = [example for table_examples, _ in results for example in table_examples]
-    skipped = sum(table_skipped for _, table_skipped in results)
+    label, examples, skipped = _records(source, "data.sft_path", lambda columns, where:
+                                        _sft_from_columns(columns, where, prompt_key,
+                                                          answer_key))
     if not examples:
         raise DataError(f"{label}: no usable examples ({skipped} records, all with an empty "
                         "prompt or answer); check data.sft_path")
