@@ -194,6 +194,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message that opens the conversation (kept when older "
+                        "turns are dropped to fit the context)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow custom model code from the model directory")
     args = p.parse_args(argv)
@@ -245,6 +248,8 @@ def load(args: argparse.Namespace, progress: bool = True):
     remote = args.trust_remote_code  # runs Python shipped with the model: only when asked
     tokenizer = load_tokenizer(args.path, flag="--path", trust_remote_code=remote,
                                tokenizer=args.path if base else None)   # the adapter's own
+    if args.system:   # before the weights load: a template without a system role says so
+        check_system(tokenizer, args.system)
     if base is not None:
         model = load_adapter(args.path, base, tokenizer, flag="--path", dtype=dtype,
                              trust_remote_code=remote)
@@ -259,6 +264,21 @@ def load(args: argparse.Namespace, progress: bool = True):
                         f"conversation in the model's context of {max_pos} tokens")
     # the fused form copies the weights onto the device: the loaded model is then dropped
     return tokenizer, inference_form(model, device, dtype), device, dtype, budget
+
+
+def check_system(tokenizer, text: str) -> None:
+    """Refuse a --system message the model's chat template cannot write (Gemma's has no
+    system role) in one line, not a traceback at the first turn."""
+    from jinja2 import TemplateError
+
+    from engine.chat_format import render
+
+    try:
+        render(tokenizer, [{"role": "system", "content": text},
+                           {"role": "user", "content": "Hi"}], True)
+    except TemplateError as err:
+        raise UserError(f"--system: the model's chat template refuses a system message "
+                        f"({err}); leave --system out") from None
 
 
 def main(argv=None) -> int:
@@ -294,7 +314,8 @@ def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
 
     stop = HUMAN if uses_hh(tokenizer) else None
     head = tokenized_prompts([""], tokenizer)[0][0]   # e.g. [BOS]
-    messages: list[dict] = []
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
     while True:
         try:
             line = input("Human: " if interactive else "")
@@ -311,7 +332,7 @@ def converse(model, tokenizer, args: argparse.Namespace, budget: int | None,
         if text in ("quit", "exit"):
             break
         if text == "clear":
-            messages = []
+            messages = list(opening)
             print("(history cleared)", file=sys.stderr)
             continue
         messages = [*messages, {"role": "user", "content": text}]

@@ -569,3 +569,32 @@ def test_chat_imports_only_the_engine():
             roots.add(node.module.split(".")[0])
     third_party = roots - set(sys.stdlib_module_names)
     assert third_party <= {"torch", "transformers", "engine"}, third_party
+
+
+def test_a_system_message_opens_the_conversation_and_stays(opt_dir, monkeypatch, capsys):
+    """--system: the text before the first human turn in the hh format (a chat template's
+    system message otherwise); `clear` keeps it, and a template that has no system role
+    refuses it in one line before the weights load."""
+    prompts, real_reply = [], chat.reply
+
+    def spy(model, tokenizer, prompt_ids, args, out=None, stop=None):
+        prompts.append(list(prompt_ids))
+        return real_reply(model, tokenizer, prompt_ids, args, out, stop)
+
+    monkeypatch.setattr(chat, "reply", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nclear\nhi\n"))
+    assert chat.main(["--path", str(opt_dir), "--greedy", "--max-new-tokens", "4",
+                      "--system", "Be brief."]) == 0
+    tok = AutoTokenizer.from_pretrained(opt_dir)
+    first, after_clear = (tok.decode(ids) for ids in (prompts[0], prompts[1]))
+    assert first == "</s>Be brief.\n\nHuman: hello\n\nAssistant:"
+    assert after_clear == "</s>Be brief.\n\nHuman: hi\n\nAssistant:"
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    tok.save_pretrained(opt_dir)
+    capsys.readouterr()
+    assert chat.main(["--path", str(opt_dir), "--system", "Be brief."]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "chat.py: --system: the model's chat template refuses a system message (System role "
+        "not supported); leave --system out")
