@@ -269,16 +269,13 @@ def load(args: argparse.Namespace, progress: bool = True):
 def check_system(tokenizer, text: str) -> None:
     """Refuse a --system message the model's chat template cannot write (Gemma's has no
     system role) in one line, not a traceback at the first turn."""
-    from jinja2 import TemplateError
+    from engine.chat_format import refusal
 
-    from engine.chat_format import render
-
-    try:
-        render(tokenizer, [{"role": "system", "content": text},
-                           {"role": "user", "content": "Hi"}], True)
-    except TemplateError as err:
+    why = refusal(tokenizer, [{"role": "system", "content": text},
+                              {"role": "user", "content": "Hi"}])
+    if why is not None:
         raise UserError(f"--system: the model's chat template refuses a system message "
-                        f"({err}); leave --system out") from None
+                        f"({why}); leave --system out")
 
 
 def main(argv=None) -> int:

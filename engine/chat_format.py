@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from jinja2 import TemplateError
+
 HUMAN = "\n\nHuman:"
 ASSISTANT = "\n\nAssistant:"
 
@@ -55,6 +57,16 @@ def has_turns(text: str) -> bool:
     """Whether `text` holds hh-rlhf turns ("\\n\\nHuman:", "\\n\\nAssistant:", or "Human:"
     at its start, after any whitespace)."""
     return _TURN.search(text) is not None
+
+
+def refusal(tokenizer, messages: list[dict]) -> str | None:
+    """Why `tokenizer`'s chat template will not write `messages` (its raise_exception text,
+    e.g. Gemma's "System role not supported"), or None when it writes them."""
+    try:
+        render(tokenizer, messages, generation_prompt=True)
+    except TemplateError as err:
+        return str(err)
+    return None
 
 
 def hh_messages(text: str) -> list[dict]:
