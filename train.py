@@ -423,7 +423,7 @@ def require_shares(cfg: DictConfig, steps: list[int], shares: tuple[list, list, 
     from steps.data import DataError
 
     split, own = list(cfg.data.split), own_data(cfg)
-    # data.path's pairs alone: a step's own data is no share of it
+    # data.path's pairs alone: a step's own data is no share of it (nor read yet)
     total = sum(len(share) for step, share in enumerate(shares, 1) if step not in own)
     needs = [(step, f"step {step}", "") for step in steps if step not in own]
     if 3 in steps and cfg.ppo.ptx.enabled and 1 not in own:

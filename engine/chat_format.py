@@ -74,9 +74,9 @@ def hh_messages(text: str) -> list[dict]:
     first turn is a system message, each "\\n\\nHuman:" / "\\n\\nAssistant:" opens a user /
     assistant message whose text (one space after the colon dropped) runs to the next; a
     final empty Assistant turn, the cue to reply, is not a message. A text that begins
-    "Human:" (a prompt field "Human: ...\\n\\nAssistant:") opens with that turn: read as
-    the text before the first turn, the human's words were a system message. Text with no
-    turns is one user message (a bare instruction)."""
+    "Human:" (a prompt field "Human: ...\\n\\nAssistant:") opens with that turn, not with a
+    system message of the human's words. Text with no turns is one user message (a bare
+    instruction)."""
     parts = _TURN.split(text)
     if len(parts) == 1:
         return [{"role": "user", "content": text.strip()}]
@@ -89,16 +89,33 @@ def hh_messages(text: str) -> list[dict]:
     return messages
 
 
+def written_reply(tokenizer, messages: list[dict], prompt: str, content: str) -> str:
+    """What `tokenizer`'s chat template writes after `prompt` (`messages` rendered with the
+    generation prompt) for an assistant reply of `content`, trailing whitespace dropped: the
+    reply ending with the turn's end token (<|im_end|>). A TemplateError where the template
+    writes the turns before the reply otherwise than in the prompt: it may do so for some
+    dialogues only (Mistral's recent templates put a system message into the last user
+    turn, which a reply moves)."""
+    reply = {"role": "assistant", "content": content}
+    whole = render(tokenizer, [*messages, reply], generation_prompt=False)
+    if not whole.startswith(prompt):
+        raise TemplateError("it does not write the dialogue as its prompt followed by the "
+                            "reply (it renders the turns before the reply otherwise)")
+    return whole[len(prompt):].rstrip()
+
+
 def turn_ends_with_eos(tokenizer) -> bool:
     """Whether `tokenizer`'s chat template ends an assistant turn with its EOS token as text
     (ChatML's <|im_end|> where that is the EOS): the EOS is then part of what a reply says,
     not a token added after it. Never in the hh format."""
     if uses_hh(tokenizer) or not tokenizer.eos_token:
         return False
-    dialogue = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    prompt = render(tokenizer, dialogue[:1], generation_prompt=True)
-    whole = render(tokenizer, dialogue, generation_prompt=False)
-    return whole.startswith(prompt) and whole[len(prompt):].rstrip().endswith(tokenizer.eos_token)
+    asked = [{"role": "user", "content": "Hi"}]
+    try:
+        reply = written_reply(tokenizer, asked, render(tokenizer, asked, True), "Hello")
+    except TemplateError:
+        return False
+    return reply.endswith(tokenizer.eos_token)
 
 
 def template_writes_bos(tokenizer) -> bool:

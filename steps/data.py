@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.chat_format import ASSISTANT, HH_PREFIX, has_turns
+from engine.chat_format import ASSISTANT, HH_PREFIX, has_turns, hh_messages
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +267,8 @@ def _text_prompt(text: str) -> tuple[str, tuple[dict, ...] | None]:
     trained on hh text is asked in hh text."""
     if has_turns(text):
         return text, None
-    asked = ({"role": "user", "content": text.strip()},)
-    return _render(list(asked)) + ASSISTANT, asked
+    asked = hh_messages(text)   # without turns: the one user turn
+    return _render(asked) + ASSISTANT, tuple(asked)
 
 
 def _saved_dataset(path: Path) -> bool:

@@ -17,7 +17,7 @@ import torch
 from jinja2 import TemplateError
 from torch import Tensor
 
-from engine.chat_format import hh_messages, render
+from engine.chat_format import hh_messages, render, written_reply
 from engine.models import prompt_ids
 from steps.data import DataError, PreferencePair
 
@@ -77,21 +77,12 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
 
 
 def _templated_answer(tokenizer: Any, messages: list[dict], prompt: str, answer: str) -> str:
-    """What the chat template writes after `prompt` (the rendering of `messages` with its
-    generation prompt) for the assistant's `answer` (hh text: one leading space dropped).
-    A TemplateError, the dialogue refused, where the template writes the turns before the
-    reply otherwise than in the prompt: it may do so for some dialogues only (Mistral's
-    recent templates put a system message into the last user turn, which the reply moves).
-    No `answer` (a step-3 prompt of ppo.prompt_data) is nothing to write: the prompt alone
-    is what step 3 generates from."""
+    """engine.chat_format.written_reply for the assistant's `answer` (hh text: one leading
+    space dropped); a TemplateError refuses the dialogue. No `answer` (a step-3 prompt of
+    ppo.prompt_data) is nothing to write: the prompt alone is what step 3 generates from."""
     if not answer:
         return ""
-    reply = {"role": "assistant", "content": answer.removeprefix(" ")}
-    whole = render(tokenizer, [*messages, reply], generation_prompt=False)
-    if not whole.startswith(prompt):
-        raise TemplateError("it does not write the dialogue as its prompt followed by the "
-                            "reply (it renders the turns before the reply otherwise)")
-    return whole[len(prompt):].rstrip()
+    return written_reply(tokenizer, messages, prompt, answer.removeprefix(" "))
 
 
 # ---------------------------------------------------------------------------------------------
