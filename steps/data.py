@@ -152,14 +152,19 @@ def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, 
     return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source, key))]
 
 
-def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int]]
-             ) -> tuple[str, list, int]:
-    """(what to call `source`, of config key `key`, in errors; the records `parse(columns,
-    what to call the table)` makes of each of its tables; how many records it skipped)."""
+def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int]],
+             what: str, why: str) -> tuple[list, int]:
+    """(the records `parse(columns, what to call the table)` makes of each table of one
+    source of config key `key`, how many it skipped); a source with no usable record is
+    refused, naming `what` its records are and `why` they were skipped."""
     label, tables = _read_source(source, key)
     results = [parse(columns, where) for where, columns in tables]
-    return label, [record for found, _ in results for record in found], \
-        sum(skipped for _, skipped in results)
+    records = [record for found, _ in results for record in found]
+    skipped = sum(count for _, count in results)
+    if not records:
+        raise DataError(f"{label}: no usable {what} ({skipped} records, all {why}); "
+                        f"check {key}")
+    return records, skipped
 
 
 def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label"
@@ -171,13 +176,9 @@ def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str 
     label a reward function checks answers against (a reference answer). Returns (prompts
     as pairs without answers, the records skipped: empty prompts, and dialogues that end in
     an assistant message)."""
-    label, prompts, skipped = _records(source, "ppo.prompt_data", lambda columns, where:
-                                       _prompts_from_columns(columns, where, prompt_key,
-                                                             label_key))
-    if not prompts:
-        raise DataError(f"{label}: no usable prompts ({skipped} records, all empty or ending "
-                        "in an assistant message); check ppo.prompt_data")
-    return prompts, skipped
+    return _records(source, "ppo.prompt_data", lambda columns, where: _prompts_from_columns(
+        columns, where, prompt_key, label_key), "prompts", "empty or ending in an assistant "
+        "message")
 
 
 def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
@@ -217,13 +218,8 @@ def load_sft_records(source: str, prompt_key: str = "prompt", answer_key: str = 
     `prompt_key` (UltraChat's messages) answered by their final assistant message. Returns
     (examples as pairs with the answer as `chosen` and no `rejected`, the records skipped:
     empty prompts or answers, dialogues that do not end in an assistant message)."""
-    label, examples, skipped = _records(source, "data.sft_path", lambda columns, where:
-                                        _sft_from_columns(columns, where, prompt_key,
-                                                          answer_key))
-    if not examples:
-        raise DataError(f"{label}: no usable examples ({skipped} records, all with an empty "
-                        "prompt or answer); check data.sft_path")
-    return examples, skipped
+    return _records(source, "data.sft_path", lambda columns, where: _sft_from_columns(
+        columns, where, prompt_key, answer_key), "examples", "with an empty prompt or answer")
 
 
 def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
@@ -700,28 +696,32 @@ def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str
                   ) -> list[PreferencePair]:
     """Every example of every source of data.sft_path (load_sft_records), in order; what
     was skipped is counted in a warning."""
-    examples = []
-    for source in sources:
-        found, skipped = load_sft_records(source, prompt_key, answer_key)
-        if skipped:
-            log.warning("%s: skipped %d records with an empty prompt or answer, or a dialogue "
-                        "that does not end in an assistant message", source, skipped)
-        examples.extend(found)
-    return examples
+    return _every_record(sources, lambda source: load_sft_records(source, prompt_key,
+                                                                  answer_key),
+                         "records with an empty prompt or answer, or a dialogue that does "
+                         "not end in an assistant message")
 
 
 def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str
                      ) -> list[PreferencePair]:
     """Every prompt record of every source of ppo.prompt_data (load_prompt_records), in
     order; what was skipped is counted in a warning."""
-    prompts = []
+    return _every_record(sources, lambda source: load_prompt_records(source, prompt_key,
+                                                                     label_key),
+                         "empty prompts or dialogues ending in an assistant message")
+
+
+def _every_record(sources: Sequence[str], load: Callable[[str], tuple[list, int]],
+                  skipped_what: str) -> list:
+    """The records `load(source)` reads from every source, in order, warning of each
+    source's skipped ones (`skipped_what`: what they were)."""
+    records = []
     for source in sources:
-        found, skipped = load_prompt_records(source, prompt_key, label_key)
+        found, skipped = load(source)
         if skipped:
-            log.warning("%s: skipped %d empty prompts or dialogues ending in an assistant "
-                        "message", source, skipped)
-        prompts.extend(found)
-    return prompts
+            log.warning("%s: skipped %d %s", source, skipped, skipped_what)
+        records.extend(found)
+    return records
 
 
 def train_eval_split(items: list, eval_fraction: float, seed: int) -> tuple[list, list]:
