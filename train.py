@@ -61,7 +61,7 @@ BOOL = {"action": argparse.BooleanOptionalAction}
 # help). A flag given beats an override of its key; --help adds the key and its default.
 FLAGS: dict[str, list[tuple[str, str, dict, str]]] = {"": [
     ("--actor-model", "actor_model", {}, "actor/SFT model: local HF dir, hub name, or a preset "
-     "(tiny-llama, tiny-llama-4l, tiny-opt, tiny-gpt2, tiny-gpt-neox)"),
+     "(tiny-llama, tiny-llama-4l, tiny-opt, tiny-gpt2, tiny-gpt-neox, tiny-qwen3)"),
     ("--reward-model", "reward_model", {}, "reward-model base: same kinds as --actor-model"),
     ("--step", "steps", {"type": int, "nargs": "+", "action": "extend", "choices": (1, 2, 3)},
      "steps to run"),

@@ -92,12 +92,12 @@ class _Norm(nn.Module):
     precedes it: `(residual + delta, norm(residual + delta))`, fused into one Triton
     kernel when `fused` (CUDA), else the PyTorch formula."""
 
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, size: int | None = None):
         super().__init__()
+        size = size or spec.hidden   # a head's dims for Qwen3's query/key norms
         self.rms, self.eps = spec.norm == "rms", spec.norm_eps
-        self.weight = nn.Parameter(torch.empty(spec.hidden), requires_grad=False)
-        self.bias = None if self.rms else nn.Parameter(torch.empty(spec.hidden),
-                                                       requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.bias = None if self.rms else nn.Parameter(torch.empty(size), requires_grad=False)
         self.fused = False
 
     def forward(self, delta: torch.Tensor | None, residual: torch.Tensor
@@ -116,6 +116,8 @@ class _Layer(nn.Module):
         self.spec = spec
         q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
         self.attn_norm, self.mlp_norm = _Norm(spec), _Norm(spec)
+        if spec.qk_norm:
+            self.q_norm, self.k_norm = _Norm(spec, spec.head_dim), _Norm(spec, spec.head_dim)
         self.qkv = _linear(spec.hidden, q + 2 * kv, spec.qkv_bias)
         self.out = _linear(q, spec.hidden, spec.out_bias)
         self.up = _linear(spec.hidden, spec.ffn * (2 if spec.gated_mlp else 1), spec.mlp_bias)
@@ -140,6 +142,8 @@ class _Layer(nn.Module):
         spec = self.spec
         residual, h = self.attn_norm(delta, residual)
         qkv = self.qkv(h)
+        if spec.qk_norm:
+            qkv = self._norm_heads(qkv)
         if self.fused_rope and (rope is None or not spec.scale_query_first):
             q = kernels.rope_into_cache(
                 qkv, *(rope or (None, None)), keys, values, write_at, spec.heads,
@@ -160,6 +164,16 @@ class _Layer(nn.Module):
             return residual, attn + self._mlp(h)
         residual, h = self.mlp_norm(attn, residual)
         return residual, self._mlp(h)
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [B, T, ...] with each query head normed by q_norm and each key head by
+        k_norm, over its head_dim (Qwen3, before the rotation)."""
+        spec = self.spec
+        q, k, v = qkv.unflatten(-1, (-1, spec.head_dim)).split(
+            (spec.heads, spec.kv_heads, spec.kv_heads), dim=2)
+        _, q = self.q_norm(None, q)
+        _, k = self.k_norm(None, k)
+        return torch.cat((q, k, v), dim=2).flatten(-2)
 
     def _queries_into_cache(self, qkv: torch.Tensor,
                             rope: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
@@ -190,7 +204,9 @@ class _Layer(nn.Module):
         return self.down(h)
 
     def use_fused_kernels(self, enabled: bool) -> None:
-        self.attn_norm.fused = self.mlp_norm.fused = enabled
+        for module in self.children():
+            if isinstance(module, _Norm):   # attn_norm, mlp_norm (and q_norm, k_norm)
+                module.fused = enabled
         self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
         self.fused_rope = self.fused_attention = enabled
 

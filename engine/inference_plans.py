@@ -2,8 +2,8 @@
 decoder (engine/inference_modules.py), per architecture, or why an architecture or variant
 has no inference modules (`Unsupported`).
 
-Supported families: Llama (also Mistral without sliding window, Qwen2), OPT (pre-norm),
-GPT-2 and GPT-NeoX (Pythia).
+Supported families: Llama (also Mistral without sliding window, Qwen2, and Qwen3 with its
+per-head query/key norms), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
 Weights are not taken from the model here: the plan lists, for every inference parameter,
 the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
 engine can fill it while it gathers one FSDP unit at a time.
@@ -48,6 +48,7 @@ class DecoderSpec:
     position_offset: int = 0    # OPT's learned positions start at index 2
     scale_query_first: bool = False  # OPT scales q before the dot product, as HF does
     tied_head: bool = False
+    qk_norm: bool = False       # RMSNorm of each query and key head before rotation (Qwen3)
 
 
 @dataclass
@@ -97,6 +98,7 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     first = layer_prefixes[0]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    qk_norm = hasattr(model.get_submodule(f"{first}.self_attn"), "q_norm")
     spec = DecoderSpec(
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -105,13 +107,16 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         qkv_bias=_has_bias(model, f"{first}.self_attn.q_proj"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
         mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True, rotary_dim=head_dim,
-        tied_head=_tied_head(model))
+        tied_head=_tied_head(model), qk_norm=qk_norm)
     layer = {"attn_norm.weight": ["input_layernorm.weight"],
              "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
              "out.weight": ["self_attn.o_proj.weight"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
              "up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
              "down.weight": ["mlp.down_proj.weight"]}
+    if qk_norm:
+        layer |= {"q_norm.weight": ["self_attn.q_norm.weight"],
+                  "k_norm.weight": ["self_attn.k_norm.weight"]}
     root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     return _assemble(spec, root, layer, layer_prefixes, copy.deepcopy(model.model.rotary_emb))
 
@@ -201,8 +206,8 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
                      copy.deepcopy(model.gpt_neox.rotary_emb), transforms)
 
 
-_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "opt": _opt, "gpt2": _gpt2,
-             "gpt_neox": _gpt_neox}
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "opt": _opt,
+             "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],

@@ -16,7 +16,8 @@ from huggingface_hub import try_to_load_from_cache
 from engine.errors import UserError
 
 # built in engine/models.py; tiny-llama-4l is tiny-llama at 4 layers
-PRESET_NAMES = ("tiny-llama", "tiny-llama-4l", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox")
+PRESET_NAMES = ("tiny-llama", "tiny-llama-4l", "tiny-opt", "tiny-gpt2", "tiny-gpt-neox",
+                "tiny-qwen3")
 
 # what a directory must hold for AutoTokenizer to load from it (any one of them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

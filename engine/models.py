@@ -2,7 +2,8 @@
 
 A model argument (`--actor-model`, `--reward-model`) is one of
   * a built-in tiny preset (`tiny-llama`, `tiny-llama-4l`, `tiny-opt`, `tiny-gpt2`,
-    `tiny-gpt-neox`), built from a config with random weights, for demos and tests;
+    `tiny-gpt-neox`, `tiny-qwen3`), built from a config with random weights, for demos and
+    tests;
   * a local Hugging Face directory (config.json + weights);
   * a hub name, which works when online or cached and otherwise fails in one line.
 engine/model_source.py tells which (without importing transformers); this file loads.
@@ -34,6 +35,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    Qwen3Config,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -85,10 +87,20 @@ def _gpt_neox(vocab_size: int, **ids: int) -> PretrainedConfig:
         tie_word_embeddings=False, **ids)
 
 
+def _qwen3(vocab_size: int, **ids: int) -> PretrainedConfig:
+    # Qwen3's own traits: RMSNorm of each query and key head, a head_dim wider than
+    # hidden / heads (as Qwen3-0.6B's 128 against 1024 / 16) and a tied head
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=_TINY["hidden"], intermediate_size=_TINY["ffn"],
+        num_hidden_layers=_TINY["layers"], num_attention_heads=_TINY["heads"],
+        num_key_value_heads=_TINY["heads"] // 2, head_dim=2 * _TINY["hidden"] // _TINY["heads"],
+        max_position_embeddings=_TINY["positions"], tie_word_embeddings=True, **ids)
+
+
 # tiny-llama-4l: tiny-llama at 4 layers, a deeper reward model for the demo tasks (README,
 # "Step 3 against best-of-n")
-PRESETS = dict(zip(PRESET_NAMES, (_llama, partial(_llama, layers=4), _opt, _gpt2, _gpt_neox),
-                   strict=True))
+PRESETS = dict(zip(PRESET_NAMES, (_llama, partial(_llama, layers=4), _opt, _gpt2, _gpt_neox,
+                                  _qwen3), strict=True))
 
 def _shape_preset(spec: str, vocab_size: int, **overrides) -> PretrainedConfig:
     hidden, layers, heads, kv_heads, ffn, theta = SHAPES[spec]

@@ -230,7 +230,8 @@ class LoggingConfig:
 @dataclass
 class RunConfig:
     actor_model: Optional[str] = val(None, "preset (tiny-llama, tiny-llama-4l, tiny-opt, "  # noqa: UP045
-                                     "tiny-gpt2, tiny-gpt-neox; shapes llama-7b, -13b, -34b, -70b over "
+                                     "tiny-gpt2, tiny-gpt-neox, tiny-qwen3; shapes llama-7b, -13b, "
+                                     "-34b, -70b over "
                                      "a quantized base), HF dir or hub name")
     reward_model: Optional[str] = val(None, "same kinds; step 2 trains it, step 3 scores "  # noqa: UP045
                                       "with it")

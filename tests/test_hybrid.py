@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BloomConfig, BloomForCausalLM, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BloomConfig,
+    BloomForCausalLM,
+    GenerationConfig,
+)
 
 from engine import decode
 from engine.config import HybridConfig, OptimConfig
@@ -399,6 +405,39 @@ def test_fallback_is_logged_once(capsys):
                         eos_token_id=EOS, pad_token_id=PAD)
     out = capsys.readouterr().out
     assert out.count("hybrid engine: OPTForCausalLM: post-norm OPT") == 1, out
+
+
+@pytest.mark.parametrize("model_type,settings", [
+    ("qwen2", {"tie_word_embeddings": False}), ("mistral", {"sliding_window": None}),
+    ("llama", {"head_dim": 64, "rope_parameters": {     # Llama 3.1's rope
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}})])
+def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
+    """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
+    (made non-zero), Mistral, and a Llama with Llama 3.1's rope scaling
+    and a head wider than hidden / heads: injected, and HF generate's answers, greedy and
+    row-seeded sampled."""
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(TOK), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, eos_token_id=EOS, pad_token_id=PAD, **settings)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS] *= 3   # some answers end early
+        biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+        for bias in biases:
+            bias.normal_(0, 0.1)
+    assert bool(biases) == (model_type == "qwen2")
+    form = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32)
+    assert form.injected
+    ids, mask = _batch()
+    for sampling, seeds in ((SamplingSettings(20, do_sample=False), None),
+                            (SamplingSettings(20, temperature=0.9), torch.arange(len(ids)))):
+        kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=seeds)
+        want = generate(model, ids, mask, sampling, **kwargs)
+        assert torch.equal(form.generate(ids, mask, sampling, **kwargs), want)
+        assert (want[:, ids.shape[1]:] == EOS).any(1).any()
 
 
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2", POST_NORM_OPT])

@@ -256,7 +256,8 @@ def copy_the_integers(monkeypatch) -> None:
 
 @pytest.mark.parametrize("spec,bits,in_place", [
     ("tiny-llama", 8, True), ("tiny-llama", 4, True), ("tiny-opt", 8, True),
-    ("tiny-opt", 4, True), ("tiny-llama", 8, False), ("tiny-opt", 4, False)])
+    ("tiny-opt", 4, True), ("tiny-llama", 8, False), ("tiny-opt", 4, False),
+    ("tiny-qwen3", 4, True), ("tiny-qwen3", 8, False)])
 def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, in_place,
                                                                      tmp_path, monkeypatch):
     """The hybrid engine generates from the integers with LoRA beside them (the default:

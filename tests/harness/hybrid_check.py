@@ -51,6 +51,7 @@ CASES = [
     ("llama-stage2", "tiny-llama", 0, 2, HybridConfig(gather_group_size=2)),
     ("gpt2-lora", "tiny-gpt2", 4, 3, HybridConfig()),
     ("neox-lora", "tiny-gpt-neox", 4, 3, HybridConfig()),
+    ("qwen3-lora", "tiny-qwen3", 4, 3, HybridConfig()),
     ("postnorm-opt-fallback", POST_NORM_OPT, 4, 3, HybridConfig()),
 ]
 
@@ -73,6 +74,8 @@ def model_with_answers_that_end(preset: str, lora: int, eos: int) -> torch.nn.Mo
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05)
+            elif "q_norm" in name or "k_norm" in name:   # Qwen3's start at 1: make each count
+                param.uniform_(0.5, 1.5)
     return model
 
 

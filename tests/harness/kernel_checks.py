@@ -191,7 +191,7 @@ def test_row_seeded_sample_equals_the_pytorch_sampler(vocab, temperature):
         assert bool(kernels.row_seeded_sample(poisoned, seeds, 0, temperature)[1])
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt", "tiny-qwen3"])
 def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     from engine import decode
     from engine.config import OptimConfig
