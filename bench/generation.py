@@ -69,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-step3", action="store_true", help="skip the PPO iteration runs")
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (GPU bound)")
     p.add_argument("--gpu-batches", default="1,8,32")
-    p.add_argument("--gpu-model", choices=("opt", "llama"), default="opt",
-                   help="--gpu: OPT-1.3B-sized, or a Llama of the same size (GQA, SiLU MLP)")
+    p.add_argument("--gpu-model", choices=("opt", "llama", "qwen3"), default="opt",
+                   help="--gpu: OPT-1.3B-sized, or a Llama of the same size (GQA, SiLU MLP), "
+                   "or a Qwen3 of it (the Llama's shape with per-head query/key norms)")
     p.add_argument("--group-size", type=int, default=8,
                    help="shared prompt prefill: samples per prompt")
     p.add_argument("--group-prompts", type=int, default=8,
@@ -366,7 +367,7 @@ def cpu_main(args: argparse.Namespace) -> None:
 
 def gpu_main(args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen3Config
 
     from engine.config import HybridConfig, OptimConfig
     from engine.generation import SamplingSettings
@@ -382,9 +383,11 @@ def gpu_main(args: argparse.Namespace) -> None:
                            num_attention_heads=32, vocab_size=50272, max_position_embeddings=2048,
                            word_embed_proj_dim=2048, do_layer_norm_before=True, **ids)
     else:
-        config = LlamaConfig(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632,
-                             num_attention_heads=32, num_key_value_heads=8, vocab_size=50272,
-                             max_position_embeddings=2048, tie_word_embeddings=False, **ids)
+        llama_shaped = LlamaConfig if args.gpu_model == "llama" else Qwen3Config
+        config = llama_shaped(hidden_size=2048, num_hidden_layers=24, intermediate_size=5632,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                              vocab_size=50272, max_position_embeddings=2048,
+                              tie_word_embeddings=False, **ids)
     began = time.perf_counter()
 
     def note(what: str) -> None:   # where the time goes, for a run cut off by its limit
