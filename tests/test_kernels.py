@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_triton_kernels_under_the_interpreter():
     """Two halves at once (the interpreter is one Python thread; the machine has 2 cores):
-    the checks on tiny-llama's decoder, and the rest (about as long)."""
+    the checks on tiny-llama's and tiny-qwen3's decoders, and the rest (about as long)."""
     env = child_env(TRITON_INTERPRET="1")
     halves = [subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", select,
          str(ROOT / "tests" / "harness" / "kernel_checks.py")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for select in ("tiny-llama", "not tiny-llama and not row_offsets")]   # that: CUDA only
+        for select in ("tiny-llama or tiny-qwen3",
+                       "not tiny-llama and not tiny-qwen3 and not row_offsets")]   # CUDA only
     for half in halves:
         try:
             stdout, _ = half.communicate(timeout=300)
