@@ -232,6 +232,10 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")
     check_split_shares(cfg)
+    if cfg.data.chat_template_kwargs and not cfg.data.apply_chat_template:
+        raise UserError("data.chat_template_kwargs: the chat template reads them only with "
+                        "data.apply_chat_template=true (--apply-chat-template); add it, or "
+                        "drop the kwargs")
     if cfg.data.demo_task not in TASKS:
         raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
     if 3 in steps:

@@ -10,7 +10,9 @@ model in the format it was trained on."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -33,6 +35,12 @@ HH_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '\\n\\nAssistant:' }}{%- endif -%}"
 )
 
+# what with_variables puts before a template: its variables, opened and closed by these
+# comments (found again, and replaced, when the template is given variables once more);
+# "+#}": a newline that opens the template stays its own, not one after a tag, which
+# transformers' trim_blocks would remove
+_VARIABLES_OPEN, _VARIABLES_CLOSE = "{# data.chat_template_kwargs #}", "{# end +#}"
+
 # a turn opens after "\n\n", or at the start, after any whitespace: DeepSpeed-Chat style
 # prompts begin "Human:" or, as its get_prompt() writes them, " Human:"
 _TURN = re.compile(r"(?:^\s*|\n\n)(Human|Assistant):")
@@ -51,6 +59,34 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     template = None if tokenizer.chat_template else HH_TEMPLATE
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                          add_generation_prompt=generation_prompt)
+
+
+def with_variables(template: str, variables: dict[str, Any]) -> str:
+    """`template` with `variables` set before its first line, as if every call of
+    apply_chat_template passed them as keyword arguments (Qwen3's enable_thinking=False):
+    saved with the model's tokenizer, every tool that renders its template, chat.py among
+    them, then writes the dialogues as training read them (a caller's own keyword of that
+    name no longer changes it). Variables set before are replaced; none restores the
+    template's own defaults."""
+    if template.startswith(_VARIABLES_OPEN):
+        template = template[template.index(_VARIABLES_CLOSE) + len(_VARIABLES_CLOSE):]
+    if not variables:
+        return template
+    sets = "".join(f"{{% set {name} = {_jinja_literal(value)} %}}"
+                   for name, value in variables.items())
+    return _VARIABLES_OPEN + sets + _VARIABLES_CLOSE + template
+
+
+def _jinja_literal(value: Any) -> str:
+    """A JSON-like value (bool, None, number, string, list, mapping) as a Jinja literal."""
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, int | float | str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}"
+                               for k, v in value.items()) + "}"
+    return "[" + ", ".join(map(_jinja_literal, value)) + "]"
 
 
 def has_turns(text: str) -> bool:

@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from engine.chat_format import HH_TEMPLATE
+from engine.chat_format import HH_TEMPLATE, uses_hh, with_variables
 from engine.checkpoint import Checkpointer
 from engine.data_parallel import DataParallel
 from engine.errors import UserError
@@ -112,11 +112,18 @@ def in_chat_format(cfg: DictConfig, what: str, pairs: list[PreferencePair], toke
 
 
 def saving_chat_format(cfg: DictConfig, tokenizer):
-    """`tokenizer`, an actor's, made to save the format the run trains it in: with
-    data.apply_chat_template its own chat template, else the hh-rlhf one (engine.chat_format:
-    chat.py and other tools then talk to the model as it was trained)."""
+    """`tokenizer`, an actor's, made to render and save the format the run trains it in:
+    with data.apply_chat_template its own chat template, given data.chat_template_kwargs,
+    else the hh-rlhf one (engine.chat_format: chat.py and other tools then talk to the
+    model as it was trained)."""
     if not cfg.data.apply_chat_template:
         tokenizer.chat_template = HH_TEMPLATE
+    elif tokenizer.chat_template and not uses_hh(tokenizer):
+        variables = OmegaConf.to_container(cfg.data.chat_template_kwargs or {})
+        templates = tokenizer.chat_template   # a template, or several by name
+        tokenizer.chat_template = (
+            with_variables(templates, variables) if isinstance(templates, str)
+            else {name: with_variables(t, variables) for name, t in templates.items()})
     return tokenizer
 
 

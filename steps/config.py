@@ -57,6 +57,14 @@ class DataConfig:
     max_answer_len: int = val(256, "longer answers are truncated", COUNT)
     apply_chat_template: bool = val(False, "render dialogues by the actor tokenizer's chat "
                                     "template (else hh-rlhf text); saved with the model")
+    # Any, not a dict: Hydra merges an override into a dict field, and refuses new keys
+    chat_template_kwargs: Any = val(None, "variables the chat template reads, e.g. "
+                                    "{enable_thinking: false} (Qwen3); saved in the model's "
+                                    "template",
+                                    Rule(lambda v: hasattr(v, "items") and all(
+                                        str(k).isidentifier() for k in v),
+                                         "give a mapping of variable names to values, e.g. "
+                                         "{enable_thinking: false}"))
     demo_pairs: int = val(4000, "size of the built-in demo data set", COUNT)
     demo_task: str = val("digits", 'what "demo" generates: digits | distinct | pick '
                          '(steps/demo.py)')
@@ -280,7 +288,8 @@ def validate(cfg: Any, schema: Any = None, prefix: str = "") -> None:
             continue
         rule = f.metadata.get("ok")
         if rule is not None and value is not None and not rule.test(value):
-            shown = value if isinstance(value, str | int | float) else list(value)
+            shown = (value if isinstance(value, str | int | float)
+                     else dict(value) if hasattr(value, "items") else list(value))
             raise BadValue(f"{prefix}{f.name}", shown, _refusal(rule, shown))
 
 

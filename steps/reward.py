@@ -13,7 +13,14 @@ from engine.data_parallel import DataParallel
 from engine.models import load_tokenizer, require_positions
 from engine.runtime import Runtime
 from steps import supervised
-from steps.common import batches, in_chat_format, placement, to_device, train_eval_examples
+from steps.common import (
+    batches,
+    in_chat_format,
+    placement,
+    saving_chat_format,
+    to_device,
+    train_eval_examples,
+)
 from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
 from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
@@ -51,14 +58,16 @@ def template_tokenizer(cfg: DictConfig) -> tuple[object, str]:
     """(tokenizer, what to call its model) whose chat template step 2 renders with: step
     3's actor's, the format the reward model will score, where that model is already saved
     (step 1's, with the format it trained in: the hh one when step 1 ran without
-    data.apply_chat_template), else --actor-model's (that step 1 will train)."""
+    data.apply_chat_template), else --actor-model's (that step 1 will train); given
+    data.chat_template_kwargs, as steps 1 and 3 give theirs."""
     actor = cfg.ppo.actor_path or str(Path(cfg.output_dir) / "actor")
     if (Path(actor).expanduser() / "config.json").exists():
-        return (load_tokenizer(actor, flag="ppo.actor_path",
-                               trust_remote_code=cfg.trust_remote_code), f"the actor {actor}")
-    return (load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
-                           trust_remote_code=cfg.trust_remote_code),
-            f"--actor-model {cfg.actor_model}")
+        tokenizer = load_tokenizer(actor, flag="ppo.actor_path",
+                                   trust_remote_code=cfg.trust_remote_code)
+        return saving_chat_format(cfg, tokenizer), f"the actor {actor}"
+    tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
+                               trust_remote_code=cfg.trust_remote_code)
+    return saving_chat_format(cfg, tokenizer), f"--actor-model {cfg.actor_model}"
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 import chat
 import train
-from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos, uses_hh
+from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos, uses_hh, with_variables
 from engine.models import (
     byte_tokenizer,
     load_causal_lm,
@@ -27,7 +27,7 @@ from engine.models import (
 )
 from engine.parallel import frozen
 from engine.runtime import Runtime
-from steps import reward, scoring
+from steps import common, reward, scoring
 from steps.config import RunConfig
 from steps.data import DataError, PreferencePair
 from steps.scoring import RewardScorer
@@ -43,6 +43,15 @@ ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.inde
                "{{ '[' + m['role'] + '] ' + m['content'] + '\\n' }}{% endfor %}"
                "{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}")
 OWNER = "--actor-model probe"
+# Qwen3's way: the reply's reasoning in <think> ... </think>, which enable_thinking=false
+# writes empty into the generation prompt (the assistant's last reply carries an empty one)
+THINKING = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+            "{% if m['role'] == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+            "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{% if enable_thinking is defined and enable_thinking is false %}"
+            "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+NO_THINKING = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
 def chatml(eos: str = "<|im_end|>", template: str = CHATML):
@@ -105,6 +114,28 @@ def test_a_templated_answer_ends_with_the_turn_end_and_one_eos(eos, ending):
     assert example.input_ids[:len(example.input_ids) - len(answer)] == \
         tok(turns("hi", "Hello!", "and you?"))["input_ids"]
     assert turn_ends_with_eos(tok) == (eos == "<|im_end|>")
+
+
+def test_template_variables_render_as_the_keyword_arguments_would():
+    """data.chat_template_kwargs set in the template itself render as apply_chat_template's
+    keyword arguments do (values of every JSON kind); set again they replace the earlier
+    ones, and none give the template back; a newline opening the template stays."""
+    said = [{"role": "user", "content": "hi"}]
+    echo = "\n{{ extra | tojson }}" + THINKING
+    for template, variables in ((THINKING, {"enable_thinking": False}),
+                                (THINKING, {"enable_thinking": True}),
+                                (echo, {"extra": {"a": [1, 2.5, None, True], "b": 'q"\né'}})):
+        plain, baked = chatml(template=template), chatml(template=template)
+        baked.chat_template = with_variables(template, variables)
+        want = plain.apply_chat_template(said, tokenize=False, add_generation_prompt=True,
+                                         **variables)
+        assert baked.apply_chat_template(said, tokenize=False, add_generation_prompt=True) == want
+        assert with_variables(with_variables(template, {"enable_thinking": 1}), variables) == \
+            baked.chat_template
+        assert with_variables(baked.chat_template, {}) == template
+    assert want.startswith('\n{"a": [1, 2.5, null, true], "b": "q\\"\\né"}<|im_start|>')
+    assert chatml(template=with_variables(THINKING, {"enable_thinking": False})) \
+        .apply_chat_template(said, tokenize=False, add_generation_prompt=True).endswith(NO_THINKING)
 
 
 def test_the_hh_format_never_writes_eos_as_text():
@@ -294,6 +325,43 @@ def test_three_steps_and_chat_in_the_actors_chat_template(tmp_path, monkeypatch)
         "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(second, skip_special_tokens=False).endswith(
         "<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_chat_template_kwargs_are_read_by_every_step_and_saved_with_the_model(tmp_path,
+                                                                            monkeypatch):
+    """data.chat_template_kwargs={enable_thinking: false}: steps 1 and 3 train and sample
+    after Qwen3's empty thinking block (the generation prompt holds it, the answers do not),
+    step 2 scores in that format, and the saved actor's template holds the variable, so
+    transformers alone and chat.py render the prompt as training did."""
+    tokenizer_dir = tmp_path / "thinking"
+    chatml(template=THINKING).save_pretrained(tokenizer_dir)
+    out = tmp_path / "run"
+    settings = {"data.apply_chat_template": "true",
+                "data.chat_template_kwargs": "{enable_thinking:false}"}
+    seen = []
+    real = apply_chat_template
+
+    def recording(pairs, tokenizer, owner):
+        rendered = real(pairs, tokenizer, owner)
+        seen.append(rendered[0])
+        return rendered
+
+    monkeypatch.setattr(common, "apply_chat_template", recording)
+    run_train(out, tokenizer=tokenizer_dir, **settings)
+    assert len(seen) == 3   # steps 1, 2 and 3
+    for rendered in seen:
+        assert all(p.prompt.endswith(NO_THINKING) and "<think>" not in p.chosen + p.rejected
+                   for p in rendered), rendered[:2]
+    said = [{"role": "user", "content": "hi"}]
+    for name in ("actor", "step3/actor"):
+        saved = AutoTokenizer.from_pretrained(out / name)
+        assert saved.apply_chat_template(said, tokenize=False, add_generation_prompt=True) == \
+            "<|im_start|>user\nhi<|im_end|>\n" + NO_THINKING, name
+    tok = AutoTokenizer.from_pretrained(out / "step3" / "actor")
+    (first, _), _ = chat_prompts(out / "step3" / "actor", monkeypatch)
+    assert tok.decode(first, skip_special_tokens=False) == \
+        "<s><|im_start|>user\nhi<|im_end|>\n" + NO_THINKING
 
 
 @pytest.mark.slow

@@ -354,6 +354,12 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     ("ppo.actor_lora.dropout=1", "ppo.actor_lora.dropout=1.0: give a number in [0, 1)"),
     ("actor_zero_stage=5", "actor_zero_stage=5 (--actor-zero-stage): choose one of 0, 1, 2, 3"),
     ("engine.hybrid.gather_group_size=0", "(--tp-gather-partition-size): give 1 or more"),
+    ("data.chat_template_kwargs={enable-thinking:0}", "data.chat_template_kwargs="
+     "{'enable-thinking': 0}: give a mapping of variable names to values"),
+    ("data.chat_template_kwargs=[1]", "data.chat_template_kwargs=[1]: give a mapping"),
+    # without data.apply_chat_template no template reads them
+    ("data.chat_template_kwargs={enable_thinking:false}", "data.chat_template_kwargs: the "
+     "chat template reads them only with data.apply_chat_template=true"),
 ], ids=lambda v: v.split("=")[0] if "=" in v else None)
 def test_out_of_range_values_are_refused_naming_the_key(capsys, tmp_path, override, said):
     line = refused(capsys, tmp_path / "out", override)
