@@ -34,6 +34,9 @@ from engine.config import (
     within,
 )
 
+# what the steps render a dialogue with (engine.chat_format.render), not a user's to set
+STEPS_SET = ("messages", "add_generation_prompt", "continue_final_message")
+
 
 @dataclass
 class DataConfig:
@@ -62,9 +65,11 @@ class DataConfig:
                                     "{enable_thinking: false} (Qwen3); saved in the model's "
                                     "template",
                                     Rule(lambda v: hasattr(v, "items") and all(
-                                        str(k).isidentifier() for k in v),
+                                        str(k).isidentifier() and k not in STEPS_SET
+                                        for k in v),
                                          "give a mapping of variable names to values, e.g. "
-                                         "{enable_thinking: false}"))
+                                         "{enable_thinking: false} (not " +
+                                         " or ".join(STEPS_SET) + ": the steps set those)"))
     demo_pairs: int = val(4000, "size of the built-in demo data set", COUNT)
     demo_task: str = val("digits", 'what "demo" generates: digits | distinct | pick '
                          '(steps/demo.py)')
