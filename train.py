@@ -565,7 +565,7 @@ def _user_error(err: Exception, rank: int | None) -> None:
     if it is not rank 0's)."""
     from engine.launch import record_error
 
-    record_error(f"train.py: rank {rank}: {err}" if rank else f"train.py: {err}")
+    record_error(f"train.py: rank {rank}: {err}" if rank else f"train.py: {err}", str(err))
     if not rank:
         print(f"train.py: {err}", file=sys.stderr, flush=True)
 

@@ -51,13 +51,15 @@ def stop_with_launcher() -> None:
         os._exit(1)
 
 
-def record_error(message: str) -> None:
-    """Leave this rank's one-line error in the file torchrun names for it, which its
-    launcher reads back (run_torchrun): a rank other than 0 prints nothing itself, so that
-    an error every rank meets is printed once, by rank 0."""
+def record_error(message: str, error: str) -> None:
+    """Leave this rank's one-line error (`message`, naming the rank; `error`, as every rank
+    meeting it words it) in the file torchrun names for it, which its launcher reads back
+    (run_torchrun): a rank other than 0 prints nothing itself, so that an error every rank
+    meets is printed once, by rank 0."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+        Path(path).write_text(json.dumps({"message": message, "error": error,
+                                          "timestamp": int(time.time())}))
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,11 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
         rank, failure = min((culprits or err.failures).items(), key=lambda rf: rf[1].timestamp)
         how = f"exit code {failure.exitcode}" if failure.exitcode > 0 else \
             f"killed by signal {-failure.exitcode}"
-        if "timestamp" in failure.error_file_data and rank != 0:   # record_error's
+        # record_error's, unless rank 0 printed the same error (every rank met it, and
+        # another was only the first to exit)
+        said_by_0 = err.failures[0].error_file_data.get("error") if 0 in err.failures else None
+        if "timestamp" in failure.error_file_data and rank != 0 and \
+                failure.error_file_data.get("error") != said_by_0:
             print(failure.message, file=sys.stderr)
         print(f"{Path(script).name}: rank {rank} failed ({how})"
               f"{'; its error is printed above' if failure.exitcode > 0 else ''}; all "

@@ -4,6 +4,7 @@ nodes, DeepSpeed-style hostfiles, and when train.py starts torchrun at all."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -199,3 +200,41 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
                 process.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str, error: str,
+             timestamp: int):
+    """torchrun's record of a rank that ended with `exitcode`, its error file as
+    engine.launch.record_error writes it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error-{rank}.json"
+    path.write_text(json.dumps({"message": message, "error": error, "timestamp": timestamp}))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode,
+                          error_file=str(path))
+
+
+@pytest.mark.parametrize("rank_0_said, printed", [
+    ("no data for step 1", 0),        # every rank met it: rank 0 printed it already
+    ("another error", 1)])            # rank 0's is not rank 1's: the launcher prints rank 1's
+def test_an_error_every_rank_meets_is_printed_once_whichever_exits_first(
+        tmp_path, monkeypatch, capsys, rank_0_said, printed):
+    """Both ranks refuse the run and rank 1 exits first (the race that printed the data's
+    refusal twice): rank 0 printed its own, so the launcher does not print rank 1's again,
+    unless it is another error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from engine import launch
+
+    failures = {0: _failure(tmp_path, 0, 2, f"train.py: {rank_0_said}", rank_0_said, 20),
+                1: _failure(tmp_path, 1, 2, "train.py: rank 1: no data for step 1",
+                            "no data for step 1", 10)}
+
+    def failing(args):
+        raise ChildFailedError("train.py", failures)
+
+    monkeypatch.setattr("torch.distributed.run.run", failing)
+    assert launch.run_torchrun(Launch(nproc_per_node=2), "train.py", []) == 2
+    err = capsys.readouterr().err
+    assert err.count("train.py: rank 1: no data for step 1") == printed, err
+    assert "train.py: rank 1 failed (exit code 2); its error is printed above" in err
