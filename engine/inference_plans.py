@@ -2,8 +2,9 @@
 decoder (engine/inference_modules.py), per architecture, or why an architecture or variant
 has no inference modules (`Unsupported`).
 
-Supported families: Llama (also Mistral without sliding window, Qwen2, and Qwen3 with its
-per-head query/key norms), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
+Supported families: Llama (also Mistral without sliding window, Qwen2, Qwen3 with its
+per-head query/key norms, and Phi-3/Phi-4 with their fused projections and partial rotary
+embedding), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
 Weights are not taken from the model here: the plan lists, for every inference parameter,
 the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
 engine can fill it while it gathers one FSDP unit at a time.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -89,7 +91,9 @@ def _check_rope(rope: dict) -> None:
         raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
 
 
-def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = False) -> Plan:
+    """Llama and its kin; `fused`: Phi-3's Q/K/V and gate/up projections, each one Linear
+    (in our order already), and its partial rotary embedding."""
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
     _check_rope(rope)
@@ -99,20 +103,23 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     qk_norm = hasattr(model.get_submodule(f"{first}.self_attn"), "q_norm")
+    qkv = (["self_attn.qkv_proj.weight"] if fused
+           else [f"self_attn.{p}_proj.weight" for p in "qkv"])
     spec = DecoderSpec(
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
         activation=config.hidden_act, gated_mlp=True,
-        qkv_bias=_has_bias(model, f"{first}.self_attn.q_proj"),
+        qkv_bias=_has_bias(model, f"{first}.{qkv[0].removesuffix('.weight')}"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
-        mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True, rotary_dim=head_dim,
+        mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)) if fused else head_dim,
         tied_head=_tied_head(model), qk_norm=qk_norm)
-    layer = {"attn_norm.weight": ["input_layernorm.weight"],
-             "qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+    layer = {"attn_norm.weight": ["input_layernorm.weight"], "qkv.weight": qkv,
              "out.weight": ["self_attn.o_proj.weight"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
-             "up.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+             "up.weight": (["mlp.gate_up_proj.weight"] if fused
+                           else ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
              "down.weight": ["mlp.down_proj.weight"]}
     if qk_norm:
         layer |= {"q_norm.weight": ["self_attn.q_norm.weight"],
@@ -206,8 +213,9 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
                      copy.deepcopy(model.gpt_neox.rotary_emb), transforms)
 
 
-_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "opt": _opt,
-             "gpt2": _gpt2, "gpt_neox": _gpt_neox}
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama,
+             "phi3": partial(_llama, fused=True), "opt": _opt, "gpt2": _gpt2,
+             "gpt_neox": _gpt_neox}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],

@@ -26,11 +26,12 @@ from transformers import (
 )
 
 from engine import decode
-from engine.config import HybridConfig, OptimConfig
+from engine.config import HybridConfig, LoraConfig, OptimConfig
 from engine.generation import SamplingSettings, generate
 from engine.hybrid import HybridEngine
 from engine.inference_form import inference_form
 from engine.inference_plans import Unsupported, plan
+from engine.lora import apply_lora
 from engine.models import byte_tokenizer, load_causal_lm
 from engine.runtime import Runtime
 from steps.tokenize import collate_prompts
@@ -411,12 +412,15 @@ def test_fallback_is_logged_once(capsys):
     ("qwen2", {"tie_word_embeddings": False}), ("mistral", {"sliding_window": None}),
     ("llama", {"head_dim": 64, "rope_parameters": {     # Llama 3.1's rope
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}})])
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    ("phi3", {"sliding_window": None, "rope_parameters": {   # Phi-4-mini's rotary share
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})])
 def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
-    (made non-zero), Mistral, and a Llama with Llama 3.1's rope scaling
-    and a head wider than hidden / heads: injected, and HF generate's answers, greedy and
-    row-seeded sampled."""
+    (made non-zero), Mistral, a Llama with Llama 3.1's rope scaling and a head wider than
+    hidden / heads, and Phi-3's fused projections with a partial rotary embedding:
+    injected, and HF generate's answers, greedy and row-seeded sampled; then the same
+    through the hybrid engine with LoRA (folded into the fused weights) on every Linear."""
     config = AutoConfig.for_model(
         model_type, vocab_size=len(TOK), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -438,6 +442,21 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
         want = generate(model, ids, mask, sampling, **kwargs)
         assert torch.equal(form.generate(ids, mask, sampling, **kwargs), want)
         assert (want[:, ids.shape[1]:] == EOS).any(1).any()
+    adapted = apply_lora(model, LoraConfig(dim=4))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    reference = copy.deepcopy(adapted).eval()
+    engine = _engine(adapted)
+    assert engine.injected
+    for sampling, seeds in ((SamplingSettings(20, do_sample=False), None),
+                            (SamplingSettings(20, temperature=0.9), torch.arange(len(ids)))):
+        kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=seeds)
+        want = generate(reference, ids, mask, sampling, **kwargs)
+        assert torch.equal(engine.generate(ids, mask, sampling, **kwargs), want)
+        with reference.disable_adapter():   # the adapters change the answers
+            assert not torch.equal(generate(reference, ids, mask, sampling, **kwargs), want)
 
 
 @pytest.mark.parametrize("preset", ["tiny-opt", "tiny-gpt2", POST_NORM_OPT])
