@@ -119,7 +119,8 @@ def saving_chat_format(cfg: DictConfig, tokenizer):
     if not cfg.data.apply_chat_template:
         tokenizer.chat_template = HH_TEMPLATE
     elif tokenizer.chat_template and not uses_hh(tokenizer):
-        variables = OmegaConf.to_container(cfg.data.chat_template_kwargs or {})
+        variables = cfg.data.chat_template_kwargs
+        variables = OmegaConf.to_container(variables) if variables else {}
         templates = tokenizer.chat_template   # a template, or several by name
         tokenizer.chat_template = (
             with_variables(templates, variables) if isinstance(templates, str)
