@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import engine.quantized_base as qb
 from engine import hybrid
@@ -254,10 +254,25 @@ def copy_the_integers(monkeypatch) -> None:
     monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
 
 
+def phi3_dir(tok, path) -> str:
+    """A random Phi-3 (fused Q/K/V and gate/up projections, 3/4 of each head rotated) saved
+    as a model directory: no preset builds one."""
+    config = AutoConfig.for_model(
+        "phi3", vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, sliding_window=None, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("spec,bits,in_place", [
     ("tiny-llama", 8, True), ("tiny-llama", 4, True), ("tiny-opt", 8, True),
     ("tiny-opt", 4, True), ("tiny-llama", 8, False), ("tiny-opt", 4, False),
-    ("tiny-qwen3", 4, True), ("tiny-qwen3", 8, False)])
+    ("tiny-qwen3", 4, True), ("tiny-qwen3", 8, False), ("phi3", 4, True), ("phi3", 8, False)])
 def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, in_place,
                                                                      tmp_path, monkeypatch):
     """The hybrid engine generates from the integers with LoRA beside them (the default:
@@ -266,6 +281,8 @@ def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, 
     dequantized weights): the same greedy answers, token for token."""
     if not in_place:
         copy_the_integers(monkeypatch)
+    if spec == "phi3":
+        spec = phi3_dir(tok, tmp_path / "phi3")
     model = quantized_lora_model(tok, bits, spec)
     perturb_adapters(model)
     merged = AutoModelForCausalLM.from_pretrained(
