@@ -105,6 +105,7 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
     qk_norm = hasattr(model.get_submodule(f"{first}.self_attn"), "q_norm")
     qkv = (["self_attn.qkv_proj.weight"] if fused
            else [f"self_attn.{p}_proj.weight" for p in "qkv"])
+    rotary = copy.deepcopy(model.model.rotary_emb)
     spec = DecoderSpec(
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -113,7 +114,9 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
         qkv_bias=_has_bias(model, f"{first}.{qkv[0].removesuffix('.weight')}"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
         mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
-        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)) if fused else head_dim,
+        # Phi-3 rotates the dims its rotary module has angles for: 12 of 16 at a factor of
+        # 0.7 (0.7 x 16 = 11.2, the frequencies over every other of 11 dims)
+        rotary_dim=2 * rotary.inv_freq.numel() if fused else head_dim,
         tied_head=_tied_head(model), qk_norm=qk_norm)
     layer = {"attn_norm.weight": ["input_layernorm.weight"], "qkv.weight": qkv,
              "out.weight": ["self_attn.o_proj.weight"],
@@ -125,7 +128,7 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
         layer |= {"q_norm.weight": ["self_attn.q_norm.weight"],
                   "k_norm.weight": ["self_attn.k_norm.weight"]}
     root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
-    return _assemble(spec, root, layer, layer_prefixes, copy.deepcopy(model.model.rotary_emb))
+    return _assemble(spec, root, layer, layer_prefixes, rotary)
 
 
 def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:

@@ -413,8 +413,9 @@ def test_fallback_is_logged_once(capsys):
     ("llama", {"head_dim": 64, "rope_parameters": {     # Llama 3.1's rope
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
-    ("phi3", {"sliding_window": None, "rope_parameters": {   # Phi-4-mini's rotary share
-        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}})])
+    # a rotary share whose width rounds: 0.7 x 16 dims, of which HF rotates 12
+    ("phi3", {"sliding_window": None, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}})])
 def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
     (made non-zero), Mistral, a Llama with Llama 3.1's rope scaling and a head wider than
