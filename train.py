@@ -565,9 +565,9 @@ def _user_error(err: Exception, rank: int | None) -> None:
     if it is not rank 0's)."""
     from engine.launch import record_error
 
-    record_error(f"train.py: rank {rank}: {err}" if rank else f"train.py: {err}", str(err))
-    if not rank:
+    if not rank:   # first: a rank stopped between the two still said its error
         print(f"train.py: {err}", file=sys.stderr, flush=True)
+    record_error(f"train.py: rank {rank}: {err}" if rank else f"train.py: {err}", str(err))
 
 
 def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:

@@ -11,6 +11,7 @@ model in the format it was trained on."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -36,10 +37,12 @@ HH_TEMPLATE = (
 )
 
 # what with_variables puts before a template: its variables, opened and closed by these
-# comments (found again, and replaced, when the template is given variables once more);
-# "+#}": a newline that opens the template stays its own, not one after a tag, which
-# transformers' trim_blocks would remove
-_VARIABLES_OPEN, _VARIABLES_CLOSE = "{# data.chat_template_kwargs #}", "{# end +#}"
+# comments (found again, and replaced, when the template is given variables once more).
+# The newline after them, which transformers' trim_blocks removes, starts the template on
+# a line of its own, as lstrip_blocks reads its first tag
+_VARIABLES_OPEN, _VARIABLES_CLOSE = "{# data.chat_template_kwargs #}", "{# end #}\n"
+# names a Jinja template cannot set
+_CONSTANTS = ("none", "true", "false", "None", "True", "False")
 
 # a turn opens after "\n\n", or at the start, after any whitespace: DeepSpeed-Chat style
 # prompts begin "Human:" or, as its get_prompt() writes them, " Human:"
@@ -77,14 +80,34 @@ def with_variables(template: str, variables: dict[str, Any]) -> str:
     return _VARIABLES_OPEN + sets + _VARIABLES_CLOSE + template
 
 
+def variables_refusal(variables: Any) -> str | None:
+    """Why `variables` cannot be set in a chat template (None when they can): a mapping of
+    names to JSON-like values, finite numbers."""
+    if not hasattr(variables, "items"):
+        return "give a mapping of variable names to values"
+    for name, value in variables.items():
+        if not (isinstance(name, str) and name.isidentifier()) or name in _CONSTANTS:
+            return f"{name!r} is not a name a template can set"
+        try:
+            _jinja_literal(value)
+        except ValueError as err:
+            return f"{name}: {err}"
+    return None
+
+
 def _jinja_literal(value: Any) -> str:
-    """A JSON-like value (bool, None, number, string, list, mapping) as a Jinja literal."""
+    """A JSON-like value (bool, None, number, string, list, mapping) as a Jinja literal;
+    ValueError for a number that is not finite (Jinja has no literal for it)."""
     if value is None or isinstance(value, bool):
         return {None: "none", True: "true", False: "false"}[value]
-    if isinstance(value, int | float | str):
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value} has no Jinja literal; give a finite number")
+    if isinstance(value, int | float):
         return json.dumps(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja_literal(v)}"
+    if isinstance(value, str):   # "#" escaped: no value can hold the closing comment
+        return json.dumps(value, ensure_ascii=False).replace("#", "\\u0023")
+    if hasattr(value, "items"):
+        return "{" + ", ".join(f"{_jinja_literal(str(k))}: {_jinja_literal(v)}"
                                for k, v in value.items()) + "}"
     return "[" + ", ".join(map(_jinja_literal, value)) + "]"
 

@@ -113,14 +113,16 @@ def in_chat_format(cfg: DictConfig, what: str, pairs: list[PreferencePair], toke
 
 def saving_chat_format(cfg: DictConfig, tokenizer):
     """`tokenizer`, an actor's, made to render and save the format the run trains it in:
-    with data.apply_chat_template its own chat template, given data.chat_template_kwargs,
-    else the hh-rlhf one (engine.chat_format: chat.py and other tools then talk to the
-    model as it was trained)."""
+    with data.apply_chat_template its own chat template, given data.chat_template_kwargs
+    when they are set ({} clears those a step before set), else the hh-rlhf one
+    (engine.chat_format: chat.py and other tools then talk to the model as it was
+    trained)."""
+    variables = cfg.data.chat_template_kwargs
     if not cfg.data.apply_chat_template:
         tokenizer.chat_template = HH_TEMPLATE
-    elif tokenizer.chat_template and not uses_hh(tokenizer):
-        variables = cfg.data.chat_template_kwargs
-        variables = OmegaConf.to_container(variables) if variables else {}
+    # unset: as the template is, with any variables a step before set in it
+    elif variables is not None and tokenizer.chat_template and not uses_hh(tokenizer):
+        variables = OmegaConf.to_container(variables, resolve=True)
         templates = tokenizer.chat_template   # a template, or several by name
         tokenizer.chat_template = (
             with_variables(templates, variables) if isinstance(templates, str)

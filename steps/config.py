@@ -17,6 +17,7 @@ from typing import Any, Optional  # noqa: UP035 - OmegaConf's schema needs Optio
 
 from hydra.core.config_store import ConfigStore
 
+from engine.chat_format import variables_refusal
 from engine.config import (
     COUNT,
     FINITE,
@@ -64,11 +65,10 @@ class DataConfig:
     chat_template_kwargs: Any = val(None, "variables the chat template reads, e.g. "
                                     "{enable_thinking: false} (Qwen3); saved in the model's "
                                     "template",
-                                    Rule(lambda v: hasattr(v, "items") and all(
-                                        str(k).isidentifier() and k not in STEPS_SET
-                                        for k in v),
-                                         "give a mapping of variable names to values, e.g. "
-                                         "{enable_thinking: false} (not " +
+                                    Rule(lambda v: variables_refusal(v) is None
+                                         and not set(v) & set(STEPS_SET),
+                                         "give a mapping of variable names to values (finite "
+                                         "numbers), e.g. {enable_thinking: false} (not " +
                                          " or ".join(STEPS_SET) + ": the steps set those)"))
     demo_pairs: int = val(4000, "size of the built-in demo data set", COUNT)
     demo_task: str = val("digits", 'what "demo" generates: digits | distinct | pick '

@@ -122,8 +122,11 @@ def test_template_variables_render_as_the_keyword_arguments_would():
     ones, and none give the template back; a newline opening the template stays."""
     said = [{"role": "user", "content": "hi"}]
     echo = "\n{{ extra | tojson }}" + THINKING
+    # lstrip_blocks strips the spaces before a template's first tag as before any other
+    indented = "   {% if extra %}{{ extra }}{% endif %}\t{# a comment #}" + THINKING
     for template, variables in ((THINKING, {"enable_thinking": False}),
                                 (THINKING, {"enable_thinking": True}),
+                                (indented, {"extra": "x 🙂 {# end #}\n #"}),   # past the BMP
                                 (echo, {"extra": {"a": [1, 2.5, None, True], "b": 'q"\né'}})):
         plain, baked = chatml(template=template), chatml(template=template)
         baked.chat_template = with_variables(template, variables)
@@ -134,8 +137,22 @@ def test_template_variables_render_as_the_keyword_arguments_would():
             baked.chat_template
         assert with_variables(baked.chat_template, {}) == template
     assert want.startswith('\n{"a": [1, 2.5, null, true], "b": "q\\"\\né"}<|im_start|>')
+    assert chatml(template=with_variables(indented, {"extra": "🙂"})).apply_chat_template(
+        said, tokenize=False).startswith("🙂\t<|im_start|>")   # the three spaces stripped
     assert chatml(template=with_variables(THINKING, {"enable_thinking": False})) \
         .apply_chat_template(said, tokenize=False, add_generation_prompt=True).endswith(NO_THINKING)
+
+
+def test_unset_template_variables_keep_those_a_step_before_set(tmp_path):
+    """A saved actor's template keeps the variables step 1 set when a later run leaves
+    data.chat_template_kwargs unset (`--step 2 3` after step 1), and {} clears them."""
+    baked = with_variables(THINKING, {"enable_thinking": False})
+    for kwargs, template in ((None, baked), ({}, THINKING),
+                             ({"enable_thinking": True}, with_variables(THINKING, {
+                                 "enable_thinking": True}))):
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "data": {"apply_chat_template": True, "chat_template_kwargs": kwargs}})
+        assert common.saving_chat_format(cfg, chatml(template=baked)).chat_template == template
 
 
 def test_the_hh_format_never_writes_eos_as_text():

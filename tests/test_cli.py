@@ -359,6 +359,8 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     ("data.chat_template_kwargs=[1]", "data.chat_template_kwargs=[1]: give a mapping"),
     ("data.chat_template_kwargs={add_generation_prompt:true}", "(not messages or "
      "add_generation_prompt or continue_final_message: the steps set those)"),
+    ("data.chat_template_kwargs={none:1}", "chat_template_kwargs={'none': 1}: give a mapping"),
+    ("data.chat_template_kwargs={x:[1,nan]}", "(finite numbers)"),
     # without data.apply_chat_template no template reads them
     ("data.chat_template_kwargs={enable_thinking:false}", "data.chat_template_kwargs: the "
      "chat template reads them only with data.apply_chat_template=true"),
