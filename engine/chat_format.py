@@ -43,6 +43,8 @@ HH_TEMPLATE = (
 _VARIABLES_OPEN, _VARIABLES_CLOSE = "{# data.chat_template_kwargs #}", "{# end #}\n"
 # names a Jinja template cannot set
 _CONSTANTS = ("none", "true", "false", "None", "True", "False")
+# what `render` passes the template itself: no user's to set
+RENDER_NAMES = ("messages", "add_generation_prompt", "continue_final_message")
 
 # a turn opens after "\n\n", or at the start, after any whitespace: DeepSpeed-Chat style
 # prompts begin "Human:" or, as its get_prompt() writes them, " Human:"
@@ -80,19 +82,18 @@ def with_variables(template: str, variables: dict[str, Any]) -> str:
     return _VARIABLES_OPEN + sets + _VARIABLES_CLOSE + template
 
 
-def variables_refusal(variables: Any) -> str | None:
-    """Why `variables` cannot be set in a chat template (None when they can): a mapping of
-    names to JSON-like values, finite numbers."""
+def settable(variables: Any) -> bool:
+    """Whether with_variables can set `variables` in a chat template: a mapping of names
+    (not Jinja's constants, nor RENDER_NAMES) to JSON-like values, numbers finite."""
     if not hasattr(variables, "items"):
-        return "give a mapping of variable names to values"
-    for name, value in variables.items():
-        if not (isinstance(name, str) and name.isidentifier()) or name in _CONSTANTS:
-            return f"{name!r} is not a name a template can set"
-        try:
+        return False
+    try:
+        for value in variables.values():
             _jinja_literal(value)
-        except ValueError as err:
-            return f"{name}: {err}"
-    return None
+    except ValueError:
+        return False
+    return all(isinstance(name, str) and name.isidentifier()
+               and name not in _CONSTANTS + RENDER_NAMES for name in variables)
 
 
 def _jinja_literal(value: Any) -> str:

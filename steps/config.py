@@ -17,7 +17,7 @@ from typing import Any, Optional  # noqa: UP035 - OmegaConf's schema needs Optio
 
 from hydra.core.config_store import ConfigStore
 
-from engine.chat_format import variables_refusal
+from engine.chat_format import RENDER_NAMES, settable
 from engine.config import (
     COUNT,
     FINITE,
@@ -34,9 +34,6 @@ from engine.config import (
     val,
     within,
 )
-
-# what the steps render a dialogue with (engine.chat_format.render), not a user's to set
-STEPS_SET = ("messages", "add_generation_prompt", "continue_final_message")
 
 
 @dataclass
@@ -65,11 +62,10 @@ class DataConfig:
     chat_template_kwargs: Any = val(None, "variables the chat template reads, e.g. "
                                     "{enable_thinking: false} (Qwen3); saved in the model's "
                                     "template",
-                                    Rule(lambda v: variables_refusal(v) is None
-                                         and not set(v) & set(STEPS_SET),
-                                         "give a mapping of variable names to values (finite "
-                                         "numbers), e.g. {enable_thinking: false} (not " +
-                                         " or ".join(STEPS_SET) + ": the steps set those)"))
+                                    Rule(settable, "give a mapping of variable names to "
+                                         "values (finite numbers), e.g. {enable_thinking: "
+                                         "false} (not " + " or ".join(RENDER_NAMES) +
+                                         ": the steps set those)"))
     demo_pairs: int = val(4000, "size of the built-in demo data set", COUNT)
     demo_task: str = val("digits", 'what "demo" generates: digits | distinct | pick '
                          '(steps/demo.py)')

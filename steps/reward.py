@@ -62,12 +62,14 @@ def template_tokenizer(cfg: DictConfig) -> tuple[object, str]:
     data.chat_template_kwargs, as steps 1 and 3 give theirs."""
     actor = cfg.ppo.actor_path or str(Path(cfg.output_dir) / "actor")
     if (Path(actor).expanduser() / "config.json").exists():
+        owner = f"the actor {actor}"
         tokenizer = load_tokenizer(actor, flag="ppo.actor_path",
                                    trust_remote_code=cfg.trust_remote_code)
-        return saving_chat_format(cfg, tokenizer), f"the actor {actor}"
-    tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
-                               trust_remote_code=cfg.trust_remote_code)
-    return saving_chat_format(cfg, tokenizer), f"--actor-model {cfg.actor_model}"
+    else:
+        owner = f"--actor-model {cfg.actor_model}"
+        tokenizer = load_tokenizer(cfg.actor_model, tokenizer=cfg.tokenizer,
+                                   trust_remote_code=cfg.trust_remote_code)
+    return saving_chat_format(cfg, tokenizer), owner
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
