@@ -228,6 +228,16 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
 
 
+def _within(mask: torch.Tensor, write_at: torch.Tensor, window: int) -> torch.Tensor:
+    """mask [B, 1, T, S] (True = attend) limited to keys fewer than `window` slots before
+    each query, the T queries being at slots `write_at` [T] (0: unlimited). Slots count
+    positions here: a row's tokens fill consecutive slots from its first real one."""
+    if not window:
+        return mask
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (slots[None, :] > write_at[:, None] - window)   # [T, S]
+
+
 def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], dims: int
             ) -> torch.Tensor:
     """Rotary embedding of the first `dims` of each head's dims (all, except GPT-NeoX)."""
@@ -253,6 +263,7 @@ class InferenceDecoder(nn.Module):
         self.norm = _Norm(spec)
         self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
         self.rotary = plan.rotary
+        self.windows = spec.windows or (0,) * spec.layers   # each layer's sliding window
         self.cache: KVCache | None = None
         self.steps_built = 0   # static decode steps made (captured, on CUDA) so far
         self.times = DecodeTimes()   # prefills' and decode steps' running totals
@@ -324,10 +335,11 @@ class InferenceDecoder(nn.Module):
         and values into cache slots `write_at` [T]; returns the last token's logits [B, V]
         in fp32."""
         residual, rope = self._embed(tokens, positions)
+        masks = {window: _within(mask, write_at, window) for window in set(self.windows)}
         delta = None
         for i, layer in enumerate(self.layers):
-            residual, delta = layer(residual, delta, rope, keys[i], values[i], write_at, mask,
-                                    kv_len)
+            residual, delta = layer(residual, delta, rope, keys[i], values[i], write_at,
+                                    masks[self.windows[i]], kv_len)
         _, x = self.norm(delta[:, -1], residual[:, -1])
         logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
         return logits.float()

@@ -2,9 +2,9 @@
 decoder (engine/inference_modules.py), per architecture, or why an architecture or variant
 has no inference modules (`Unsupported`).
 
-Supported families: Llama (also Mistral without sliding window, Qwen2, Qwen3 with its
-per-head query/key norms, and Phi-3/Phi-4 with their fused projections and partial rotary
-embedding), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
+Supported families: Llama (also Mistral, Qwen2, Qwen3 with its per-head query/key norms,
+and Phi-3/Phi-4 with their fused projections and partial rotary embedding; sliding-window
+attention, on every layer or on some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
 Weights are not taken from the model here: the plan lists, for every inference parameter,
 the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
 engine can fill it while it gathers one FSDP unit at a time.
@@ -51,6 +51,9 @@ class DecoderSpec:
     scale_query_first: bool = False  # OPT scales q before the dot product, as HF does
     tied_head: bool = False
     qk_norm: bool = False       # RMSNorm of each query and key head before rotation (Qwen3)
+    # per layer, the sliding window its queries attend within (a key at most window - 1
+    # slots back), 0 for full attention; () for full attention in every layer
+    windows: tuple[int, ...] = ()
 
 
 @dataclass
@@ -97,8 +100,6 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
     _check_rope(rope)
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise Unsupported("sliding-window attention")
     first = layer_prefixes[0]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -117,7 +118,8 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
         # Phi-3 rotates the dims its rotary module has angles for: 12 of 16 at a factor of
         # 0.7 (0.7 x 16 = 11.2, the frequencies over every other of 11 dims)
         rotary_dim=2 * rotary.inv_freq.numel() if fused else head_dim,
-        tied_head=_tied_head(model), qk_norm=qk_norm)
+        tied_head=_tied_head(model), qk_norm=qk_norm,
+        windows=_windows(model, [f"{prefix}.self_attn" for prefix in layer_prefixes]))
     layer = {"attn_norm.weight": ["input_layernorm.weight"], "qkv.weight": qkv,
              "out.weight": ["self_attn.o_proj.weight"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
@@ -129,6 +131,18 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
                   "k_norm.weight": ["self_attn.k_norm.weight"]}
     root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     return _assemble(spec, root, layer, layer_prefixes, rotary)
+
+
+def _windows(model: PreTrainedModel, attention: list[str]) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as the model's attention applies
+    it: Qwen2 and Qwen3 keep one a layer (their `layer_types`; None where the layer attends
+    fully), Mistral and Phi-3 read the config's on every layer, and Llama has none (it
+    ignores a `sliding_window` in its config)."""
+    default = (getattr(model.config, "sliding_window", None)
+               if model.config.model_type in ("mistral", "phi3") else None)
+    windows = tuple(getattr(model.get_submodule(name), "sliding_window", default) or 0
+                    for name in attention)
+    return windows if any(windows) else ()
 
 
 def _opt(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:

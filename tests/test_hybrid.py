@@ -390,8 +390,8 @@ def test_unsupported_variants_name_the_reason():
     with pytest.raises(Unsupported, match="post-norm"):
         plan(opt, ["model.decoder.layers.0", "model.decoder.layers.1"])
     llama = load_causal_lm("tiny-llama", TOK)
-    llama.config.sliding_window = 16
-    with pytest.raises(Unsupported, match="sliding-window"):
+    llama.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(Unsupported, match="'dynamic' changes with the sequence length"):
         plan(llama, ["model.layers.0", "model.layers.1"])
     bloom = BloomForCausalLM(BloomConfig(vocab_size=300, hidden_size=32, n_layer=1, n_head=2))
     with pytest.raises(Unsupported, match="model type 'bloom'"):
@@ -408,20 +408,9 @@ def test_fallback_is_logged_once(capsys):
     assert out.count("hybrid engine: OPTForCausalLM: post-norm OPT") == 1, out
 
 
-@pytest.mark.parametrize("model_type,settings", [
-    ("qwen2", {"tie_word_embeddings": False}), ("mistral", {"sliding_window": None}),
-    ("llama", {"head_dim": 64, "rope_parameters": {     # Llama 3.1's rope
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
-    # a rotary share whose width rounds: 0.7 x 16 dims, of which HF rotates 12
-    ("phi3", {"sliding_window": None, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}})])
-def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
-    """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
-    (made non-zero), Mistral, a Llama with Llama 3.1's rope scaling and a head wider than
-    hidden / heads, and Phi-3's fused projections with a partial rotary embedding:
-    injected, and HF generate's answers, greedy and row-seeded sampled; then the same
-    through the hybrid engine with LoRA (folded into the fused weights) on every Linear."""
+def _llama_kin(model_type: str, **settings):
+    """A small random model of a Llama-plan family from its own config, whose answers end
+    at different lengths, with its biases (where it has them) made non-zero."""
     config = AutoConfig.for_model(
         model_type, vocab_size=len(TOK), hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -430,9 +419,52 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.get_output_embeddings().weight[EOS] *= 3   # some answers end early
-        biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
-        for bias in biases:
-            bias.normal_(0, 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    return model
+
+
+def test_a_sliding_window_holds_in_the_static_step_group_prefill_and_compaction():
+    """Mistral's 5-slot window through the decode paths that move slots and rows: the
+    fixed-shape step, one prefill a group of 2, and the batch shrinking to its live rows
+    (12 rows, row-seeded): HF generate's answers."""
+    model = _llama_kin("mistral", sliding_window=5)
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 4   # most rows end by step 32: the batch shrinks
+    decoder = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32).model
+    ids, mask = _batch(PROMPTS[:6])
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+    sampling = SamplingSettings(max_new_tokens=40, temperature=0.9)
+    kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=torch.arange(len(ids)))
+    want = generate(model, ids, mask, sampling, **kwargs)
+    got = decode.generate(decoder, ids, mask, sampling, static=True, group_size=2, **kwargs)
+    assert torch.equal(got, want)
+    assert len(decoder.cache.static_steps) == 2   # 12 rows, then 8 after a compaction
+
+
+@pytest.mark.parametrize("model_type,settings", [
+    ("qwen2", {"tie_word_embeddings": False}), ("mistral", {"sliding_window": None}),
+    # sliding windows shorter than prompt and answer: on every layer, or on the second
+    ("mistral", {"sliding_window": 5}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ("llama", {"head_dim": 64, "rope_parameters": {     # Llama 3.1's rope
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    # a rotary share whose width rounds: 0.7 x 16 dims, of which HF rotates 12
+    # (and Phi-3-mini-4k's window on every layer)
+    ("phi3", {"sliding_window": 7, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}})])
+def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
+    """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
+    (made non-zero), Mistral, sliding windows (Mistral's and Phi-3's on every layer,
+    Qwen2's above max_window_layers), a Llama with Llama 3.1's rope scaling and a head wider than
+    hidden / heads, and Phi-3's fused projections with a partial rotary embedding:
+    injected, and HF generate's answers, greedy and row-seeded sampled; then the same
+    through the hybrid engine with LoRA (folded into the fused weights) on every Linear."""
+    model = _llama_kin(model_type, **settings)
+    config = model.config
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
     assert bool(biases) == (model_type == "qwen2")
     form = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32)
     assert form.injected
@@ -450,6 +482,16 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
 
     plain = answers(form.generate, model)
     assert any((want[:, ids.shape[1]:] == EOS).any() for want in plain)   # some end early
+    window = settings.get("sliding_window")
+    if window:   # where windowed, the window binds: without it HF answers otherwise
+        assert form.model.spec.windows == ((0, window) if model_type == "qwen2"
+                                           else (window,) * 2)
+        unlimited = AutoModelForCausalLM.from_config(type(config)(**{
+            **config.to_dict(), "sliding_window": None, "layer_types": None,
+            "use_sliding_window": False})).eval()
+        unlimited.load_state_dict(model.state_dict())
+        assert not torch.equal(generate(unlimited, ids, mask, SamplingSettings(
+            20, do_sample=False), eos_token_id=EOS, pad_token_id=PAD), plain[0])
     adapted = apply_lora(model, LoraConfig(dim=4))
     with torch.no_grad():
         for name, param in adapted.named_parameters():
@@ -488,13 +530,13 @@ def test_inference_form_matches_hf_generate_and_streams(preset, caplog):
 
 
 def test_the_fallback_copies_keep_their_buffers_dtype():
-    """A model without an inference plan (a sliding window, as Mistral-7B-v0.1's) generates
+    """A model without an inference plan (a rope that changes with the length) generates
     from a plain copy (the hybrid engine) or from itself moved (inference_form), in the
     compute dtype: its buffers keep theirs, as from_pretrained keeps a bf16 model's rotary
     inv_freq in fp32 (rounded to bf16, position 4000's angles turn by up to 0.6 rad)."""
     bf16 = Runtime(torch.device("cpu"), torch.bfloat16, 0, 1, 0)
     model = load_causal_lm("tiny-llama", TOK, seed=3)
-    model.config.sliding_window = 4096
+    model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     want = model.model.rotary_emb.inv_freq.clone()
     engine = HybridEngine(copy.deepcopy(model), OptimConfig(), 10, bf16, hybrid=HybridConfig(),
                           lr=1e-3)
