@@ -38,7 +38,8 @@ class KVCache:
                  device: torch.device):
         self.shape = (2, spec.layers, batch, spec.kv_heads, length, spec.head_dim)
         self.dtype, self.device = dtype, device
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin per position
+        # cos, sin per position, by rope type (InferenceDecoder._rope_tables)
+        self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         # decode steps captured over this cache (engine/decode.py), by their shapes
         self.static_steps: dict = {}
         self.restores = self.moves = 0   # restores, and those that dropped the steps
@@ -95,7 +96,8 @@ class _Norm(nn.Module):
     def __init__(self, spec: DecoderSpec, size: int | None = None):
         super().__init__()
         size = size or spec.hidden   # a head's dims for Qwen3's query/key norms
-        self.rms, self.eps = spec.norm == "rms", spec.norm_eps
+        self.rms, self.eps = spec.norm != "layer", spec.norm_eps
+        self.plus_one = spec.norm == "gemma"
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.bias = None if self.rms else nn.Parameter(torch.empty(size), requires_grad=False)
         self.fused = False
@@ -103,7 +105,8 @@ class _Norm(nn.Module):
     def forward(self, delta: torch.Tensor | None, residual: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         add_norm = kernels.add_norm if self.fused else kernels.add_norm_reference
-        return add_norm(delta, residual, self.weight, self.bias, self.eps, self.rms)
+        return add_norm(delta, residual, self.weight, self.bias, self.eps, self.rms,
+                        self.plus_one)
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
@@ -116,6 +119,8 @@ class _Layer(nn.Module):
         self.spec = spec
         q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
         self.attn_norm, self.mlp_norm = _Norm(spec), _Norm(spec)
+        if spec.sandwich_norms:   # Gemma 2 and 3: on attention's and the MLP's outputs
+            self.post_attn_norm, self.post_mlp_norm = _Norm(spec), _Norm(spec)
         if spec.qk_norm:
             self.q_norm, self.k_norm = _Norm(spec, spec.head_dim), _Norm(spec, spec.head_dim)
         self.qkv = _linear(spec.hidden, q + 2 * kv, spec.qkv_bias)
@@ -148,22 +153,27 @@ class _Layer(nn.Module):
             q = kernels.rope_into_cache(
                 qkv, *(rope or (None, None)), keys, values, write_at, spec.heads,
                 spec.kv_heads, spec.head_dim, spec.rotary_dim if rope else 0,
-                spec.head_dim ** -0.5 if spec.scale_query_first else 1.0)
+                spec.scale if spec.scale_query_first else 1.0)
         else:
             q = self._queries_into_cache(qkv, rope, keys, values, write_at)
-        scale = 1.0 if spec.scale_query_first else spec.head_dim ** -0.5
+        scale = 1.0 if spec.scale_query_first else spec.scale
         if self.fused_attention and q.shape[2] == 1:   # a decode step
             attn = kernels.decode_attention(q, keys, values, mask[:, 0, 0], write_at, scale)
         else:
             if kv_len is not None:
                 keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-            attn = _grouped_attention(q, keys, values, mask, scale)
+            attn = _grouped_attention(q, keys, values, mask, scale, spec.attention_softcap)
         attn = self.out(attn)
         if spec.parallel_residual:   # the MLP reads the block's input, not attention's output
             _, h = self.mlp_norm(None, residual)
             return residual, attn + self._mlp(h)
+        if spec.sandwich_norms:
+            _, attn = self.post_attn_norm(None, attn)
         residual, h = self.mlp_norm(attn, residual)
-        return residual, self._mlp(h)
+        out = self._mlp(h)
+        if spec.sandwich_norms:
+            _, out = self.post_mlp_norm(None, out)
+        return residual, out
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [B, T, ...] with each query head normed by q_norm and each key head by
@@ -183,7 +193,7 @@ class _Layer(nn.Module):
         spec = self.spec
         q, k, v = qkv.split(self.splits, dim=-1)
         if spec.scale_query_first:
-            q = q * spec.head_dim ** -0.5
+            q = q * spec.scale
         # [B, T, heads * d] -> [B, heads, T, d]
         q, k, v = (x.unflatten(-1, (-1, spec.head_dim)).transpose(1, 2) for x in (q, k, v))
         if rope is not None:
@@ -208,14 +218,18 @@ class _Layer(nn.Module):
             if isinstance(module, _Norm):   # attn_norm, mlp_norm (and q_norm, k_norm)
                 module.fused = enabled
         self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
-        self.fused_rope = self.fused_attention = enabled
+        self.fused_rope = enabled
+        # the decode kernel does not softcap the scores (Gemma 2's attention)
+        self.fused_attention = enabled and not self.spec.attention_softcap
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+                       mask: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """SDPA with grouped KV heads, without repeating the cache: the G query heads that share
     a KV head become G x T query rows of that head (every SDPA backend takes this, while
-    few take `enable_gqa` together with a mask).
+    few take `enable_gqa` together with a mask). With `softcap` (which SDPA cannot apply)
+    the scores are cap * tanh(scores / cap) before the mask, as Hugging Face's eager
+    attention computes them, softmax in fp32.
 
     q: [B, H, T, d]; keys, values: [B, Hkv, S, d]; mask: [B, 1, T, S] -> [B, T, H * d]."""
     b, heads, t, d = q.shape
@@ -224,7 +238,12 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     if groups > 1:   # query head h reads KV head h // groups, as HF's repeat_kv arranges
         q = q.reshape(b, kv_heads, groups * t, d)
         mask = mask.expand(b, 1, t, mask.shape[-1]).repeat(1, 1, groups, 1)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if softcap:
+        scores = torch.tanh(q @ keys.transpose(-1, -2) * scale / softcap) * softcap
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
+        out = weights.to(q.dtype) @ values
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
 
 
@@ -264,6 +283,7 @@ class InferenceDecoder(nn.Module):
         self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
         self.rotary = plan.rotary
         self.windows = spec.windows or (0,) * spec.layers   # each layer's sliding window
+        self.rope_types = spec.rope_types or (None,) * spec.layers   # each layer's angles
         self.cache: KVCache | None = None
         self.steps_built = 0   # static decode steps made (captured, on CUDA) so far
         self.times = DecodeTimes()   # prefills' and decode steps' running totals
@@ -311,22 +331,31 @@ class InferenceDecoder(nn.Module):
             self.cache.free()
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor):
-        """tokens, positions: [B, T] -> hidden [B, T, H], rope (cos, sin) or None."""
+        """tokens, positions: [B, T] -> hidden [B, T, H] and, by rope type (None: the one
+        set of angles), rope (cos, sin) [B, 1, T, rotary_dim] (None without rotary)."""
         x = self.embed(tokens)
+        if self.spec.embed_scale:   # Gemma, in the weights' dtype as HF scales
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.positions is not None:
-            return x + self.positions(positions + self.spec.position_offset), None
-        cos, sin = self.cache.rope
-        return x, (cos[positions][:, None], sin[positions][:, None])
+            x = x + self.positions(positions + self.spec.position_offset)
+            return x, dict.fromkeys(self.rope_types)
+        return x, {kind: (cos[positions][:, None], sin[positions][:, None])
+                   for kind, (cos, sin) in self.cache.rope.items()}
 
-    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos, sin [length, head_dim] of positions 0..length-1 from the model's own rotary
-        module (every rope variant it implements), looked up per token instead of
-        recomputed: the same values, elementwise, as computing them per position."""
+    def _rope_tables(self, length: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """By rope type, cos, sin [length, head_dim] of positions 0..length-1 from the
+        model's own rotary module (every rope variant it implements), looked up per token
+        instead of recomputed: the same values, elementwise, as computing them per position."""
         if self.rotary is None:
-            return None
+            return {}
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
-        return cos[0], sin[0]
+        positions = torch.arange(length, device=self.device)[None]
+        tables = {}
+        for kind in set(self.rope_types):
+            cos, sin = (self.rotary(probe, positions) if kind is None
+                        else self.rotary(probe, positions, kind))
+            tables[kind] = cos[0], sin[0]
+        return tables
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
                 mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -334,14 +363,17 @@ class InferenceDecoder(nn.Module):
         """Run tokens [B, T] at `positions` [B, T] through the layers, writing their keys
         and values into cache slots `write_at` [T]; returns the last token's logits [B, V]
         in fp32."""
-        residual, rope = self._embed(tokens, positions)
+        residual, ropes = self._embed(tokens, positions)
         masks = {window: _within(mask, write_at, window) for window in set(self.windows)}
         delta = None
         for i, layer in enumerate(self.layers):
-            residual, delta = layer(residual, delta, rope, keys[i], values[i], write_at,
-                                    masks[self.windows[i]], kv_len)
+            residual, delta = layer(residual, delta, ropes[self.rope_types[i]], keys[i],
+                                    values[i], write_at, masks[self.windows[i]], kv_len)
         _, x = self.norm(delta[:, -1], residual[:, -1])
         logits = F.linear(x, self.embed.weight) if self.head is None else self.head(x)
+        if self.spec.logit_softcap:   # Gemma 2, in the logits' dtype as HF caps them
+            cap = self.spec.logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     def use_fused_kernels(self, enabled: bool) -> None:

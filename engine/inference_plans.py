@@ -13,6 +13,7 @@ engine can fill it while it gathers one FSDP unit at a time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,7 +38,7 @@ class DecoderSpec:
     kv_heads: int
     head_dim: int
     ffn: int
-    norm: str                   # "rms" (Llama) | "layer" (OPT)
+    norm: str                   # "rms" (Llama) | "gemma" (RMS times 1 + w) | "layer" (OPT)
     norm_eps: float
     activation: str             # key of transformers' ACT2FN
     gated_mlp: bool             # act(gate(x)) * up(x) (Llama) or act(fc1(x)) (OPT)
@@ -54,6 +55,22 @@ class DecoderSpec:
     # per layer, the sliding window its queries attend within (a key at most window - 1
     # slots back), 0 for full attention; () for full attention in every layer
     windows: tuple[int, ...] = ()
+    # per layer, the rotary module's `layer_type` for its angles (Gemma 3's local and global
+    # bases); () for one set of angles
+    rope_types: tuple[str, ...] = ()
+    # Gemma: the input embeddings times this (sqrt(hidden)); a norm after attention and
+    # after the MLP besides the two before them; attention scaled by attention_scale
+    # rather than head_dim ** -0.5; scores and logits softcapped: cap * tanh(x / cap)
+    embed_scale: float = 0.0
+    sandwich_norms: bool = False
+    attention_scale: float = 0.0
+    attention_softcap: float = 0.0
+    logit_softcap: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.attention_scale or self.head_dim ** -0.5
 
 
 @dataclass
@@ -90,13 +107,26 @@ def _tied_head(model: PreTrainedModel) -> bool:
 
 
 def _check_rope(rope: dict) -> None:
-    if rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        raise Unsupported(f"rope type {rope['rope_type']!r} changes with the sequence length")
+    """Refuse a rope whose angles change with the sequence length (of each layer kind's, as
+    Gemma 3 keeps one a kind)."""
+    for each in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope
+                 else [rope]):
+        if each.get("rope_type", "default") in ("dynamic", "longrope"):
+            raise Unsupported(f"rope type {each['rope_type']!r} changes with the sequence "
+                              "length")
 
 
 def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = False) -> Plan:
     """Llama and its kin; `fused`: Phi-3's Q/K/V and gate/up projections, each one Linear
     (in our order already), and its partial rotary embedding."""
+    spec, root, layer, rotary = _llama_parts(model, layer_prefixes, fused)
+    return _assemble(spec, root, layer, layer_prefixes, rotary)
+
+
+def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = False
+                 ) -> tuple[DecoderSpec, dict[str, list[str]], dict[str, list[str]], nn.Module]:
+    """The Llama plan's spec, root and per-layer sources and rotary module (`_assemble`'s
+    arguments), for `_llama` and the families that vary it."""
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
     _check_rope(rope)
@@ -111,7 +141,9 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
-        activation=config.hidden_act, gated_mlp=True,
+        # (Gemma 2 and 3 name it hidden_activation)
+        activation=getattr(config, "hidden_activation", None) or config.hidden_act,
+        gated_mlp=True,
         qkv_bias=_has_bias(model, f"{first}.{qkv[0].removesuffix('.weight')}"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
         mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
@@ -130,6 +162,36 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
         layer |= {"q_norm.weight": ["self_attn.q_norm.weight"],
                   "k_norm.weight": ["self_attn.k_norm.weight"]}
     root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    return spec, root, layer, rotary
+
+
+def _gemma(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    """Gemma 1, 2 and 3 (text): Llama's layout with RMSNorms that scale by 1 + w, embeddings
+    times sqrt(hidden) and GeGLU; Gemma 2 and 3 add a norm after attention and after the
+    MLP, a query scale of their own and sliding windows on alternate layers; Gemma 2
+    softcaps the attention scores and the logits, Gemma 3 norms each query and key head
+    and gives its local layers a rope of their own."""
+    config = model.config
+    if getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("bidirectional attention (an embedding model)")
+    spec, root, layer, rotary = _llama_parts(model, layer_prefixes)
+    sandwich = hasattr(model.get_submodule(layer_prefixes[0]), "pre_feedforward_layernorm")
+    rope_types = ()
+    if isinstance(getattr(rotary, "layer_types", None), list):   # Gemma 3: angles a kind
+        rope_types = tuple(model.get_submodule(f"{prefix}.self_attn").layer_type
+                           for prefix in layer_prefixes)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    # Gemma 3's config keeps attn_logit_softcapping, which its attention does not apply
+    softcap = config.model_type == "gemma2" and config.attn_logit_softcapping
+    spec = dataclasses.replace(
+        spec, norm="gemma", embed_scale=config.hidden_size ** 0.5, sandwich_norms=sandwich,
+        rope_types=rope_types, attention_scale=scalar ** -0.5 if scalar else 0.0,
+        attention_softcap=softcap or 0.0,
+        logit_softcap=getattr(config, "final_logit_softcapping", None) or 0.0)
+    if sandwich:   # Gemma 2's post_attention_layernorm norms attention's output
+        layer |= {"mlp_norm.weight": ["pre_feedforward_layernorm.weight"],
+                  "post_attn_norm.weight": ["post_attention_layernorm.weight"],
+                  "post_mlp_norm.weight": ["post_feedforward_layernorm.weight"]}
     return _assemble(spec, root, layer, layer_prefixes, rotary)
 
 
@@ -231,8 +293,8 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
 
 
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama,
-             "phi3": partial(_llama, fused=True), "opt": _opt, "gpt2": _gpt2,
-             "gpt_neox": _gpt_neox}
+             "phi3": partial(_llama, fused=True), "gemma": _gemma, "gemma2": _gemma,
+             "gemma3_text": _gemma, "opt": _opt, "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],

@@ -43,14 +43,17 @@ def triton_available() -> bool:
 # -- the PyTorch formulas (CPU path, and what the kernels must equal) --------------------------
 
 def add_norm_reference(delta: torch.Tensor | None, residual: torch.Tensor,
-                       weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + delta, norm(residual + delta)) with Llama's RMSNorm (rms) or LayerNorm."""
+                       weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
+                       plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + delta, norm(residual + delta)) with Llama's RMSNorm (rms), Gemma's
+    (rms and plus_one: scaled by 1 + weight in fp32, rounded after) or LayerNorm."""
     x = residual if delta is None else residual + delta
     if not rms:
         return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return x, (x32 * (1.0 + weight.float())).to(x.dtype)
     return x, weight * x32.to(x.dtype)
 
 
@@ -101,7 +104,7 @@ def _part_by_part(matmul, x: torch.Tensor, parts: IntegerParts, bias: torch.Tens
 # -- Triton (engine/triton_kernels.py, imported only when a kernel is first used) -------------
 
 def add_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None, eps: float, rms: bool
+             bias: torch.Tensor | None, eps: float, rms: bool, plus_one: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused `add_norm_reference`: one pass over [..., H] contiguous rows."""
     from engine import triton_kernels as tk
@@ -112,7 +115,7 @@ def add_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     tk.add_norm_kernel[(residual.numel() // n_cols,)](
         residual if delta is None else delta.contiguous(), residual, weight,
         weight if bias is None else bias, total, out, n_cols, eps,
-        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms,
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, PLUS_ONE=plus_one,
         BLOCK=tk.triton.next_power_of_2(n_cols))
     return total, out
 

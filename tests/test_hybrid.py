@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     BloomConfig,
     BloomForCausalLM,
@@ -39,6 +38,7 @@ from tests.harness.environment import child_env
 from tests.harness.hybrid_check import (
     POST_NORM_OPT,
     PROMPTS,
+    llama_kin,
     model_with_answers_that_end,
     run_cases,
 )
@@ -408,28 +408,11 @@ def test_fallback_is_logged_once(capsys):
     assert out.count("hybrid engine: OPTForCausalLM: post-norm OPT") == 1, out
 
 
-def _llama_kin(model_type: str, **settings):
-    """A small random model of a Llama-plan family from its own config, whose answers end
-    at different lengths, with its biases (where it has them) made non-zero."""
-    config = AutoConfig.for_model(
-        model_type, vocab_size=len(TOK), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, eos_token_id=EOS, pad_token_id=PAD, **settings)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight[EOS] *= 3   # some answers end early
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.1)
-    return model
-
-
 def test_a_sliding_window_holds_in_the_static_step_group_prefill_and_compaction():
     """Mistral's 5-slot window through the decode paths that move slots and rows: the
     fixed-shape step, one prefill a group of 2, and the batch shrinking to its live rows
     (12 rows, row-seeded): HF generate's answers."""
-    model = _llama_kin("mistral", sliding_window=5)
+    model = llama_kin("mistral", sliding_window=5)
     with torch.no_grad():
         model.lm_head.weight[EOS] *= 4   # most rows end by step 32: the batch shrinks
     decoder = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32).model
@@ -454,15 +437,29 @@ def test_a_sliding_window_holds_in_the_static_step_group_prefill_and_compaction(
     # a rotary share whose width rounds: 0.7 x 16 dims, of which HF rotates 12
     # (and Phi-3-mini-4k's window on every layer)
     ("phi3", {"sliding_window": 7, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}})])
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}}),
+    # Gemma: (1 + w) norms, embeddings times sqrt(hidden), GeGLU, a head of its own width
+    ("gemma", {"head_dim": 24}),
+    # Gemma 2: four norms a layer, its own query scale, softcapped scores and logits
+    # (eager attention in HF), a window on alternate layers
+    ("gemma2", {"head_dim": 24, "query_pre_attn_scalar": 20, "attn_logit_softcapping": 0.5,
+                "final_logit_softcapping": 0.5, "sliding_window": 5}),
+    # Gemma 3: per-head query/key norms, and local layers with a rope base of their own
+    ("gemma3_text", {"head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 5,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "rope_parameters": {
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                            "factor": 8.0}}})])
 def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
     (made non-zero), Mistral, sliding windows (Mistral's and Phi-3's on every layer,
     Qwen2's above max_window_layers), a Llama with Llama 3.1's rope scaling and a head wider than
-    hidden / heads, and Phi-3's fused projections with a partial rotary embedding:
+    hidden / heads, Phi-3's fused projections with a partial rotary embedding, and Gemma
+    1, 2 and 3 (their norm weights made non-zero):
     injected, and HF generate's answers, greedy and row-seeded sampled; then the same
     through the hybrid engine with LoRA (folded into the fused weights) on every Linear."""
-    model = _llama_kin(model_type, **settings)
+    model = llama_kin(model_type, **settings)
     config = model.config
     biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
     assert bool(biases) == (model_type == "qwen2")
@@ -484,11 +481,11 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     assert any((want[:, ids.shape[1]:] == EOS).any() for want in plain)   # some end early
     window = settings.get("sliding_window")
     if window:   # where windowed, the window binds: without it HF answers otherwise
-        assert form.model.spec.windows == ((0, window) if model_type == "qwen2"
-                                           else (window,) * 2)
+        assert form.model.spec.windows == {"qwen2": (0, window), "gemma2": (window, 0),
+                                           "gemma3_text": (window, 0)}.get(
+                                               model_type, (window, window))
         unlimited = AutoModelForCausalLM.from_config(type(config)(**{
-            **config.to_dict(), "sliding_window": None, "layer_types": None,
-            "use_sliding_window": False})).eval()
+            **config.to_dict(), "sliding_window": 4096})).eval()
         unlimited.load_state_dict(model.state_dict())
         assert not torch.equal(generate(unlimited, ids, mask, SamplingSettings(
             20, do_sample=False), eos_token_id=EOS, pad_token_id=PAD), plain[0])
@@ -496,7 +493,7 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     with torch.no_grad():
         for name, param in adapted.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.05)
+                param.normal_(0, 0.1)
     engine = _engine(copy.deepcopy(adapted))
     assert engine.injected
     adapted_answers = answers(engine.generate, adapted.eval())

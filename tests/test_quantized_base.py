@@ -254,17 +254,30 @@ def copy_the_integers(monkeypatch) -> None:
     monkeypatch.setattr(hybrid, "shareable", lambda *args: False)
 
 
-def phi3_dir(tok, path) -> str:
-    """A random Phi-3 (fused Q/K/V and gate/up projections, 3/4 of each head rotated) saved
-    as a model directory: no preset builds one."""
+# families no preset builds, saved as model directories: Phi-3 (fused Q/K/V and gate/up
+# projections, 3/4 of each head rotated), Gemma 2 (four (1 + w) norms a layer, softcaps, a
+# window) and Gemma 3 (query/key norms, a local rope)
+SAVED = {"phi3": dict(sliding_window=None, rope_parameters={
+             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
+         "gemma2": dict(head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=1.0,
+                        sliding_window=4, query_pre_attn_scalar=24),
+         "gemma3_text": dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24)}
+
+
+def saved_dir(tok, model_type: str, path) -> str:
+    """A random model of `model_type` (SAVED's settings) saved as a model directory."""
     config = AutoConfig.for_model(
-        "phi3", vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+        model_type, vocab_size=len(tok), hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, sliding_window=None, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, rope_parameters={
-            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+        max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, **SAVED[model_type])
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():   # Gemma's norms scale by 1 + w, w starting at 0: make each count
+        for name, param in model.named_parameters():
+            if model_type != "phi3" and "norm" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
 
@@ -272,7 +285,8 @@ def phi3_dir(tok, path) -> str:
 @pytest.mark.parametrize("spec,bits,in_place", [
     ("tiny-llama", 8, True), ("tiny-llama", 4, True), ("tiny-opt", 8, True),
     ("tiny-opt", 4, True), ("tiny-llama", 8, False), ("tiny-opt", 4, False),
-    ("tiny-qwen3", 4, True), ("tiny-qwen3", 8, False), ("phi3", 4, True), ("phi3", 8, False)])
+    ("tiny-qwen3", 4, True), ("tiny-qwen3", 8, False), ("phi3", 4, True), ("phi3", 8, False),
+    ("gemma2", 4, True), ("gemma3_text", 8, False)])
 def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, in_place,
                                                                      tmp_path, monkeypatch):
     """The hybrid engine generates from the integers with LoRA beside them (the default:
@@ -281,13 +295,13 @@ def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, 
     dequantized weights): the same greedy answers, token for token."""
     if not in_place:
         copy_the_integers(monkeypatch)
-    if spec == "phi3":
-        spec = phi3_dir(tok, tmp_path / "phi3")
+    if spec in SAVED:
+        spec = saved_dir(tok, spec, tmp_path / spec)
     model = quantized_lora_model(tok, bits, spec)
     perturb_adapters(model)
     with torch.no_grad():   # Qwen3's query/key norms start at 1: make each count
         for name, param in model.named_parameters():
-            if "q_norm" in name or "k_norm" in name:
+            if ("q_norm" in name or "k_norm" in name) and "gemma" not in str(spec):
                 param.uniform_(0.5, 1.5)
     merged = AutoModelForCausalLM.from_pretrained(
         TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3).export(tok, tmp_path / "a")).eval()

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from engine.config import HybridConfig, LoraConfig, OptimConfig  # noqa: E402
 from engine.generation import SamplingSettings, generate  # noqa: E402
@@ -76,6 +76,27 @@ def model_with_answers_that_end(preset: str, lora: int, eos: int) -> torch.nn.Mo
                 param.normal_(0, 0.05)
             elif "q_norm" in name or "k_norm" in name:   # Qwen3's start at 1: make each count
                 param.uniform_(0.5, 1.5)
+    return model
+
+
+def llama_kin(model_type: str, **settings) -> torch.nn.Module:
+    """A small random model of a Llama-plan family from its own config, whose answers end
+    at different lengths, with its biases (where it has them) made non-zero."""
+    tok = byte_tokenizer()
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, **settings)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tok.eos_token_id] *= 3   # some answers end early
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+            elif "gemma" in model_type and "norm" in name:   # 1 + w: each w counts
+                param.normal_(0, 0.3)
     return model
 
 

@@ -49,18 +49,21 @@ def _fp32(*tensors):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rms", [True, False])
+@pytest.mark.parametrize("norm", ["rms", "gemma", "layer"])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_norm_equals_the_pytorch_formula(dtype, rms, with_delta):
+def test_add_norm_equals_the_pytorch_formula(dtype, norm, with_delta):
     gen = torch.Generator().manual_seed(0)
+    rms, plus_one = norm != "layer", norm == "gemma"
     residual = torch.randn(3, 5, 96, generator=gen).to(DEVICE, dtype)   # 96: not a power of 2
     delta = torch.randn(3, 5, 96, generator=gen).to(DEVICE, dtype) if with_delta else None
-    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
+    # Gemma keeps the scale as 1 + weight, its weights near 0
+    weight = ((0 if plus_one else 1) + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
     bias = None if rms else (0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
-    got_sum, got = kernels.add_norm(delta, residual, weight, bias, 1e-5, rms)
+    got_sum, got = kernels.add_norm(delta, residual, weight, bias, 1e-5, rms, plus_one)
     total = residual if delta is None else (residual.float() + delta.float()).to(dtype)
     _assert_close(got_sum, total)            # the residual stream, rounded to its dtype
-    _, want = kernels.add_norm_reference(None, *_fp32(total, weight, bias), 1e-5, rms)
+    _, want = kernels.add_norm_reference(None, *_fp32(total, weight, bias), 1e-5, rms,
+                                         plus_one)
     assert got.dtype == dtype
     _assert_close(got, want)
 
@@ -138,7 +141,7 @@ def test_rope_into_cache_equals_the_pytorch_formula(dtype, rotary_dim):
     gen = torch.Generator().manual_seed(rotary_dim)
     b, t, heads, kv_heads, d = 3, 2, 4, 2, 16
     spec = SimpleNamespace(scale_query_first=rotary_dim == 0, head_dim=d,
-                           rotary_dim=rotary_dim)
+                           rotary_dim=rotary_dim, scale=d ** -0.5)
     layer = SimpleNamespace(spec=spec, splits=(heads * d, kv_heads * d, kv_heads * d))
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     angles = torch.randn(b, 1, t, rotary_dim, generator=gen)
@@ -233,6 +236,43 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
     for mode in modes:
         got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampled,
                               row_seeds=seeds, **kwargs, **mode)
+        assert torch.equal(got, want), mode
+
+
+GEMMA = {  # Gemma 2's softcapped attention (its decode step unfused) and Gemma 3's windowed,
+          # through the fused decode attention, with a local rope of its own
+    "gemma2": dict(head_dim=24, query_pre_attn_scalar=20, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=0.5, sliding_window=5),
+    "gemma3_text": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
+                        layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})}
+
+
+@pytest.mark.parametrize("model_type", GEMMA)
+def test_a_gemma_decoder_with_fused_kernels_matches_hf_generate(model_type):
+    """Gemma's (1 + w) norms in the fused add+norm kernel, its sliding windows in the
+    fused decode attention over the whole static cache: HF generate's greedy answers."""
+    from engine import decode
+    from engine.generation import SamplingSettings, generate
+    from engine.inference_form import inference_form
+    from engine.models import byte_tokenizer
+    from steps.tokenize import collate_prompts
+    from tests.harness.hybrid_check import PROMPTS, llama_kin
+
+    tok = byte_tokenizer()
+    model = llama_kin(model_type, **GEMMA[model_type]).to(DEVICE)
+    decoder = inference_form(copy.deepcopy(model), DEVICE, torch.float32).model
+    decoder.use_fused_kernels(True)
+    assert decoder.layers[0].fused_attention == (model_type == "gemma3_text")
+    batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    sampling = SamplingSettings(max_new_tokens=12, do_sample=False)
+    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    want = generate(model, batch["input_ids"], batch["attention_mask"], sampling, **kwargs)
+    for mode in [{"static": True}] + ([{"cuda_graph": True}] if DEVICE.type == "cuda" else []):
+        got = decode.generate(decoder, batch["input_ids"], batch["attention_mask"], sampling,
+                              **kwargs, **mode)
         assert torch.equal(got, want), mode
 
 
