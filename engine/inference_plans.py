@@ -3,8 +3,9 @@ decoder (engine/inference_modules.py), per architecture, or why an architecture 
 has no inference modules (`Unsupported`).
 
 Supported families: Llama (also Mistral, Qwen2, Qwen3 with its per-head query/key norms,
-and Phi-3/Phi-4 with their fused projections and partial rotary embedding; sliding-window
-attention, on every layer or on some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
+Phi-3/Phi-4 with their fused projections and partial rotary embedding, and Gemma 1-3 with
+their own norms, scales, softcaps and per-kind ropes; sliding-window attention, on every
+layer or on some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
 Weights are not taken from the model here: the plan lists, for every inference parameter,
 the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
 engine can fill it while it gathers one FSDP unit at a time.
