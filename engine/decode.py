@@ -69,7 +69,8 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     Without `on_token` the loop reads nothing from the device per token (see
     ENDED_CHECK_EVERY): one CUDA graph replay after another; and when rows are sampled
     per row (greedy, or `row_seeds`) it drops ended rows as it goes (COMPACT_MIN_ROWS),
-    which changes no row's tokens."""
+    which changes no row's tokens (but for a longrope model that can switch its angles
+    within the generation: they follow the whole batch's largest position)."""
     b, p = input_ids.shape
     _check_groups(input_ids, attention_mask, group_size)
     length = p + sampling.max_new_tokens
@@ -97,7 +98,8 @@ def _generate(model: InferenceDecoder, input_ids: torch.Tensor, attention_mask: 
     out, steps = _decode(model, batch, logits, out, p, sampling, width, cuda_graph, chooser,
                          eos_token_id, pad_token_id, on_token,
                          compacts=on_token is None and (row_seeds is not None
-                                                        or not sampling.do_sample))
+                                                        or not sampling.do_sample)
+                         and not model.angles_switch_within(length))
     ended = _Mark(input_ids.device)
     model.times.prefill += started.seconds_to(prefilled)
     model.times.decode += prefilled.seconds_to(ended)
@@ -171,7 +173,9 @@ def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: t
                 batch.keep(keep, model, width, cuda_graph, chooser)
         batch.key_valid[:, p + t] = True
         slot, positions = cache_slots[t:t + 1], batch.next_position + t
-        if batch.step is not None:
+        if p + t == model.spec.long_rope_from:   # longrope's switch: see _long_rope_prefill
+            chosen = chooser(_long_rope_prefill(model, out[:, :p + t + 1], batch), t + 1)
+        elif batch.step is not None:
             chosen = batch.step.next_tokens(token, positions, slot, batch.key_valid, chooser,
                                             t + 1)
         else:
@@ -179,6 +183,19 @@ def _decode(model: InferenceDecoder, batch: _Batch, logits: torch.Tensor, out: t
                                    batch.key_valid[:, None, None, :p + t + 1], batch.keys,
                                    batch.values, kv_len=p + t + 1), t + 1)
     raise AssertionError("unreachable: step n - 1 returns")
+
+
+def _long_rope_prefill(model: InferenceDecoder, tokens: torch.Tensor, batch: _Batch
+                       ) -> torch.Tensor:
+    """The forward of every token so far ([B, L], the last one new) as one prefill, its
+    keys and values written over the cache's: Hugging Face's Phi-3 recomputes its cache so
+    when the sequence first passes original_max_position_embeddings, so that every key
+    takes the long factors' angles (the prefill's largest position passes the switch).
+    Returns the last token's logits [B, V]. The batch keeps its rows (no compaction)."""
+    length = tokens.shape[1]
+    _, positions, slots, mask = _prompt_layout(batch.key_valid[:, :length].long(), length)
+    return model(tokens, positions, slots, mask[:, None], batch.keys, batch.values,
+                 kv_len=length)
 
 
 class _Mark:

@@ -325,6 +325,12 @@ class InferenceDecoder(nn.Module):
         self.cache.rope = self._rope_tables(capacity)
         return self.cache
 
+    def angles_switch_within(self, length: int) -> bool:
+        """Whether a generation of `length` tokens can pass longrope's switch to the long
+        factors, which HF makes on the largest position of the whole batch (so the batch
+        must not shrink to its live rows)."""
+        return 0 < self.spec.long_rope_from < length
+
     def release_cache(self) -> None:
         """Free the KV cache's memory until the next `cache_for` (see KVCache)."""
         if self.cache is not None:
@@ -339,8 +345,17 @@ class InferenceDecoder(nn.Module):
         if self.positions is not None:
             x = x + self.positions(positions + self.spec.position_offset)
             return x, dict.fromkeys(self.rope_types)
-        return x, {kind: (cos[positions][:, None], sin[positions][:, None])
-                   for kind, (cos, sin) in self.cache.rope.items()}
+        ropes = {}
+        for kind, tables in self.cache.rope.items():
+            if self.spec.long_rope_from:   # [2, S, d]: the short factors', the long's
+                # as HF picks, on the largest position; a where, as a 0-d index would sync
+                long = positions.max() + 1 > self.spec.long_rope_from
+                cos, sin = (torch.where(long, table[1][positions], table[0][positions])
+                            for table in tables)
+            else:
+                cos, sin = (table[positions] for table in tables)
+            ropes[kind] = cos[:, None], sin[:, None]
+        return x, ropes
 
     def _rope_tables(self, length: int) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
         """By rope type, cos, sin [length, head_dim] of positions 0..length-1 from the
@@ -349,12 +364,25 @@ class InferenceDecoder(nn.Module):
         if self.rotary is None:
             return {}
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        positions = torch.arange(length, device=self.device)[None]
-        tables = {}
-        for kind in set(self.rope_types):
+
+        def angles(kind: str | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = torch.arange(n, device=self.device)[None]
             cos, sin = (self.rotary(probe, positions) if kind is None
                         else self.rotary(probe, positions, kind))
-            tables[kind] = cos[0], sin[0]
+            return cos[0], sin[0]
+
+        tables, switch = {}, self.spec.long_rope_from
+        for kind in set(self.rope_types):
+            if not switch:
+                tables[kind] = angles(kind, length)
+                continue
+            # the module takes the long factors for a call past `switch` positions: the
+            # long table from one such call, the short one from one within (positions past
+            # `switch` never read it: a forward holding them takes the long angles)
+            long = [t[:length] for t in angles(kind, max(length, switch + 1))]
+            short = angles(kind, min(length, switch))
+            tables[kind] = tuple(torch.stack((torch.cat((s, t[len(s):])), t))
+                                 for s, t in zip(short, long, strict=True))
         return tables
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,

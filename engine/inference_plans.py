@@ -3,9 +3,9 @@ decoder (engine/inference_modules.py), per architecture, or why an architecture 
 has no inference modules (`Unsupported`).
 
 Supported families: Llama (also Mistral, Qwen2, Qwen3 with its per-head query/key norms,
-Phi-3/Phi-4 with their fused projections and partial rotary embedding, and Gemma 1-3 with
-their own norms, scales, softcaps and per-kind ropes; sliding-window attention, on every
-layer or on some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
+Phi-3/Phi-4 with their fused projections, partial rotary embedding and longrope, and
+Gemma 1-3 with their own norms, scales, softcaps and per-kind ropes; sliding-window
+attention, on every layer or on some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
 Weights are not taken from the model here: the plan lists, for every inference parameter,
 the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
 engine can fill it while it gathers one FSDP unit at a time.
@@ -59,6 +59,9 @@ class DecoderSpec:
     # per layer, the rotary module's `layer_type` for its angles (Gemma 3's local and global
     # bases); () for one set of angles
     rope_types: tuple[str, ...] = ()
+    # longrope (Phi-3.5, Phi-4-mini): a forward whose largest position passes this many
+    # (original_max_position_embeddings) takes the long factors' angles, else the short's
+    long_rope_from: int = 0
     # Gemma: the input embeddings times this (sqrt(hidden)); a norm after attention and
     # after the MLP besides the two before them; attention scaled by attention_scale
     # rather than head_dim ** -0.5; scores and logits softcapped: cap * tanh(x / cap)
@@ -107,12 +110,13 @@ def _tied_head(model: PreTrainedModel) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def _check_rope(rope: dict) -> None:
+def _check_rope(rope: dict, longrope: bool = False) -> None:
     """Refuse a rope whose angles change with the sequence length (of each layer kind's, as
-    Gemma 3 keeps one a kind)."""
+    Gemma 3 keeps one a kind), but for longrope where the family's plan takes it."""
+    refused = ("dynamic",) if longrope else ("dynamic", "longrope")
     for each in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope
                  else [rope]):
-        if each.get("rope_type", "default") in ("dynamic", "longrope"):
+        if each.get("rope_type", "default") in refused:
             raise Unsupported(f"rope type {each['rope_type']!r} changes with the sequence "
                               "length")
 
@@ -130,7 +134,7 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
     arguments), for `_llama` and the families that vary it."""
     config = model.config
     rope = getattr(config, "rope_parameters", None) or {}
-    _check_rope(rope)
+    _check_rope(rope, longrope=fused)   # Phi-3.5's and Phi-4-mini's
     first = layer_prefixes[0]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -152,7 +156,9 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
         # 0.7 (0.7 x 16 = 11.2, the frequencies over every other of 11 dims)
         rotary_dim=2 * rotary.inv_freq.numel() if fused else head_dim,
         tied_head=_tied_head(model), qk_norm=qk_norm,
-        windows=_windows(model, [f"{prefix}.self_attn" for prefix in layer_prefixes]))
+        windows=_windows(model, [f"{prefix}.self_attn" for prefix in layer_prefixes]),
+        long_rope_from=(rope["original_max_position_embeddings"]
+                        if rope.get("rope_type") == "longrope" else 0))
     layer = {"attn_norm.weight": ["input_layernorm.weight"], "qkv.weight": qkv,
              "out.weight": ["self_attn.o_proj.weight"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],

@@ -426,6 +426,46 @@ def test_a_sliding_window_holds_in_the_static_step_group_prefill_and_compaction(
     assert len(decoder.cache.static_steps) == 2   # 12 rows, then 8 after a compaction
 
 
+def test_longrope_switches_its_angles_where_hf_does():
+    """Phi-3.5's longrope (switching to the long factors past 16 positions here): from the
+    prefill when a prompt is longer, at the decode step that passes it otherwise, on the
+    whole batch's largest position, and in the fixed-shape step; the batch does not shrink
+    to its live rows where the switch can come (a live row's angles follow ended ones')."""
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.3, 1.7, 2.0, 3.0, 4.0],
+            "long_factor": [2.0, 5.0, 9.0, 15.0, 30.0, 60.0],
+            "original_max_position_embeddings": 16}
+    model = llama_kin("phi3", sliding_window=None, rope_parameters=rope,
+                      original_max_position_embeddings=16)
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 2   # most rows end early: a batch that would shrink
+        for layer in model.model.layers:   # sharper attention: the angles change answers
+            layer.self_attn.qkv_proj.weight[:96] *= 3   # q's 64 rows and k's 32
+    decoder = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32).model
+    assert decoder.spec.long_rope_from == 16
+    long_prompts, short_prompts = _batch(PROMPTS), _batch(PROMPTS[:2])   # 31 and 12 tokens
+    for (ids, mask), static in ((long_prompts, False), (short_prompts, False),
+                                (short_prompts, True)):
+        for sampling, seeds in ((SamplingSettings(20, do_sample=False), None),
+                                (SamplingSettings(20, temperature=0.9), torch.arange(len(ids)))):
+            kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=seeds)
+            want = generate(model, ids, mask, sampling, **kwargs)
+            got = decode.generate(decoder, ids, mask, sampling, static=static, **kwargs)
+            assert torch.equal(got, want), (ids.shape, static, sampling)
+    # twelve rows, seven of them ended by step 16's check: the batch would shrink to 8
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 2.5
+    decoder = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32).model
+    ids, mask = (x.repeat_interleave(6, 0) for x in short_prompts)
+    kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=torch.arange(12))
+    sampling = SamplingSettings(20, temperature=0.9)
+    want = generate(model, ids, mask, sampling, **kwargs)
+    assert 6 <= int((want[:, 12:28] == EOS).any(-1).sum()) < 12
+    assert torch.equal(decode.generate(decoder, ids, mask, sampling, static=True, **kwargs),
+                       want)
+    assert {size for size, *_ in decoder.cache.static_steps} == {12}
+
+
 @pytest.mark.parametrize("model_type,settings", [
     ("qwen2", {"tie_word_embeddings": False}), ("mistral", {"sliding_window": None}),
     # sliding windows shorter than prompt and answer: on every layer, or on the second
