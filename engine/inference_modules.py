@@ -96,17 +96,23 @@ class _Norm(nn.Module):
     def __init__(self, spec: DecoderSpec, size: int | None = None):
         super().__init__()
         size = size or spec.hidden   # a head's dims for Qwen3's query/key norms
-        self.rms, self.eps = spec.norm != "layer", spec.norm_eps
-        self.plus_one = spec.norm == "gemma"
+        self.norm, self.eps = spec.norm, spec.norm_eps
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
-        self.bias = None if self.rms else nn.Parameter(torch.empty(size), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(size), requires_grad=False)
+                     if spec.norm == "layer" else None)
         self.fused = False
 
     def forward(self, delta: torch.Tensor | None, residual: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         add_norm = kernels.add_norm if self.fused else kernels.add_norm_reference
-        return add_norm(delta, residual, self.weight, self.bias, self.eps, self.rms,
-                        self.plus_one)
+        return add_norm(delta, residual, self.weight, self.bias, self.eps, self.norm)
+
+
+def _add(delta: torch.Tensor | None, residual: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A _Norm's (residual + delta, normed) for a layer without that norm (OLMo 2)."""
+    x = residual if delta is None else residual + delta
+    return x, x
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
@@ -118,11 +124,15 @@ class _Layer(nn.Module):
         super().__init__()
         self.spec = spec
         q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-        self.attn_norm, self.mlp_norm = _Norm(spec), _Norm(spec)
-        if spec.sandwich_norms:   # Gemma 2 and 3: on attention's and the MLP's outputs
+        self.attn_norm, self.mlp_norm = ((_Norm(spec), _Norm(spec)) if spec.pre_norms
+                                         else (_add, _add))
+        if spec.sandwich_norms:   # Gemma 2 and 3, OLMo 2: on attention's and the MLP's outputs
             self.post_attn_norm, self.post_mlp_norm = _Norm(spec), _Norm(spec)
-        if spec.qk_norm:
+        if spec.qk_norm == "head":
             self.q_norm, self.k_norm = _Norm(spec, spec.head_dim), _Norm(spec, spec.head_dim)
+        elif spec.qk_norm == "whole":
+            self.q_norm = _Norm(spec, spec.heads * spec.head_dim)
+            self.k_norm = _Norm(spec, spec.kv_heads * spec.head_dim)
         self.qkv = _linear(spec.hidden, q + 2 * kv, spec.qkv_bias)
         self.out = _linear(q, spec.hidden, spec.out_bias)
         self.up = _linear(spec.hidden, spec.ffn * (2 if spec.gated_mlp else 1), spec.mlp_bias)
@@ -176,9 +186,13 @@ class _Layer(nn.Module):
         return residual, out
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [B, T, ...] with each query head normed by q_norm and each key head by
-        k_norm, over its head_dim (Qwen3, before the rotation)."""
+        """qkv [B, T, ...] with its queries normed by q_norm and its keys by k_norm, before
+        the rotation: each head over its head_dim (Qwen3, Gemma 3), or all heads together
+        (OLMo 2)."""
         spec = self.spec
+        if spec.qk_norm == "whole":
+            q, k, v = qkv.split(self.splits, dim=-1)
+            return torch.cat((self.q_norm(None, q)[1], self.k_norm(None, k)[1], v), dim=-1)
         q, k, v = qkv.unflatten(-1, (-1, spec.head_dim)).split(
             (spec.heads, spec.kv_heads, spec.kv_heads), dim=2)
         _, q = self.q_norm(None, q)

@@ -4,8 +4,9 @@ has no inference modules (`Unsupported`).
 
 Supported families: Llama (also Mistral, Qwen2, Qwen3 with its per-head query/key norms,
 Phi-3/Phi-4 with their fused projections, partial rotary embedding and longrope, and
-Gemma 1-3 with their own norms, scales, softcaps and per-kind ropes; sliding-window
-attention, on every layer or on some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
+Gemma 1-3 with their own norms, scales, softcaps and per-kind ropes, OLMo 2 and 3 with
+their norms after attention and the MLP; sliding-window attention, on every layer or on
+some), OPT (pre-norm), GPT-2 and GPT-NeoX (Pythia).
 Weights are not taken from the model here: the plan lists, for every inference parameter,
 the Hugging Face parameters it is built from (concatenated for fused ones), so the hybrid
 engine can fill it while it gathers one FSDP unit at a time.
@@ -52,7 +53,9 @@ class DecoderSpec:
     position_offset: int = 0    # OPT's learned positions start at index 2
     scale_query_first: bool = False  # OPT scales q before the dot product, as HF does
     tied_head: bool = False
-    qk_norm: bool = False       # RMSNorm of each query and key head before rotation (Qwen3)
+    # RMSNorm of the queries and keys before rotation: "head", of each head (Qwen3, Gemma 3);
+    # "whole", of all heads' together (OLMo 2); "": none
+    qk_norm: str = ""
     # per layer, the sliding window its queries attend within (a key at most window - 1
     # slots back), 0 for full attention; () for full attention in every layer
     windows: tuple[int, ...] = ()
@@ -67,6 +70,7 @@ class DecoderSpec:
     # rather than head_dim ** -0.5; scores and logits softcapped: cap * tanh(x / cap)
     embed_scale: float = 0.0
     sandwich_norms: bool = False
+    pre_norms: bool = True      # False: only the norms after attention and the MLP (OLMo 2)
     attention_scale: float = 0.0
     attention_softcap: float = 0.0
     logit_softcap: float = 0.0
@@ -138,7 +142,9 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
     first = layer_prefixes[0]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    qk_norm = hasattr(model.get_submodule(f"{first}.self_attn"), "q_norm")
+    q_norm = getattr(model.get_submodule(f"{first}.self_attn"), "q_norm", None)
+    qk_norm = ("" if q_norm is None else
+               "head" if q_norm.weight.shape[0] == head_dim != heads * head_dim else "whole")
     qkv = (["self_attn.qkv_proj.weight"] if fused
            else [f"self_attn.{p}_proj.weight" for p in "qkv"])
     rotary = copy.deepcopy(model.model.rotary_emb)
@@ -158,7 +164,10 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
         tied_head=_tied_head(model), qk_norm=qk_norm,
         windows=_windows(model, [f"{prefix}.self_attn" for prefix in layer_prefixes]),
         long_rope_from=(rope["original_max_position_embeddings"]
-                        if rope.get("rope_type") == "longrope" else 0))
+                        if rope.get("rope_type") == "longrope" else 0),
+        # Gemma 3 and OLMo 3 keep angles a layer kind (their local layers' rope base)
+        rope_types=(tuple(config.layer_types[:len(layer_prefixes)])
+                    if isinstance(getattr(rotary, "layer_types", None), list) else ()))
     layer = {"attn_norm.weight": ["input_layernorm.weight"], "qkv.weight": qkv,
              "out.weight": ["self_attn.o_proj.weight"],
              "mlp_norm.weight": ["post_attention_layernorm.weight"],
@@ -183,16 +192,12 @@ def _gemma(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
         raise Unsupported("bidirectional attention (an embedding model)")
     spec, root, layer, rotary = _llama_parts(model, layer_prefixes)
     sandwich = hasattr(model.get_submodule(layer_prefixes[0]), "pre_feedforward_layernorm")
-    rope_types = ()
-    if isinstance(getattr(rotary, "layer_types", None), list):   # Gemma 3: angles a kind
-        rope_types = tuple(model.get_submodule(f"{prefix}.self_attn").layer_type
-                           for prefix in layer_prefixes)
     scalar = getattr(config, "query_pre_attn_scalar", None)
     # Gemma 3's config keeps attn_logit_softcapping, which its attention does not apply
     softcap = config.model_type == "gemma2" and config.attn_logit_softcapping
     spec = dataclasses.replace(
         spec, norm="gemma", embed_scale=config.hidden_size ** 0.5, sandwich_norms=sandwich,
-        rope_types=rope_types, attention_scale=scalar ** -0.5 if scalar else 0.0,
+        attention_scale=scalar ** -0.5 if scalar else 0.0,
         attention_softcap=softcap or 0.0,
         logit_softcap=getattr(config, "final_logit_softcapping", None) or 0.0)
     if sandwich:   # Gemma 2's post_attention_layernorm norms attention's output
@@ -299,9 +304,22 @@ def _gpt_neox(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
                      copy.deepcopy(model.gpt_neox.rotary_emb), transforms)
 
 
+def _olmo2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    """OLMo 2 and 3: Llama's layout, but a layer norms the outputs of attention and the MLP
+    (x̂ w in fp32) instead of their inputs, and the queries and keys of all heads together
+    before rotation; OLMo 3 adds sliding windows on most layers with a rope of their own."""
+    spec, root, layer, rotary = _llama_parts(model, layer_prefixes)
+    spec = dataclasses.replace(spec, norm="rms_fp32", pre_norms=False, sandwich_norms=True)
+    del layer["attn_norm.weight"], layer["mlp_norm.weight"]
+    layer |= {"post_attn_norm.weight": ["post_attention_layernorm.weight"],
+              "post_mlp_norm.weight": ["post_feedforward_layernorm.weight"]}
+    return _assemble(spec, root, layer, layer_prefixes, rotary)
+
+
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama,
              "phi3": partial(_llama, fused=True), "gemma": _gemma, "gemma2": _gemma,
-             "gemma3_text": _gemma, "opt": _opt, "gpt2": _gpt2, "gpt_neox": _gpt_neox}
+             "gemma3_text": _gemma, "olmo2": _olmo2, "olmo3": _olmo2, "opt": _opt,
+             "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],

@@ -2,7 +2,7 @@
 replace. Decoding one token is a chain of small memory-bound ops; each fusion here reads
 and writes the hidden state once instead of three or four times:
 
-  add_norm   residual += delta, then RMSNorm or LayerNorm of the new residual
+  add_norm   residual += delta, then RMSNorm (each family's) or LayerNorm of the new residual
   silu_mul   silu(gate) * up, from the fused gate/up projection's output
   row_seeded_sample  the next token of each row (temperature, then row-seeded Gumbel-max:
              engine.generation's sampling) in two reads of the logits, instead of a score
@@ -43,18 +43,19 @@ def triton_available() -> bool:
 # -- the PyTorch formulas (CPU path, and what the kernels must equal) --------------------------
 
 def add_norm_reference(delta: torch.Tensor | None, residual: torch.Tensor,
-                       weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool,
-                       plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + delta, norm(residual + delta)) with Llama's RMSNorm (rms), Gemma's
-    (rms and plus_one: scaled by 1 + weight in fp32, rounded after) or LayerNorm."""
+                       weight: torch.Tensor, bias: torch.Tensor | None, eps: float, norm: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + delta, norm(residual + delta)) for `norm` (DecoderSpec.norm): "rms"
+    (Llama: x̂ rounded to the dtype, then times w), "rms_fp32" (OLMo 2: x̂ w in fp32, rounded
+    once), "gemma" (x̂ (1 + w) in fp32, rounded once) or "layer" (LayerNorm)."""
     x = residual if delta is None else residual + delta
-    if not rms:
+    if norm == "layer":
         return x, F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:
-        return x, (x32 * (1.0 + weight.float())).to(x.dtype)
-    return x, weight * x32.to(x.dtype)
+    if norm == "rms":
+        return x, weight * x32.to(x.dtype)
+    return x, (x32 * (weight.float() + (1.0 if norm == "gemma" else 0.0))).to(x.dtype)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,7 @@ def _part_by_part(matmul, x: torch.Tensor, parts: IntegerParts, bias: torch.Tens
 # -- Triton (engine/triton_kernels.py, imported only when a kernel is first used) -------------
 
 def add_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-             bias: torch.Tensor | None, eps: float, rms: bool, plus_one: bool = False
+             bias: torch.Tensor | None, eps: float, norm: str
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused `add_norm_reference`: one pass over [..., H] contiguous rows."""
     from engine import triton_kernels as tk
@@ -115,7 +116,8 @@ def add_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     tk.add_norm_kernel[(residual.numel() // n_cols,)](
         residual if delta is None else delta.contiguous(), residual, weight,
         weight if bias is None else bias, total, out, n_cols, eps,
-        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=rms, PLUS_ONE=plus_one,
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, RMS=norm != "layer",
+        FP32_SCALE=norm in ("rms_fp32", "gemma"), PLUS_ONE=norm == "gemma",
         BLOCK=tk.triton.next_power_of_2(n_cols))
     return total, out
 

@@ -7,7 +7,8 @@ import triton.language as tl
 @triton.jit
 def add_norm_kernel(delta_ptr, residual_ptr, weight_ptr, bias_ptr, sum_ptr, out_ptr,
                     n_cols, eps, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    RMS: tl.constexpr, PLUS_ONE: tl.constexpr, BLOCK: tl.constexpr):
+                    RMS: tl.constexpr, FP32_SCALE: tl.constexpr, PLUS_ONE: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)   # rows x n_cols passes 2^31 in a big prefill
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -23,9 +24,11 @@ def add_norm_kernel(delta_ptr, residual_ptr, weight_ptr, bias_ptr, sum_ptr, out_
     if RMS:
         variance = tl.sum(x32 * x32, axis=0) / n_cols
         normed = x32 * tl.math.rsqrt(variance + eps)
-        if PLUS_ONE:   # Gemma: x̂ (1 + w) in fp32, rounded once
+        if PLUS_ONE:      # Gemma: x̂ (1 + w) in fp32, rounded once
             out = (normed * (weight.to(tl.float32) + 1.0)).to(x.dtype)
-        else:          # Llama: x̂ rounded to the dtype, then times w
+        elif FP32_SCALE:  # OLMo 2: x̂ w in fp32, rounded once
+            out = (normed * weight.to(tl.float32)).to(x.dtype)
+        else:             # Llama: x̂ rounded to the dtype, then times w
             out = (weight.to(tl.float32) * normed.to(x.dtype).to(tl.float32)).to(x.dtype)
     else:
         mean = tl.sum(x32, axis=0) / n_cols

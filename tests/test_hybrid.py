@@ -24,7 +24,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from engine import decode
+from engine import decode, kernels
 from engine.config import HybridConfig, LoraConfig, OptimConfig
 from engine.generation import SamplingSettings, generate
 from engine.hybrid import HybridEngine
@@ -408,6 +408,25 @@ def test_fallback_is_logged_once(capsys):
     assert out.count("hybrid engine: OPTForCausalLM: post-norm OPT") == 1, out
 
 
+@pytest.mark.parametrize("model_type,norm", [("llama", "rms"), ("olmo2", "rms_fp32"),
+                                             ("gemma2", "gemma")])
+def test_each_rms_formula_rounds_where_its_familys_norm_does(model_type, norm):
+    """In bf16 the inference modules' RMSNorm equals the family's own module bit for bit
+    (Llama: x̂ rounded, then times w; OLMo 2: x̂ w in fp32; Gemma: x̂ (1 + w) in fp32),
+    and the other formulas do not."""
+    hf_norm = llama_kin(model_type).model.norm.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():   # away from its initial ones (or zeros), where formulas agree
+        hf_norm.weight += 0.3 * torch.randn(64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    want = hf_norm(x)
+    for formula in ("rms", "rms_fp32", "gemma"):
+        _, got = kernels.add_norm_reference(None, x, hf_norm.weight, None, hf_norm.eps
+                                            if hasattr(hf_norm, "eps") else
+                                            hf_norm.variance_epsilon, formula)
+        assert torch.equal(got, want) == (formula == norm), formula
+
+
 def test_a_sliding_window_holds_in_the_static_step_group_prefill_and_compaction():
     """Mistral's 5-slot window through the decode paths that move slots and rows: the
     fixed-shape step, one prefill a group of 2, and the batch shrinking to its live rows
@@ -490,13 +509,20 @@ def test_longrope_switches_its_angles_where_hf_does():
                      "rope_parameters": {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
-                                            "factor": 8.0}}})])
+                                            "factor": 8.0}}}),
+    # OLMo 2: norms on attention's and the MLP's outputs only (x̂ w in fp32), and of the
+    # queries and keys of all heads together; OLMo 3: windowed layers with a rope of theirs
+    ("olmo2", {}),
+    ("olmo3", {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"],
+               "rope_parameters": {
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                   "full_attention": {"rope_type": "default", "rope_theta": 5e5}}})])
 def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     """The Llama plan's other members, built from their own configs: Qwen2's Q/K/V biases
     (made non-zero), Mistral, sliding windows (Mistral's and Phi-3's on every layer,
     Qwen2's above max_window_layers), a Llama with Llama 3.1's rope scaling and a head wider than
-    hidden / heads, Phi-3's fused projections with a partial rotary embedding, and Gemma
-    1, 2 and 3 (their norm weights made non-zero):
+    hidden / heads, Phi-3's fused projections with a partial rotary embedding, Gemma 1, 2
+    and 3, and OLMo 2 and 3 (their norm weights away from their initial values):
     injected, and HF generate's answers, greedy and row-seeded sampled; then the same
     through the hybrid engine with LoRA (folded into the fused weights) on every Linear."""
     model = llama_kin(model_type, **settings)
@@ -522,7 +548,8 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
     window = settings.get("sliding_window")
     if window:   # where windowed, the window binds: without it HF answers otherwise
         assert form.model.spec.windows == {"qwen2": (0, window), "gemma2": (window, 0),
-                                           "gemma3_text": (window, 0)}.get(
+                                           "gemma3_text": (window, 0),
+                                           "olmo3": (window, 0)}.get(
                                                model_type, (window, window))
         unlimited = AutoModelForCausalLM.from_config(type(config)(**{
             **config.to_dict(), "sliding_window": 4096})).eval()

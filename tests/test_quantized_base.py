@@ -256,12 +256,14 @@ def copy_the_integers(monkeypatch) -> None:
 
 # families no preset builds, saved as model directories: Phi-3 (fused Q/K/V and gate/up
 # projections, 3/4 of each head rotated), Gemma 2 (four (1 + w) norms a layer, softcaps, a
-# window) and Gemma 3 (query/key norms, a local rope)
+# window), Gemma 3 (query/key norms, a local rope) and OLMo 2 (norms after attention and
+# the MLP only)
 SAVED = {"phi3": dict(sliding_window=None, rope_parameters={
              "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}),
          "gemma2": dict(head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=1.0,
                         sliding_window=4, query_pre_attn_scalar=24),
-         "gemma3_text": dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24)}
+         "gemma3_text": dict(head_dim=32, sliding_window=4, query_pre_attn_scalar=24),
+         "olmo2": {}}
 
 
 def saved_dir(tok, model_type: str, path) -> str:
@@ -275,8 +277,10 @@ def saved_dir(tok, model_type: str, path) -> str:
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():   # Gemma's norms scale by 1 + w, w starting at 0: make each count
         for name, param in model.named_parameters():
-            if model_type != "phi3" and "norm" in name:
+            if "gemma" in model_type and "norm" in name:
                 param.normal_(0, 0.3)
+            elif model_type == "olmo2" and "norm" in name:
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
@@ -286,7 +290,7 @@ def saved_dir(tok, model_type: str, path) -> str:
     ("tiny-llama", 8, True), ("tiny-llama", 4, True), ("tiny-opt", 8, True),
     ("tiny-opt", 4, True), ("tiny-llama", 8, False), ("tiny-opt", 4, False),
     ("tiny-qwen3", 4, True), ("tiny-qwen3", 8, False), ("phi3", 4, True), ("phi3", 8, False),
-    ("gemma2", 4, True), ("gemma3_text", 8, False)])
+    ("gemma2", 4, True), ("gemma3_text", 8, False), ("olmo2", 4, True)])
 def test_hybrid_answers_equal_hf_generate_on_the_dequantized_weights(tok, spec, bits, in_place,
                                                                      tmp_path, monkeypatch):
     """The hybrid engine generates from the integers with LoRA beside them (the default:

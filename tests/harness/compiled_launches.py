@@ -81,8 +81,8 @@ def decode_step_calls(dtype: torch.dtype = torch.bfloat16) -> None:
         return torch.randn(*shape, generator=gen).to(dtype)
 
     b, heads, kv_heads, d, hidden = 4, 8, 2, 128, 1024
-    kernels.add_norm(randn(b, 1, hidden), randn(b, 1, hidden), randn(hidden), None, 1e-5, True)
-    kernels.add_norm(None, randn(b, 1, hidden), randn(hidden), randn(hidden), 1e-5, False)
+    kernels.add_norm(randn(b, 1, hidden), randn(b, 1, hidden), randn(hidden), None, 1e-5, "rms")
+    kernels.add_norm(None, randn(b, 1, hidden), randn(hidden), randn(hidden), 1e-5, "layer")
     kernels.silu_mul(randn(b, 1, 2 * 2816))
     logits, seeds = torch.randn(b, 32000, generator=gen), torch.arange(b)
     kernels.row_seeded_sample(logits, seeds, 3, 0.7)

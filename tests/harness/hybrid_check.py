@@ -81,7 +81,8 @@ def model_with_answers_that_end(preset: str, lora: int, eos: int) -> torch.nn.Mo
 
 def llama_kin(model_type: str, **settings) -> torch.nn.Module:
     """A small random model of a Llama-plan family from its own config, whose answers end
-    at different lengths, with its biases (where it has them) made non-zero."""
+    at different lengths, with its biases (where it has them) made non-zero and its norms
+    (Gemma's, OLMo's) away from their initial values."""
     tok = byte_tokenizer()
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
@@ -97,6 +98,8 @@ def llama_kin(model_type: str, **settings) -> torch.nn.Module:
                 param.normal_(0, 0.1)
             elif "gemma" in model_type and "norm" in name:   # 1 + w: each w counts
                 param.normal_(0, 0.3)
+            elif "olmo" in model_type and "norm" in name:    # they start at 1
+                param.uniform_(0.5, 1.5)
     return model
 
 

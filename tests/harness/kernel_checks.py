@@ -49,21 +49,20 @@ def _fp32(*tensors):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", ["rms", "gemma", "layer"])
+@pytest.mark.parametrize("norm", ["rms", "rms_fp32", "gemma", "layer"])
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_add_norm_equals_the_pytorch_formula(dtype, norm, with_delta):
     gen = torch.Generator().manual_seed(0)
-    rms, plus_one = norm != "layer", norm == "gemma"
+    plus_one = norm == "gemma"
     residual = torch.randn(3, 5, 96, generator=gen).to(DEVICE, dtype)   # 96: not a power of 2
     delta = torch.randn(3, 5, 96, generator=gen).to(DEVICE, dtype) if with_delta else None
     # Gemma keeps the scale as 1 + weight, its weights near 0
     weight = ((0 if plus_one else 1) + 0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
-    bias = None if rms else (0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype)
-    got_sum, got = kernels.add_norm(delta, residual, weight, bias, 1e-5, rms, plus_one)
+    bias = (0.1 * torch.randn(96, generator=gen)).to(DEVICE, dtype) if norm == "layer" else None
+    got_sum, got = kernels.add_norm(delta, residual, weight, bias, 1e-5, norm)
     total = residual if delta is None else (residual.float() + delta.float()).to(dtype)
     _assert_close(got_sum, total)            # the residual stream, rounded to its dtype
-    _, want = kernels.add_norm_reference(None, *_fp32(total, weight, bias), 1e-5, rms,
-                                         plus_one)
+    _, want = kernels.add_norm_reference(None, *_fp32(total, weight, bias), 1e-5, norm)
     assert got.dtype == dtype
     _assert_close(got, want)
 
@@ -88,9 +87,9 @@ def test_row_offsets_past_2_to_the_31_are_right():
     del gate_up
     residual = torch.randn(262_160, 8192, device=DEVICE, dtype=torch.bfloat16)
     weight = torch.ones(8192, device=DEVICE, dtype=torch.bfloat16)
-    _, got = kernels.add_norm(None, residual, weight, None, 1e-5, True)
+    _, got = kernels.add_norm(None, residual, weight, None, 1e-5, "rms")
     _assert_close(got[-16:], kernels.add_norm_reference(None, residual[-16:].float(),
-                                                         weight.float(), None, 1e-5, True)[1])
+                                                         weight.float(), None, 1e-5, "rms")[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -239,20 +238,22 @@ def test_decoder_with_fused_kernels_matches_hf_generate(preset):
         assert torch.equal(got, want), mode
 
 
-GEMMA = {  # Gemma 2's softcapped attention (its decode step unfused) and Gemma 3's windowed,
-          # through the fused decode attention, with a local rope of its own
+FAMILIES = {  # Gemma 2's softcapped attention (its decode step unfused), Gemma 3's windowed,
+             # through the fused decode attention, with a local rope of its own; OLMo 3's
+             # norms after attention and the MLP only, of all query and key heads together
     "gemma2": dict(head_dim=24, query_pre_attn_scalar=20, attn_logit_softcapping=0.5,
                    final_logit_softcapping=0.5, sliding_window=5),
     "gemma3_text": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
                         layer_types=["sliding_attention", "full_attention"], rope_parameters={
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})}
+                            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    "olmo3": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"])}
 
 
-@pytest.mark.parametrize("model_type", GEMMA)
-def test_a_gemma_decoder_with_fused_kernels_matches_hf_generate(model_type):
-    """Gemma's (1 + w) norms in the fused add+norm kernel, its sliding windows in the
-    fused decode attention over the whole static cache: HF generate's greedy answers."""
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gemma_and_olmo_decoders_with_fused_kernels_match_hf_generate(model_type):
+    """Gemma's (1 + w) norms and OLMo's in the fused add+norm kernel, sliding windows in
+    the fused decode attention over the whole static cache: HF generate's greedy answers."""
     from engine import decode
     from engine.generation import SamplingSettings, generate
     from engine.inference_form import inference_form
@@ -261,10 +262,10 @@ def test_a_gemma_decoder_with_fused_kernels_matches_hf_generate(model_type):
     from tests.harness.hybrid_check import PROMPTS, llama_kin
 
     tok = byte_tokenizer()
-    model = llama_kin(model_type, **GEMMA[model_type]).to(DEVICE)
+    model = llama_kin(model_type, **FAMILIES[model_type]).to(DEVICE)
     decoder = inference_form(copy.deepcopy(model), DEVICE, torch.float32).model
     decoder.use_fused_kernels(True)
-    assert decoder.layers[0].fused_attention == (model_type == "gemma3_text")
+    assert decoder.layers[0].fused_attention == (model_type != "gemma2")   # softcapped
     batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
     sampling = SamplingSettings(max_new_tokens=12, do_sample=False)
