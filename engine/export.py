@@ -87,6 +87,9 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
         # bf16, the adapters' small delta was rounded away (8% of q_proj's at B ~ 1e-3)
         full = {k: v.float() if v.is_floating_point() else v for k, v in full.items()}
     copy.load_state_dict(full, strict=False, assign=True)
+    # each key assigned its own copy: tie the head to the embeddings again before merging,
+    # or peft's merge finds them apart and unties the config (a second vocab x hidden table)
+    (copy.get_base_model() if isinstance(copy, PeftModel) else copy).tie_weights()
     # written in fp32 as merged: cast to bf16, a LoRA delta below half a bf16 step of its
     # base weight (B ~ 1e-4 over an INT8 base: 60% of its entries) was rounded away
     copy = merged(copy)

@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import engine.quantized_base as qb
@@ -19,7 +20,7 @@ from engine.errors import UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import HybridEngine
 from engine.inference_modules import weight_bytes
-from engine.lora import BaseWithoutAdapters
+from engine.lora import BaseWithoutAdapters, apply_lora
 from engine.models import byte_tokenizer, load_causal_lm, load_quantized
 from engine.placement import Placement
 from engine.quantized_inference import QuantizedProjection
@@ -373,6 +374,30 @@ def test_export_merges_lora_into_the_dequantized_base(tok, tmp_path):
     # the live model still has its integer base and its adapters
     assert any(isinstance(m, qb.QuantizedLinear) for m in model.modules())
     assert any("lora_" in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("bits", [4, 0])
+def test_a_merged_export_keeps_tied_embeddings_tied(tok, tmp_path, bits):
+    """tiny-qwen3 ties its head to its embeddings. Merged with LoRA (over an INT4 base, or a
+    plain one) the export still ties them: one table written, and tie_word_embeddings set.
+    The state dict's own copies were loaded untied, and peft's merge then untied the
+    config: a second vocab x hidden table (1.2 GB of bf16 at Gemma-2-2B)."""
+    if bits:
+        model = quantized_lora_model(tok, bits, "tiny-qwen3")
+    else:
+        model = apply_lora(load_causal_lm("tiny-qwen3", tok, seed=3), LORA)
+    perturb_adapters(model)
+    TrainEngine(model, OptimConfig(), 1, CPU, lr=1e-3).export(tok, tmp_path / "actor")
+    with safe_open(tmp_path / "actor" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "actor").eval()
+    assert loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(4, 250, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_adapter_export_is_lora_alone_and_reloads_over_its_base(tok, tmp_path):
