@@ -109,6 +109,9 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
         raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
     if ppo.eval_reward_fn:
         load_reward_fn(ppo.eval_reward_fn, "ppo.eval_reward_fn")
+    if ppo.overlong_buffer is not None and ppo.overlong_buffer > ppo.max_new_tokens:
+        raise UserError(f"ppo.overlong_buffer={ppo.overlong_buffer}: give at most "
+                        f"ppo.max_new_tokens ({ppo.max_new_tokens}) tokens")
     if ppo.micro_batch_size > ppo.rollout_batch_size * ppo.samples_per_prompt:
         raise UserError("ppo.micro_batch_size must not exceed the answers of a round "
                         "(ppo.rollout_batch_size x ppo.samples_per_prompt)")

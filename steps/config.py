@@ -166,10 +166,25 @@ class PPOConfig(OptimConfig):
                                      "KL per token, Stable-Baselines3); null: off", POSITIVE)
     missing_eos_penalty: Optional[float] = val(None, "subtracted from the score of answers "  # noqa: UP045
                                                "cut off without EOS", FINITE)
+    overlong_buffer: Optional[int] = val(None, "DAPO's soft overlong punishment: an answer "  # noqa: UP045
+                                         "reaching into the last this many tokens of "
+                                         "max_new_tokens loses up to overlong_penalty from its "
+                                         "score, linearly; null: off", COUNT)
+    overlong_penalty: float = val(1.0, "the most overlong_buffer takes (at max_new_tokens)",
+                                  POSITIVE)
     loss_aggregation: str = val("token-mean", "token-mean | seq-mean (each answer's mean, "
-                                "then over answers)", one_of("token-mean", "seq-mean"))
+                                "then over answers) | seq-mean-token-sum-norm (each answer's "
+                                "token sum over max_new_tokens, then over answers: Dr. GRPO)",
+                                one_of("token-mean", "seq-mean", "seq-mean-token-sum-norm"))
     score_clip: float = val(5.0, ok=POSITIVE)
     clip_range: float = val(0.2, ok=POSITIVE)
+    clip_range_high: Optional[float] = val(None, "the ratio's upper clip is 1 + this (DAPO's "  # noqa: UP045
+                                           "clip-higher, e.g. 0.28); null: clip_range",
+                                           POSITIVE)
+    dual_clip: Optional[float] = val(None, "dual-clip PPO (OpenRLHF's --dual_clip, verl's "  # noqa: UP045
+                                     "clip_ratio_c): a token with a negative advantage A adds "
+                                     "at most -A x this to the loss; null: off",
+                                     Rule(lambda v: v > 1, "give a number above 1, e.g. 3"))
     value_clip_range: float = val(0.2, ok=POSITIVE)
     gamma: float = val(1.0, ok=within(0, 1))
     lam: float = val(0.95, ok=within(0, 1))

@@ -97,6 +97,7 @@ from steps.rlhf import (
     logprobs_of_tokens,
     loss_weights,
     masked_sum,
+    overlong_penalty,
     policy_loss,
     returns_to_go,
     sequence_rewards,
@@ -707,9 +708,14 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
         values = values * actions
         critic.train()
     scores, penalty = _scores(models, answers, s, dp), None
-    if s.ppo.missing_eos_penalty is not None:   # taken after score_clip, which cannot hide it
+    # penalties are taken after score_clip, which cannot hide them
+    if s.ppo.missing_eos_penalty is not None:
         cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
         penalty = s.ppo.missing_eos_penalty * cut_off.float()
+    if s.ppo.overlong_buffer is not None:
+        overlong = overlong_penalty(answered.sum(-1), s.ppo.max_new_tokens,
+                                    s.ppo.overlong_buffer, s.ppo.overlong_penalty)
+        penalty = overlong if penalty is None else penalty + overlong
 
     reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
@@ -770,7 +776,8 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
         for micro in order.split(s.ppo.micro_batch_size):
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
-            weights, local_count = loss_weights(rows.action_mask, s.ppo.loss_aggregation)
+            weights, local_count = loss_weights(rows.action_mask, s.ppo.loss_aggregation,
+                                                s.ppo.max_new_tokens)
             count = dp.sum(float(local_count))[0]
             ptx_batch = None
             if ptx:
@@ -821,7 +828,8 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
         logprobs = answer_logprobs(actor, exp.sequences[rows], exp.attention_mask[rows],
                                    prompt_len, s.sampling.temperature)
         actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
-                                part_weights, s.ppo.clip_range, count)
+                                part_weights, s.ppo.clip_range, count,
+                                s.ppo.clip_range_high, s.ppo.dual_clip)
         for name, value in zip(("train/policy_loss", "train/clip_fraction", "train/approx_kl",
                                 "train/ratio"), actor_out, strict=True):
             add(name, value)

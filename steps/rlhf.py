@@ -333,6 +333,22 @@ def sequence_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
     return torch.where(has_action, reward, torch.zeros_like(reward))
 
 
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float
+                     ) -> Tensor:
+    """DAPO's soft overlong punishment: 0 for an answer of up to ``max_new_tokens - buffer``
+    tokens, rising linearly to ``penalty`` at ``max_new_tokens`` (what is subtracted from
+    its score: answers that run into the budget are discouraged before they are cut off).
+
+    Args:
+        lengths: [B] answer lengths in tokens. buffer: 1 <= buffer <= max_new_tokens.
+
+    Returns:
+        [B] float penalties in [0, penalty].
+    """
+    start = max_new_tokens - buffer
+    return penalty * ((lengths.float() - start) / buffer).clamp(0.0, 1.0)
+
+
 def _clipped(scores: Tensor, score_clip: float, penalty: Tensor | None) -> Tensor:
     score = scores.float().clamp(-score_clip, score_clip)
     return score if penalty is None else score - penalty.float()
@@ -449,25 +465,39 @@ def coef_for_kl(coefs: Tensor, kl: Tensor, target: float) -> float | None:
     return math.exp(lo + float(share) * (hi - lo))
 
 
-def loss_weights(mask: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
+
+
+def loss_weights(mask: Tensor, aggregation: str, max_new_tokens: int | None = None
+                 ) -> tuple[Tensor, Tensor]:
     """How a per-token loss is averaged: the mask scaled per token, and the count the sum
     divides by (to be summed over ranks when these rows are one rank's share).
 
     ``token-mean``: every action of the batch counts the same (long answers weigh more).
     ``seq-mean``: each answer's token mean, averaged over answers (GRPO's paper).
+    ``seq-mean-token-sum-norm``: each answer's token sum over the constant
+    ``max_new_tokens``, averaged over answers (Dr. GRPO: no length normalisation, so a
+    long wrong answer is not penalised less per token than a short one).
 
     Args:
-        mask: [B, N] action mask. aggregation: "token-mean" or "seq-mean".
+        mask: [B, N] action mask. aggregation: one of LOSS_AGGREGATIONS.
+        max_new_tokens: the generation budget (``seq-mean-token-sum-norm``).
 
     Returns:
         (weights [B, N], count scalar): loss = masked_sum(x, weights) / count.
     """
     if aggregation == "token-mean":
         return mask, mask.sum()
+    lengths = mask.sum(dim=-1, keepdim=True)
+    answers = (lengths > 0).sum().to(mask.dtype)
     if aggregation == "seq-mean":
-        lengths = mask.sum(dim=-1, keepdim=True)
-        return mask / lengths.clamp(min=1), (lengths > 0).sum().to(mask.dtype)
-    raise ValueError(f"loss aggregation {aggregation!r}: choose token-mean or seq-mean")
+        return mask / lengths.clamp(min=1), answers
+    if aggregation == "seq-mean-token-sum-norm":
+        if not max_new_tokens:
+            raise ValueError("seq-mean-token-sum-norm needs max_new_tokens")
+        return mask / max_new_tokens, answers
+    raise ValueError(f"loss aggregation {aggregation!r}: choose one of "
+                     f"{', '.join(LOSS_AGGREGATIONS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,36 +505,51 @@ def loss_weights(mask: Tensor, aggregation: str) -> tuple[Tensor, Tensor]:
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                clip_range: float, num_actions: Tensor | float | None = None) -> PolicyLossOut:
+                clip_range: float, num_actions: Tensor | float | None = None,
+                clip_range_high: float | None = None, dual_clip: float | None = None
+                ) -> PolicyLossOut:
     """PPO clipped surrogate objective.
 
     ``r = exp(logprobs - old_logprobs)``;
-    ``loss = masked_mean(max(-A * r, -A * clip(r, 1 - clip_range, 1 + clip_range)))``.
+    ``loss = masked_mean(max(-A * r, -A * clip(r, 1 - clip_range, 1 + clip_range_high)))``;
+    with ``dual_clip`` c, a token with A < 0 contributes at most ``-A * c`` (Ye et al.,
+    2020: a ratio far above 1 on a bad action no longer drives an unbounded update).
 
     Args:
         logprobs: [B, N] log-probs of the actions under the current policy (with grad).
         old_logprobs: [B, N] log-probs at rollout time. advantages: [B, N].
         mask: [B, N] action mask, or per-token weights on the actions (``loss_weights``).
-        clip_range: PPO epsilon.
+        clip_range: PPO epsilon (the lower one, when ``clip_range_high`` is given).
         num_actions: the count the means divide by; default ``mask.sum()``. Give the count
             of the whole batch when these rows are one rank's share of it: the shares then
             sum to the batch mean.
+        clip_range_high: the upper epsilon (DAPO's clip-higher, e.g. 0.28); default
+            ``clip_range``.
+        dual_clip: c > 1, or None for no dual clip.
 
     Returns:
         PolicyLossOut (see its fields), all scalars, the statistics detached; ``approx_kl`` is
-        the "k3" estimator ``(r - 1) - log r`` (>= 0, unbiased for KL(old || new)).
+        the "k3" estimator ``(r - 1) - log r`` (>= 0, unbiased for KL(old || new));
+        ``clip_fraction`` counts the tokens either clip holds.
     """
     keep = mask != 0
     old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     # Zero the log-ratio off the mask before exp, so garbage there can't overflow to inf/NaN.
     log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = torch.exp(log_ratio)
+    high = clip_range if clip_range_high is None else clip_range_high
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = _over(masked_sum(torch.maximum(unclipped, clipped), mask), num_actions, mask)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
+    per_token = torch.maximum(unclipped, clipped)
+    held = clipped > unclipped
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        capped = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(capped, bound, per_token)
+        held = held | capped
+    loss = _over(masked_sum(per_token, mask), num_actions, mask)
     with torch.no_grad():
-        clip_fraction = _over(masked_sum((clipped > unclipped).to(ratio.dtype), mask),
-                              num_actions, mask)
+        clip_fraction = _over(masked_sum(held.to(ratio.dtype), mask), num_actions, mask)
         approx_kl = _over(masked_sum((ratio - 1.0) - log_ratio, mask), num_actions, mask)
         ratio_mean = _over(masked_sum(ratio, mask), num_actions, mask)
     return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)

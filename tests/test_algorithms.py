@@ -5,6 +5,7 @@ bad step-3 settings and reward functions."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from dataclasses import fields
 from decimal import Decimal
@@ -261,6 +262,10 @@ def test_token_mean_and_seq_mean_aggregation():
     weights, count = loss_weights(mask, "seq-mean")
     assert float(count) == 2
     assert masked_sum(x, weights) / count == pytest.approx((6 + 4) / 2)  # (mean 6, mean 4)
+    # Dr. GRPO: each answer's sum over the budget of 5 tokens, averaged: (18/5 + 4/5) / 2
+    weights, count = loss_weights(mask, "seq-mean-token-sum-norm", max_new_tokens=5)
+    assert float(count) == 2
+    assert masked_sum(x, weights) / count == pytest.approx((18 / 5 + 4 / 5) / 2)
 
 
 def test_seq_mean_policy_loss_weighs_answers_equally():
@@ -294,13 +299,16 @@ def settings(**changes):
     (dict(kl_target=-1.0), "ppo.kl_target=-1.0"),
     (dict(algorithm="grpo", samples_per_prompt=2, rollout_batch_size=2, micro_batch_size=8),
      "ppo.micro_batch_size must not exceed"),
+    (dict(dual_clip=1.0), "ppo.dual_clip=1.0: give a number above 1"),
+    (dict(clip_range_high=0.0), "ppo.clip_range_high=0.0"),
+    (dict(max_new_tokens=16, overlong_buffer=32), "ppo.overlong_buffer=32: give at most "
+     "ppo.max_new_tokens (16)"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
     """Each key's own range is the schema's (steps/config.py), the rules between keys
     check_settings': both run before step 1."""
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": changes})
-    with pytest.raises((UserError, ValueError), match=said.replace(".", r"\.")
-                       .replace("(", r"\(")) as error:
+    with pytest.raises((UserError, ValueError), match=re.escape(said)) as error:
         validate(cfg)
         algorithms.check_settings(cfg.ppo)
     assert "\n" not in str(error.value)

@@ -16,6 +16,7 @@ from steps.rlhf import (
     masked_mean,
     masked_sum,
     masked_var,
+    overlong_penalty,
     pairwise_reward_loss,
     policy_loss,
     sft_loss,
@@ -343,6 +344,41 @@ def test_policy_loss_hand_computed():
     # gradient: unclipped tokens d(-A*r)/dlogp = -A*r, divided by 5; clipped tokens 0
     out.loss.backward()
     close(new.grad, [[-1.1 / 5, 0.0, 0.0, 2.0 * 1.5 / 5, -0.5 / 5]])
+
+
+def test_clip_higher_and_dual_clip_hand_computed():
+    """The same tokens as test_policy_loss_hand_computed, clip_range 0.2 low and 0.3 high
+    (DAPO's clip-higher), then a dual clip of c = 1.25 on negative advantages."""
+    ratios = torch.tensor([[1.1, 1.5, 0.5, 1.5, 0.5]])
+    adv = torch.tensor([[1.0, 1.0, -2.0, -2.0, 1.0]])
+    # clip to [0.8, 1.3]:
+    #   A=+1, r=1.5: max(-1.5, -1.3) = -1.3 clipped (was -1.2 at 0.2)
+    #   the others as before: -1.1, 1.6 (clipped), 3.0, -0.5
+    # loss = (-1.1 - 1.3 + 1.6 + 3.0 - 0.5) / 5 = 1.7 / 5 = 0.34; clip_fraction 2/5
+    new = ratios.log().requires_grad_(True)
+    out = policy_loss(new, torch.zeros_like(new), adv, torch.ones_like(new), 0.2,
+                      clip_range_high=0.3)
+    close(out.loss, 0.34)
+    close(out.clip_fraction, 0.4)
+    out.loss.backward()
+    close(new.grad, [[-1.1 / 5, 0.0, 0.0, 2.0 * 1.5 / 5, -0.5 / 5]])
+    # dual clip c = 1.25: A < 0 tokens at most -A c = 2.5:
+    #   A=-2, r=0.5: 1.6 (under 2.5, kept); A=-2, r=1.5: 3.0 -> 2.5 (capped, no gradient)
+    # loss = (-1.1 - 1.2 + 1.6 + 2.5 - 0.5) / 5 = 1.3 / 5 = 0.26; clip_fraction 3/5
+    new = ratios.log().requires_grad_(True)
+    out = policy_loss(new, torch.zeros_like(new), adv, torch.ones_like(new), 0.2,
+                      dual_clip=1.25)
+    close(out.loss, 0.26)
+    close(out.clip_fraction, 0.6)
+    out.loss.backward()
+    close(new.grad, [[-1.1 / 5, 0.0, 0.0, 0.0, -0.5 / 5]])
+
+
+def test_overlong_penalty_rises_linearly_over_the_buffer():
+    # budget 20, buffer 8: free up to 12 tokens, then (length - 12) / 8 of the penalty 0.5
+    lengths = torch.tensor([0, 12, 13, 16, 20])
+    close(overlong_penalty(lengths, 20, 8, 0.5), [0.0, 0.0, 0.0625, 0.25, 0.5])
+    close(overlong_penalty(lengths, 20, 20, 1.0), [0.0, 0.6, 0.65, 0.8, 1.0])
 
 
 def test_policy_loss_masked_positions_have_no_effect():

@@ -117,6 +117,39 @@ def test_target_kl_stops_a_round_early():
     assert 0 < held["trained_tokens"] < free["trained_tokens"]
 
 
+def test_overlong_shaping_clip_higher_dual_clip_and_dr_grpo_reach_the_round(monkeypatch):
+    """ppo.overlong_buffer lowers each answer's score (and its reward) by DAPO's penalty
+    for its length; ppo.clip_range_high, ppo.dual_clip and the Dr. GRPO aggregation reach
+    the policy loss of every update."""
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    models = tiny_models(tok)
+    plain = experience(models, settings(max_new_tokens=6, rollout_batch_size=4), rows=4)
+    shaped = experience(models, settings(max_new_tokens=6, rollout_batch_size=4,
+                                         overlong_buffer=4, overlong_penalty=2.0), rows=4)
+    assert torch.equal(plain.sequences, shaped.sequences)
+    lengths = plain.action_mask.sum(-1)
+    want = 2.0 * ((lengths - 2) / 4).clamp(0, 1)
+    assert want.max() > 0
+    torch.testing.assert_close(plain.scores - shaped.scores, want)
+    torch.testing.assert_close((plain.rewards - shaped.rewards).sum(-1), want)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    real = ppo.policy_loss
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    s = settings(max_new_tokens=6, rollout_batch_size=4, micro_batch_size=4,
+                 clip_range_high=0.28, dual_clip=3.0, loss_aggregation="seq-mean-token-sum-norm")
+    share = Share(list(range(4)), list(range(4)), 1.0)
+    ppo.update(plain, share, 4, models, s, DataParallel(CPU), [], 0, None, 0, 0.0)
+    (args, _), = seen
+    assert args[4:] == (0.2, 4.0, 0.28, 3.0)   # clip_range, answers, high, dual
+    torch.testing.assert_close(args[3], plain.action_mask / 6)
+
+
 def test_best_of_n_equals_a_direct_computation():
     """For each prompt: sample n answers one by one, score each with the reward model
     (EOS appended where cut off) and the gold function, keep the reward model's favourite;
