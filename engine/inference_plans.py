@@ -132,11 +132,15 @@ def _llama(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = Fals
     return _assemble(spec, root, layer, layer_prefixes, rotary)
 
 
-def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = False
+def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool = False,
+                 base: str = "model"
                  ) -> tuple[DecoderSpec, dict[str, list[str]], dict[str, list[str]], nn.Module]:
     """The Llama plan's spec, root and per-layer sources and rotary module (`_assemble`'s
-    arguments), for `_llama` and the families that vary it."""
-    config = model.config
+    arguments), for `_llama` and the families that vary it. `base`: the decoder (embeddings,
+    layers, final norm, rotary module, and its config), `model.language_model` in a
+    multimodal model."""
+    decoder = model.get_submodule(base)
+    config = decoder.config
     rope = getattr(config, "rope_parameters", None) or {}
     _check_rope(rope, longrope=fused)   # Phi-3.5's and Phi-4-mini's
     first = layer_prefixes[0]
@@ -147,7 +151,7 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
                "head" if q_norm.weight.shape[0] == head_dim != heads * head_dim else "whole")
     qkv = (["self_attn.qkv_proj.weight"] if fused
            else [f"self_attn.{p}_proj.weight" for p in "qkv"])
-    rotary = copy.deepcopy(model.model.rotary_emb)
+    rotary = copy.deepcopy(decoder.rotary_emb)
     spec = DecoderSpec(
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -162,7 +166,7 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
         # 0.7 (0.7 x 16 = 11.2, the frequencies over every other of 11 dims)
         rotary_dim=2 * rotary.inv_freq.numel() if fused else head_dim,
         tied_head=_tied_head(model), qk_norm=qk_norm,
-        windows=_windows(model, [f"{prefix}.self_attn" for prefix in layer_prefixes]),
+        windows=_windows(model, config, [f"{prefix}.self_attn" for prefix in layer_prefixes]),
         long_rope_from=(rope["original_max_position_embeddings"]
                         if rope.get("rope_type") == "longrope" else 0),
         # Gemma 3 and OLMo 3 keep angles a layer kind (their local layers' rope base)
@@ -177,20 +181,20 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
     if qk_norm:
         layer |= {"q_norm.weight": ["self_attn.q_norm.weight"],
                   "k_norm.weight": ["self_attn.k_norm.weight"]}
-    root = {"embed.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    root = {"embed.weight": [f"{base}.embed_tokens.weight"], "norm.weight": [f"{base}.norm.weight"]}
     return spec, root, layer, rotary
 
 
-def _gemma(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+def _gemma(model: PreTrainedModel, layer_prefixes: list[str], base: str = "model") -> Plan:
     """Gemma 1, 2 and 3 (text): Llama's layout with RMSNorms that scale by 1 + w, embeddings
     times sqrt(hidden) and GeGLU; Gemma 2 and 3 add a norm after attention and after the
     MLP, a query scale of their own and sliding windows on alternate layers; Gemma 2
     softcaps the attention scores and the logits, Gemma 3 norms each query and key head
     and gives its local layers a rope of their own."""
-    config = model.config
+    config = model.get_submodule(base).config
     if getattr(config, "use_bidirectional_attention", False):
         raise Unsupported("bidirectional attention (an embedding model)")
-    spec, root, layer, rotary = _llama_parts(model, layer_prefixes)
+    spec, root, layer, rotary = _llama_parts(model, layer_prefixes, base=base)
     sandwich = hasattr(model.get_submodule(layer_prefixes[0]), "pre_feedforward_layernorm")
     scalar = getattr(config, "query_pre_attn_scalar", None)
     # Gemma 3's config keeps attn_logit_softcapping, which its attention does not apply
@@ -207,13 +211,21 @@ def _gemma(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
     return _assemble(spec, root, layer, layer_prefixes, rotary)
 
 
-def _windows(model: PreTrainedModel, attention: list[str]) -> tuple[int, ...]:
+def _gemma3_multimodal(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
+    """Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration, which
+    AutoModelForCausalLM loads for gemma-3-4b and up): its language model, answering text
+    prompts; the vision tower's layers are left out."""
+    text = [prefix for prefix in layer_prefixes if prefix.startswith("model.language_model.")]
+    return _gemma(model, text, base="model.language_model")
+
+
+def _windows(model: PreTrainedModel, config, attention: list[str]) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), as the model's attention applies
     it: Qwen2 and Qwen3 keep one a layer (their `layer_types`; None where the layer attends
     fully), Mistral and Phi-3 read the config's on every layer, and Llama has none (it
     ignores a `sliding_window` in its config)."""
-    default = (getattr(model.config, "sliding_window", None)
-               if model.config.model_type in ("mistral", "phi3") else None)
+    default = (getattr(config, "sliding_window", None)
+               if config.model_type in ("mistral", "phi3") else None)
     windows = tuple(getattr(model.get_submodule(name), "sliding_window", default) or 0
                     for name in attention)
     return windows if any(windows) else ()
@@ -318,7 +330,7 @@ def _olmo2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
 
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama,
              "phi3": partial(_llama, fused=True), "gemma": _gemma, "gemma2": _gemma,
-             "gemma3_text": _gemma, "olmo2": _olmo2, "olmo3": _olmo2, "opt": _opt,
+             "gemma3_text": _gemma, "gemma3": _gemma3_multimodal, "olmo2": _olmo2, "olmo3": _olmo2, "opt": _opt,
              "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 

@@ -21,7 +21,10 @@ from transformers import (
     AutoModelForCausalLM,
     BloomConfig,
     BloomForCausalLM,
+    Gemma3Config,
+    Gemma3TextConfig,
     GenerationConfig,
+    SiglipVisionConfig,
 )
 
 from engine import decode, kernels
@@ -443,6 +446,47 @@ def test_a_sliding_window_holds_in_the_static_step_group_prefill_and_compaction(
     got = decode.generate(decoder, ids, mask, sampling, static=True, group_size=2, **kwargs)
     assert torch.equal(got, want)
     assert len(decoder.cache.static_steps) == 2   # 12 rows, then 8 after a compaction
+
+
+def test_gemma3s_image_text_checkpoint_generates_through_its_language_model():
+    """Gemma3ForConditionalGeneration (what AutoModelForCausalLM loads for gemma-3-4b and
+    up): the inference modules take its language model and leave the vision tower out;
+    text prompts get HF generate's answers, greedy and sampled, from the inference form and
+    from the hybrid engine with LoRA on every Linear (the vision tower's too)."""
+    text = Gemma3TextConfig(
+        vocab_size=len(TOK), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=20,
+        max_position_embeddings=256, sliding_window=5, eos_token_id=EOS, pad_token_id=PAD,
+        layer_types=["sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=259, boi_token_index=258,
+                          eoi_token_index=257, eos_token_id=EOS, pad_token_id=PAD)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS] *= 3
+        for name, param in model.named_parameters():
+            if "language_model" in name and "norm" in name:   # 1 + w: each w counts
+                param.normal_(0, 0.3)
+    form = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32)
+    assert form.injected and form.model.spec.layers == 2 and form.model.spec.windows == (5, 0)
+    adapted = apply_lora(copy.deepcopy(model), LoraConfig(dim=4))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    engine = _engine(copy.deepcopy(adapted))
+    assert engine.injected
+    ids, mask = _batch()
+    for generating, reference in ((form.generate, model), (engine.generate, adapted.eval())):
+        for sampling, seeds in ((SamplingSettings(20, do_sample=False), None),
+                                (SamplingSettings(20, temperature=0.9), torch.arange(len(ids)))):
+            kwargs = dict(eos_token_id=EOS, pad_token_id=PAD, row_seeds=seeds)
+            assert torch.equal(generating(ids, mask, sampling, **kwargs),
+                               generate(reference, ids, mask, sampling, **kwargs))
 
 
 def test_longrope_switches_its_angles_where_hf_does():
