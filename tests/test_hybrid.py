@@ -87,6 +87,19 @@ def _engine(model, **settings) -> HybridEngine:
                         lr=1e-3)
 
 
+def _with_lora_and_engine(model) -> tuple[torch.nn.Module, HybridEngine]:
+    """`model` with LoRA rank 4 on every Linear (B non-zero, so the adapters count), and a
+    hybrid engine over a copy of it, generating through the inference modules."""
+    adapted = apply_lora(model, LoraConfig(dim=4))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    engine = _engine(copy.deepcopy(adapted))
+    assert engine.injected
+    return adapted, engine
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-opt"])
 def test_static_decode_step_matches(preset):
     """The fixed-shape decode step (what CUDA graphs capture) gives the same tokens, and
@@ -473,13 +486,7 @@ def test_gemma3s_image_text_checkpoint_generates_through_its_language_model():
                 param.normal_(0, 0.3)
     form = inference_form(copy.deepcopy(model), torch.device("cpu"), torch.float32)
     assert form.injected and form.model.spec.layers == 2 and form.model.spec.windows == (5, 0)
-    adapted = apply_lora(copy.deepcopy(model), LoraConfig(dim=4))
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    engine = _engine(copy.deepcopy(adapted))
-    assert engine.injected
+    adapted, engine = _with_lora_and_engine(copy.deepcopy(model))
     ids, mask = _batch()
     for generating, reference in ((form.generate, model), (engine.generate, adapted.eval())):
         for sampling, seeds in ((SamplingSettings(20, do_sample=False), None),
@@ -600,13 +607,7 @@ def test_the_other_llama_family_models_match_hf_generate(model_type, settings):
         unlimited.load_state_dict(model.state_dict())
         assert not torch.equal(generate(unlimited, ids, mask, SamplingSettings(
             20, do_sample=False), eos_token_id=EOS, pad_token_id=PAD), plain[0])
-    adapted = apply_lora(model, LoraConfig(dim=4))
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    engine = _engine(copy.deepcopy(adapted))
-    assert engine.injected
+    adapted, engine = _with_lora_and_engine(model)
     adapted_answers = answers(engine.generate, adapted.eval())
     assert all(not torch.equal(a, b) for a, b in zip(adapted_answers, plain, strict=True))
 
