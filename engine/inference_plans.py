@@ -156,9 +156,7 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
         vocab=config.vocab_size, hidden=config.hidden_size, layers=len(layer_prefixes),
         heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, ffn=config.intermediate_size, norm="rms", norm_eps=config.rms_norm_eps,
-        # (Gemma 2 and 3 name it hidden_activation)
-        activation=getattr(config, "hidden_activation", None) or config.hidden_act,
-        gated_mlp=True,
+        activation=getattr(config, "hidden_act", None), gated_mlp=True,   # (Gemma 2's: _gemma)
         qkv_bias=_has_bias(model, f"{first}.{qkv[0].removesuffix('.weight')}"),
         out_bias=_has_bias(model, f"{first}.self_attn.o_proj"),
         mlp_bias=_has_bias(model, f"{first}.mlp.down_proj"), rotary=True,
@@ -201,6 +199,9 @@ def _gemma(model: PreTrainedModel, layer_prefixes: list[str], base: str = "model
     softcap = config.model_type == "gemma2" and config.attn_logit_softcapping
     spec = dataclasses.replace(
         spec, norm="gemma", embed_scale=config.hidden_size ** 0.5, sandwich_norms=sandwich,
+        # Gemma 1's MLP reads hidden_act (its config holds both), Gemma 2's and 3's this
+        activation=config.hidden_act if config.model_type == "gemma"
+        else config.hidden_activation,
         attention_scale=scalar ** -0.5 if scalar else 0.0,
         attention_softcap=softcap or 0.0,
         logit_softcap=getattr(config, "final_logit_softcapping", None) or 0.0)
@@ -228,6 +229,8 @@ def _windows(model: PreTrainedModel, config, attention: list[str]) -> tuple[int,
                if config.model_type in ("mistral", "phi3") else None)
     windows = tuple(getattr(model.get_submodule(name), "sliding_window", default) or 0
                     for name in attention)
+    if 1 in windows:   # HF's sliding cache keeps every key then (no checkpoint has one)
+        raise Unsupported("a sliding window of 1 token")
     return windows if any(windows) else ()
 
 

@@ -197,12 +197,17 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     assert keys.stride() == values.stride() and key_valid.stride(-1) == 1
     out = torch.empty(b, 1, heads * d, dtype=q.dtype, device=q.device)
     groups = heads // kv_heads
+    block_d = max(16, tk.triton.next_power_of_2(d))
+    # a block of keys and one of values of 16 KiB each at the most: 64 slots of a 128-wide
+    # bf16 head, 32 of Gemma's 256; each pipelined stage holds both, and 64 slots of 256
+    # took 138 KiB of shared memory, past the 99 KiB of an L4's or A10's SM
+    block_s = max(16, min(64, 16384 // (block_d * keys.element_size())))
     tk.decode_attention_kernel[(b, kv_heads)](
         q, keys, values, key_valid.view(torch.uint8), write_at, out, scale, groups,
         q.stride(0), q.stride(1), key_valid.stride(0), *keys.stride()[:3], HEAD_DIM=d,
         FP32_DOT=q.dtype == torch.float32 or _interpreted(),
-        BLOCK_G=max(16, tk.triton.next_power_of_2(groups)), BLOCK_S=64,
-        BLOCK_D=max(16, tk.triton.next_power_of_2(d)), num_warps=4)
+        BLOCK_G=max(16, tk.triton.next_power_of_2(groups)), BLOCK_S=block_s,
+        BLOCK_D=block_d, num_warps=4)
     return out
 
 

@@ -409,6 +409,9 @@ def test_unsupported_variants_name_the_reason():
     llama.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(Unsupported, match="'dynamic' changes with the sequence length"):
         plan(llama, ["model.layers.0", "model.layers.1"])
+    with pytest.raises(Unsupported, match="a sliding window of 1 token"):
+        plan(mistral := llama_kin("mistral", sliding_window=1),
+             [f"model.layers.{i}" for i in range(len(mistral.model.layers))])
     bloom = BloomForCausalLM(BloomConfig(vocab_size=300, hidden_size=32, n_layer=1, n_head=2))
     with pytest.raises(Unsupported, match="model type 'bloom'"):
         plan(bloom, ["transformer.h.0"])
@@ -548,8 +551,9 @@ def test_longrope_switches_its_angles_where_hf_does():
     # (and Phi-3-mini-4k's window on every layer)
     ("phi3", {"sliding_window": 7, "rope_parameters": {
         "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.7}}),
-    # Gemma: (1 + w) norms, embeddings times sqrt(hidden), GeGLU, a head of its own width
-    ("gemma", {"head_dim": 24}),
+    # Gemma: (1 + w) norms, embeddings times sqrt(hidden), GeGLU, a head of its own width;
+    # its MLP reads hidden_act, not the hidden_activation its configs also hold
+    ("gemma", {"head_dim": 24, "hidden_act": "silu", "hidden_activation": "gelu_pytorch_tanh"}),
     # Gemma 2: four norms a layer, its own query scale, softcapped scores and logits
     # (eager attention in HF), a window on alternate layers
     ("gemma2", {"head_dim": 24, "query_pre_attn_scalar": 20, "attn_logit_softcapping": 0.5,

@@ -83,6 +83,9 @@ def decode_step_calls(dtype: torch.dtype = torch.bfloat16) -> None:
     b, heads, kv_heads, d, hidden = 4, 8, 2, 128, 1024
     kernels.add_norm(randn(b, 1, hidden), randn(b, 1, hidden), randn(hidden), None, 1e-5, "rms")
     kernels.add_norm(None, randn(b, 1, hidden), randn(hidden), randn(hidden), 1e-5, "layer")
+    for norm in ("gemma", "rms_fp32"):   # Gemma's (1 + w), OLMo 2's x̂ w in fp32
+        kernels.add_norm(randn(b, 1, hidden), randn(b, 1, hidden), randn(hidden), None, 1e-6,
+                         norm)
     kernels.silu_mul(randn(b, 1, 2 * 2816))
     logits, seeds = torch.randn(b, 32000, generator=gen), torch.arange(b)
     kernels.row_seeded_sample(logits, seeds, 3, 0.7)
@@ -95,11 +98,20 @@ def decode_step_calls(dtype: torch.dtype = torch.bfloat16) -> None:
                             cache[1], torch.tensor([40]), heads, kv_heads, d, 0, d ** -0.5)
     valid = torch.ones(b, 256, dtype=torch.bool)
     kernels.decode_attention(q, cache[0], cache[1], valid, torch.tensor([40]), d ** -0.5)
+    for wide in (randn, lambda *shape: randn(*shape).float()):   # Gemma's 256-wide heads
+        cache = wide(2, b, kv_heads, 256, 256)
+        kernels.decode_attention(wide(b, heads, 1, 256), cache[0], cache[1], valid,
+                                 torch.tensor([40]), 256 ** -0.5)
     for bits in (8, 4):
         parts = [quantize_weight(randn(3 * hidden, hidden).float(), bits, 64, dtype)]
         lora = kernels.LowRank(randn(8, hidden), randn(3 * hidden, 8))
         for rows in (1, 16, 64, 300):   # decode (split along K at 1), tiled, prefill
             kernels.quantized_projection(randn(rows, hidden), parts, randn(3 * hidden), lora)
+
+
+# shared memory a block may have, by compute capability (A100: 163 KiB; A10, L4, L40S, RTX
+# 30/40: 99 KiB; H100, H200: 227 KiB)
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 def main() -> None:
@@ -113,8 +125,12 @@ def main() -> None:
         seen.add(key)
         compiled = compile(ASTSource(kernel, signature, constexprs, attrs),
                            target=GPUTarget("cuda", arch, 32), options=options)
-        print(f"sm_{arch} {kernel.__name__} {len(compiled.asm['cubin'])} bytes "
-              f"{constexprs}", flush=True)
+        shared = compiled.metadata.shared
+        print(f"sm_{arch} {kernel.__name__} {len(compiled.asm['cubin'])} bytes, {shared} "
+              f"shared {constexprs}", flush=True)
+        if shared > SHARED_LIMIT.get(arch, shared):
+            raise SystemExit(f"{kernel.__name__} {constexprs}: {shared} bytes of shared "
+                             f"memory, over sm_{arch}'s {SHARED_LIMIT[arch]}")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def test_row_offsets_past_2_to_the_31_are_right():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (8, 2, 24), (8, 1, 64)])
+# 256: Gemma's heads, in blocks of fewer slots (32 in bf16, 16 in fp32)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (8, 2, 24), (8, 1, 64), (4, 2, 256)])
 def test_decode_attention_equals_sdpa_over_the_masked_cache(dtype, heads, kv_heads, d):
     """The fused decode attention gives the decoder's SDPA path (_grouped_attention over
     the cache up to the query's slot): MHA and GQA, a head_dim that is not a power of two,
