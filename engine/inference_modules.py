@@ -120,9 +120,9 @@ def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
 
 
 class _Layer(nn.Module):
-    def __init__(self, spec: DecoderSpec):
+    def __init__(self, spec: DecoderSpec, window: int = 0):
         super().__init__()
-        self.spec = spec
+        self.spec, self.window = spec, window   # its sliding window (0: full attention)
         q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
         self.attn_norm, self.mlp_norm = ((_Norm(spec), _Norm(spec)) if spec.pre_norms
                                          else (_add, _add))
@@ -168,7 +168,8 @@ class _Layer(nn.Module):
             q = self._queries_into_cache(qkv, rope, keys, values, write_at)
         scale = 1.0 if spec.scale_query_first else spec.scale
         if self.fused_attention and q.shape[2] == 1:   # a decode step
-            attn = kernels.decode_attention(q, keys, values, mask[:, 0, 0], write_at, scale)
+            attn = kernels.decode_attention(q, keys, values, mask[:, 0, 0], write_at, scale,
+                                            self.window, spec.attention_softcap)
         else:
             if kv_len is not None:
                 keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
@@ -232,9 +233,7 @@ class _Layer(nn.Module):
             if isinstance(module, _Norm):   # attn_norm, mlp_norm (and q_norm, k_norm)
                 module.fused = enabled
         self.fused_silu = enabled and self.spec.gated_mlp and self.spec.activation == "silu"
-        self.fused_rope = enabled
-        # the decode kernel does not softcap the scores (Gemma 2's attention)
-        self.fused_attention = enabled and not self.spec.attention_softcap
+        self.fused_rope = self.fused_attention = enabled
 
 
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -292,11 +291,11 @@ class InferenceDecoder(nn.Module):
         self.embed = nn.Embedding(spec.vocab, spec.hidden, device="meta").requires_grad_(False)
         self.positions = (None if spec.rotary
                           else nn.Embedding(1, spec.hidden, device="meta").requires_grad_(False))
-        self.layers = nn.ModuleList(_Layer(spec) for _ in range(spec.layers))
+        self.windows = spec.windows or (0,) * spec.layers   # each layer's sliding window
+        self.layers = nn.ModuleList(_Layer(spec, window) for window in self.windows)
         self.norm = _Norm(spec)
         self.head = None if spec.tied_head else _linear(spec.hidden, spec.vocab, False)
         self.rotary = plan.rotary
-        self.windows = spec.windows or (0,) * spec.layers   # each layer's sliding window
         self.rope_types = spec.rope_types or (None,) * spec.layers   # each layer's angles
         self.cache: KVCache | None = None
         self.steps_built = 0   # static decode steps made (captured, on CUDA) so far

@@ -180,16 +180,17 @@ def rope_into_cache(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tens
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     key_valid: torch.Tensor, write_at: torch.Tensor, scale: float
-                     ) -> torch.Tensor:
+                     key_valid: torch.Tensor, write_at: torch.Tensor, scale: float,
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of one query token a row over the KV cache, fused (a decode step):
     q [B, heads, 1, d] (d contiguous), keys/values [B, kv_heads, S, d] (the cache's
     view), key_valid [B, >= write_at[0] + 1] bool (the slots each row may attend),
     write_at [1] the query's own slot: the valid slots up to it are attended (later ones
     hold no token yet, and are not read) -> [B, 1, heads * d], what
-    engine.inference_modules._grouped_attention gives for that mask. One kernel for the
-    PyTorch path's four or five (the GQA mask's copy, SDPA's own, the output's layout),
-    reading only the filled part of a static cache."""
+    engine.inference_modules._grouped_attention gives for that mask (and `softcap`). One
+    kernel for the PyTorch path's four or five (the GQA mask's copy, SDPA's own, the
+    output's layout), reading only the filled part of a static cache, and with a sliding
+    `window` (which key_valid must hold too) only its last `window` slots."""
     from engine import triton_kernels as tk
     b, heads, t, d = q.shape
     kv_heads = keys.shape[1]
@@ -203,9 +204,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # took 138 KiB of shared memory, past the 99 KiB of an L4's or A10's SM
     block_s = max(16, min(64, 16384 // (block_d * keys.element_size())))
     tk.decode_attention_kernel[(b, kv_heads)](
-        q, keys, values, key_valid.view(torch.uint8), write_at, out, scale, groups,
-        q.stride(0), q.stride(1), key_valid.stride(0), *keys.stride()[:3], HEAD_DIM=d,
-        FP32_DOT=q.dtype == torch.float32 or _interpreted(),
+        q, keys, values, key_valid.view(torch.uint8), write_at, out, scale, softcap or 1.0,
+        groups, q.stride(0), q.stride(1), key_valid.stride(0), *keys.stride()[:3],
+        HEAD_DIM=d, FP32_DOT=q.dtype == torch.float32 or _interpreted(), WINDOW=window,
+        SOFTCAP=bool(softcap),
         BLOCK_G=max(16, tk.triton.next_power_of_2(groups)), BLOCK_S=block_s,
         BLOCK_D=block_d, num_warps=4)
     return out

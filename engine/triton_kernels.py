@@ -371,16 +371,18 @@ def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, keys_ptr, values_ptr, wr
 
 @triton.jit
 def decode_attention_kernel(q_ptr, keys_ptr, values_ptr, valid_ptr, write_at_ptr, out_ptr,
-                            scale, groups, q_b, q_h, valid_b, key_b, key_h, key_s,
+                            scale, softcap, groups, q_b, q_h, valid_b, key_b, key_h, key_s,
                             HEAD_DIM: tl.constexpr, FP32_DOT: tl.constexpr,
+                            WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                             BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                             BLOCK_D: tl.constexpr):
     """One KV head of one row (program_id(0) = b, program_id(1) = KV head): its `groups`
     query heads' single query token attends the cache slots s <= write_at[0] (the query's
     own slot; later slots hold no token yet) where valid[b, s], by an online softmax over
     blocks of BLOCK_S slots: only filled slots are read, and masked ones (left padding)
-    are not loaded. Scores and the softmax in fp32, the probabilities rounded to the
-    cache's dtype for P @ V (as flash attention does); out [B, heads * head_dim]."""
+    are not loaded; with a sliding WINDOW, only the last WINDOW slots are visited. Scores
+    and the softmax in fp32 (SOFTCAP: softcap * tanh(s / softcap), Gemma 2's), P rounded
+    to the cache's dtype for P @ V (as flash attention does); out [B, heads * head_dim]."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -391,10 +393,13 @@ def decode_attention_kernel(q_ptr, keys_ptr, values_ptr, valid_ptr, write_at_ptr
     q = tl.load(q_ptr + b * q_b + heads_of * q_h + d[None, :], mask=q_rows, other=0.0)
     cache = b * key_b + kv_head * key_h + d[None, :]
     end = tl.load(write_at_ptr) + 1
+    first = 0
+    if WINDOW > 0:   # slots further back are outside the window (valid masks them too)
+        first = tl.maximum(end - WINDOW, 0)
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, end, BLOCK_S):
+    for start in range(first, end, BLOCK_S):
         s = start + tl.arange(0, BLOCK_S)
         valid = tl.load(valid_ptr + b * valid_b + s, mask=s < end, other=0) != 0
         at = cache + s[:, None].to(tl.int64) * key_s
@@ -406,7 +411,10 @@ def decode_attention_kernel(q_ptr, keys_ptr, values_ptr, valid_ptr, write_at_ptr
                             input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        scores = scores * scale
+        if SOFTCAP:   # tanh(x) = 1 - 2 / (e^2x + 1): e^2x overflowing to inf gives 1
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)   # nothing valid yet
         p = tl.exp(scores - safe[:, None])

@@ -102,6 +102,8 @@ def decode_step_calls(dtype: torch.dtype = torch.bfloat16) -> None:
         cache = wide(2, b, kv_heads, 256, 256)
         kernels.decode_attention(wide(b, heads, 1, 256), cache[0], cache[1], valid,
                                  torch.tensor([40]), 256 ** -0.5)
+        kernels.decode_attention(wide(b, heads, 1, 256), cache[0], cache[1], valid,   # Gemma 2
+                                 torch.tensor([40]), 256 ** -0.5, window=16, softcap=50.0)
     for bits in (8, 4):
         parts = [quantize_weight(randn(3 * hidden, hidden).float(), bits, 64, dtype)]
         lora = kernels.LowRank(randn(8, hidden), randn(3 * hidden, 8))

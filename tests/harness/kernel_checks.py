@@ -124,6 +124,37 @@ def test_decode_attention_equals_sdpa_over_the_masked_cache(dtype, heads, kv_hea
     _assert_close(got.cpu(), want.cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(40, 0.0), (0, 0.5), (70, 0.5)])
+def test_decode_attention_within_a_window_and_softcapped(dtype, window, softcap):
+    """A sliding window (the mask holds it; the kernel starts its loop at the window's
+    first slot, mid-block) and Gemma 2's softcapped scores: the PyTorch path's result.
+    Slots before the window hold NaN, which the result never sees."""
+    from engine.inference_modules import _grouped_attention, _within
+
+    gen = torch.Generator().manual_seed(window)
+    b, heads, kv_heads, d, slots, write_at = 3, 8, 2, 24, 150, 130
+    cache = torch.randn(2, b, kv_heads, slots, d, generator=gen).to(dtype)
+    if window:
+        cache[:, :, :, :write_at + 1 - window] = float("nan")
+    keys, values = cache[0].to(DEVICE), cache[1].to(DEVICE)
+    q = torch.randn(b, heads, 1, d, generator=gen).to(dtype).to(DEVICE)
+    valid = torch.zeros(b, 1, 1, write_at + 1, dtype=torch.bool)
+    for row, padding in enumerate((0, 3, 100)):
+        valid[row, ..., padding:] = True
+    at = torch.tensor([write_at])
+    valid = _within(valid, at, window).to(DEVICE)
+    scale = d ** -0.5
+    got = kernels.decode_attention(q, keys, values, valid[:, 0, 0], at.to(DEVICE), scale,
+                                   window, softcap)
+    n = write_at + 1
+    if window:   # the reference reads only the window (NaN elsewhere would reach it)
+        keys, values = keys.nan_to_num(), values.nan_to_num()
+    want = _grouped_attention(*_fp32(q, keys[:, :, :n], values[:, :, :n]), valid, scale,
+                              softcap)
+    _assert_close(got.cpu(), want.cpu())
+
+
 # one block; three of 2048, the last partial; and on a GPU a real vocabulary's (OPT's)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # all of a head, its first half, or none (OPT: no rotary embedding, Q scaled first)
@@ -266,7 +297,7 @@ def test_gemma_and_olmo_decoders_with_fused_kernels_match_hf_generate(model_type
     model = llama_kin(model_type, **FAMILIES[model_type]).to(DEVICE)
     decoder = inference_form(copy.deepcopy(model), DEVICE, torch.float32).model
     decoder.use_fused_kernels(True)
-    assert decoder.layers[0].fused_attention == (model_type != "gemma2")   # softcapped
+    assert decoder.layers[0].fused_attention   # Gemma 2's softcap is the kernel's too
     batch = collate_prompts([tok(p)["input_ids"] for p in PROMPTS[:4]], tok.pad_token_id)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
     sampling = SamplingSettings(max_new_tokens=12, do_sample=False)
