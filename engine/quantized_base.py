@@ -227,7 +227,13 @@ def quantize_modules(model: PreTrainedModel, settings: QuantizedBaseConfig,
         module = model.get_submodule(name)
         if type(module) not in _KINDS:
             weight = getattr(module, "weight", None)
-            if isinstance(weight, nn.Parameter) and weight.dim() == 2:   # GPT-2's Conv1D
+            if module in tied:   # Gemma's scaled embedding, tied to its head
+                kept["tied input/output embeddings"] += 1
+            elif isinstance(module, tuple(_KINDS)):   # its own forward or users would break
+                kind = next(k.__name__ for k in _KINDS if isinstance(module, k))
+                kept[f"{type(module).__name__} layers (a subclass of {kind}: only plain "
+                     "Linear and Embedding are quantized)"] += 1
+            elif isinstance(weight, nn.Parameter) and weight.dim() == 2:   # GPT-2's Conv1D
                 kept[f"{type(module).__name__} layers (only Linear and Embedding are "
                      "quantized)"] += 1
             continue

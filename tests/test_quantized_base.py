@@ -241,6 +241,26 @@ def test_layers_of_other_kinds_are_counted_as_kept_in_full_precision(tok, tmp_pa
     assert "8 Conv1D layers (only Linear and Embedding are quantized)" in line, line
 
 
+def test_a_scaled_embedding_is_kept_and_said_to_be_tied_or_a_subclass(tok, tmp_path):
+    """Gemma's embedding is a subclass of nn.Embedding (it scales its rows by sqrt(hidden),
+    which a quantized table would drop): kept in full precision, and said to be tied (its
+    head reads it) rather than of another kind; untied, said to be a subclass."""
+    said = {}
+    for tied in (True, False):
+        path = saved_dir(tok, "gemma2", tmp_path / str(tied))
+        if not tied:
+            config = json.loads((tmp_path / str(tied) / "config.json").read_text())
+            config["tie_word_embeddings"] = False
+            (tmp_path / str(tied) / "config.json").write_text(json.dumps(config))
+        _, report = load_quantized("causal_lm", path, tok, QuantizedBaseConfig(True, 8, 32),
+                                   flag="--x", dtype=torch.float32, head_dtype=torch.float32,
+                                   device=torch.device("cpu"))
+        said[tied] = dict(report.quantize.kept)
+    assert said[True] == {"tied input/output embeddings": 1}
+    assert said[False] == {"Gemma2TextScaledWordEmbedding layers (a subclass of Embedding: "
+                           "only plain Linear and Embedding are quantized)": 1}
+
+
 def _greedy_answers(actor, tok) -> torch.Tensor:
     prompts = [tok(text)["input_ids"] for text in ("Hello there", "What is 2+2?", "Hi")]
     batch = collate_prompts(prompts, tok.pad_token_id)
