@@ -40,7 +40,9 @@ class DecoderSpec:
     kv_heads: int
     head_dim: int
     ffn: int
-    norm: str                   # "rms" (Llama) | "gemma" (RMS times 1 + w) | "layer" (OPT)
+    # "rms" (Llama: x̂ rounded, times w) | "rms_fp32" (OLMo 2: x̂ w in fp32) | "gemma"
+    # (x̂ (1 + w) in fp32) | "layer" (OPT): kernels.add_norm_reference
+    norm: str
     norm_eps: float
     activation: str             # key of transformers' ACT2FN
     gated_mlp: bool             # act(gate(x)) * up(x) (Llama) or act(fc1(x)) (OPT)
@@ -179,7 +181,8 @@ def _llama_parts(model: PreTrainedModel, layer_prefixes: list[str], fused: bool 
     if qk_norm:
         layer |= {"q_norm.weight": ["self_attn.q_norm.weight"],
                   "k_norm.weight": ["self_attn.k_norm.weight"]}
-    root = {"embed.weight": [f"{base}.embed_tokens.weight"], "norm.weight": [f"{base}.norm.weight"]}
+    root = {"embed.weight": [f"{base}.embed_tokens.weight"],
+            "norm.weight": [f"{base}.norm.weight"]}
     return spec, root, layer, rotary
 
 
@@ -333,8 +336,8 @@ def _olmo2(model: PreTrainedModel, layer_prefixes: list[str]) -> Plan:
 
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama,
              "phi3": partial(_llama, fused=True), "gemma": _gemma, "gemma2": _gemma,
-             "gemma3_text": _gemma, "gemma3": _gemma3_multimodal, "olmo2": _olmo2, "olmo3": _olmo2, "opt": _opt,
-             "gpt2": _gpt2, "gpt_neox": _gpt_neox}
+             "gemma3_text": _gemma, "gemma3": _gemma3_multimodal, "olmo2": _olmo2,
+             "olmo3": _olmo2, "opt": _opt, "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 
 def _assemble(spec: DecoderSpec, root: dict[str, list[str]], layer: dict[str, list[str]],
