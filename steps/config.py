@@ -29,6 +29,7 @@ from engine.config import (
     LoraConfig,
     OptimConfig,
     Rule,
+    above,
     each,
     one_of,
     val,
@@ -184,7 +185,7 @@ class PPOConfig(OptimConfig):
     dual_clip: Optional[float] = val(None, "dual-clip PPO (OpenRLHF's --dual_clip, verl's "  # noqa: UP045
                                      "clip_ratio_c): a token with a negative advantage A adds "
                                      "at most -A x this to the loss; null: off",
-                                     Rule(lambda v: v > 1, "give a number above 1, e.g. 3"))
+                                     above(1))
     value_clip_range: float = val(0.2, ok=POSITIVE)
     gamma: float = val(1.0, ok=within(0, 1))
     lam: float = val(0.95, ok=within(0, 1))

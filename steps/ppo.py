@@ -101,6 +101,7 @@ from steps.rlhf import (
     policy_loss,
     returns_to_go,
     sequence_rewards,
+    statistic_weights,
     tilted_kl,
     token_kl,
     value_loss,
@@ -778,6 +779,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
             weights, local_count = loss_weights(rows.action_mask, s.ppo.loss_aggregation,
                                                 s.ppo.max_new_tokens)
+            weights = (weights, statistic_weights(rows.action_mask, s.ppo.loss_aggregation))
             count = dp.sum(float(local_count))[0]
             ptx_batch = None
             if ptx:
@@ -806,30 +808,31 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
 
 
 def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float,
-             weights: torch.Tensor, count: float, ptx: PtxRows | None, dp: DataParallel
-             ) -> tuple[dict[str, float], dict[str, float]] | None:
+             weights: tuple[torch.Tensor, torch.Tensor], count: float, ptx: PtxRows | None,
+             dp: DataParallel) -> tuple[dict[str, float], dict[str, float]] | None:
     """One optimisation step of the actor (and critic) on this process's rows of a
     micro-batch, in forwards of `ppo.forward_batch_size` rows whose gradients add up.
-    `weights` [B, N], `count`: each action's loss weight and the micro-batch's loss divisor
-    over all processes (see loss_weights), so the parts' losses sum to the micro-batch's.
+    `weights` ([B, N] loss and statistics weights), `count`: the micro-batch's divisor over
+    all processes (loss_weights), so the parts' losses and statistics sum to its own.
     Returns this process's shares of the statistics (their sums over processes are the
     micro-batch's), and the gradient norms (the whole micro-batch's already: NaN or inf
     where the update was skipped); None, with nothing updated, when the policy is already
     `ppo.target_kl` from the sampling one."""
     exp, prompt_len, actor = experience, experience.prompt_len, models.actor
     chunks = dp.row_chunks(len(exp.sequences), s.ppo.forward_batch_size)
-    stats: dict[str, float] = {}
 
     def add(name: str, value) -> None:
         stats[name] = stats.get(name, 0.0) + (value.item() if torch.is_tensor(value) else value)
 
+    (action_weights, stat_weights), stats = weights, {}
     for i, (rows, real) in enumerate(chunks):
-        last, part_weights = i == len(chunks) - 1, weights[rows] * real
+        last, part_weights = i == len(chunks) - 1, action_weights[rows] * real
         logprobs = answer_logprobs(actor, exp.sequences[rows], exp.attention_mask[rows],
                                    prompt_len, s.sampling.temperature)
         actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
                                 part_weights, s.ppo.clip_range, count,
-                                s.ppo.clip_range_high, s.ppo.dual_clip)
+                                s.ppo.clip_range_high, s.ppo.dual_clip,
+                                stat_weights[rows] * real)
         for name, value in zip(("train/policy_loss", "train/clip_fraction", "train/approx_kl",
                                 "train/ratio"), actor_out, strict=True):
             add(name, value)
@@ -857,7 +860,8 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
             values = answer_values(models.critic, exp.sequences[rows],
                                    exp.attention_mask[rows], prompt_len)
             critic_out = value_loss(values, exp.values[rows], exp.returns[rows],
-                                    weights[rows] * real, s.ppo.value_clip_range, count)
+                                    action_weights[rows] * real, s.ppo.value_clip_range, count,
+                                    stat_weights[rows] * real)
             models.critic.backward(critic_out.loss)
             add("train/value_loss", critic_out.loss)
             add("train/value_clip_fraction", critic_out.clip_fraction)

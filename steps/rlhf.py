@@ -500,14 +500,25 @@ def loss_weights(mask: Tensor, aggregation: str, max_new_tokens: int | None = No
                      f"{', '.join(LOSS_AGGREGATIONS)}")
 
 
+def statistic_weights(mask: Tensor, aggregation: str) -> Tensor:
+    """[B, N] per-token weights that make the update's statistics (ratio, KL from the
+    sampling policy, clip fractions) means over ``loss_weights``' count: the loss's own
+    weights, but under ``seq-mean-token-sum-norm``, whose weights sum to an answer's length
+    over max_new_tokens rather than to 1, each answer's token mean (``seq-mean``'s, whose
+    count is the same)."""
+    if aggregation == "seq-mean-token-sum-norm":
+        aggregation = "seq-mean"
+    return loss_weights(mask, aggregation)[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Losses
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_range: float, num_actions: Tensor | float | None = None,
-                clip_range_high: float | None = None, dual_clip: float | None = None
-                ) -> PolicyLossOut:
+                clip_range_high: float | None = None, dual_clip: float | None = None,
+                stat_weights: Tensor | None = None) -> PolicyLossOut:
     """PPO clipped surrogate objective.
 
     ``r = exp(logprobs - old_logprobs)``;
@@ -526,6 +537,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         clip_range_high: the upper epsilon (DAPO's clip-higher, e.g. 0.28); default
             ``clip_range``.
         dual_clip: c > 1, or None for no dual clip.
+        stat_weights: [B, N] the statistics' weights (``statistic_weights``); default
+            ``mask``.
 
     Returns:
         PolicyLossOut (see its fields), all scalars, the statistics detached; ``approx_kl`` is
@@ -549,14 +562,16 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         held = held | capped
     loss = _over(masked_sum(per_token, mask), num_actions, mask)
     with torch.no_grad():
-        clip_fraction = _over(masked_sum(held.to(ratio.dtype), mask), num_actions, mask)
-        approx_kl = _over(masked_sum((ratio - 1.0) - log_ratio, mask), num_actions, mask)
-        ratio_mean = _over(masked_sum(ratio, mask), num_actions, mask)
+        w = mask if stat_weights is None else stat_weights
+        clip_fraction = _over(masked_sum(held.to(ratio.dtype), w), num_actions, w)
+        approx_kl = _over(masked_sum((ratio - 1.0) - log_ratio, w), num_actions, w)
+        ratio_mean = _over(masked_sum(ratio, w), num_actions, w)
     return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-               clip_range: float, num_actions: Tensor | float | None = None) -> ValueLossOut:
+               clip_range: float, num_actions: Tensor | float | None = None,
+               stat_weights: Tensor | None = None) -> ValueLossOut:
     """Clipped value loss (OpenAI baselines / DeepSpeed-Chat).
 
     ``v_clip = clip(values, old_values - clip_range, old_values + clip_range)``;
@@ -567,6 +582,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         returns: [B, N] GAE returns. mask: [B, N], as for ``policy_loss``.
         clip_range: value clip epsilon.
         num_actions: the count the means divide by (see ``policy_loss``).
+        stat_weights: ``clip_fraction``'s weights (see ``policy_loss``).
 
     Returns:
         ValueLossOut (see its fields), scalars, ``clip_fraction`` detached.
@@ -579,8 +595,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     clipped = (v_clip - returns) ** 2
     loss = 0.5 * _over(masked_sum(torch.maximum(unclipped, clipped), mask), num_actions, mask)
     with torch.no_grad():
-        clip_fraction = _over(masked_sum((clipped > unclipped).to(unclipped.dtype), mask),
-                              num_actions, mask)
+        w = mask if stat_weights is None else stat_weights
+        clip_fraction = _over(masked_sum((clipped > unclipped).to(unclipped.dtype), w),
+                              num_actions, w)
     return ValueLossOut(loss, clip_fraction)
 
 

@@ -300,6 +300,8 @@ def settings(**changes):
     (dict(algorithm="grpo", samples_per_prompt=2, rollout_batch_size=2, micro_batch_size=8),
      "ppo.micro_batch_size must not exceed"),
     (dict(dual_clip=1.0), "ppo.dual_clip=1.0: give a number above 1"),
+    (dict(dual_clip=float("inf")), "ppo.dual_clip=inf: not a finite number; give a number "
+     "above 1"),
     (dict(clip_range_high=0.0), "ppo.clip_range_high=0.0"),
     (dict(max_new_tokens=16, overlong_buffer=32), "ppo.overlong_buffer=32: give at most "
      "ppo.max_new_tokens (16)"),

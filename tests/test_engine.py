@@ -476,7 +476,7 @@ def test_forward_batches_equal_one_pass(tok, monkeypatch):
                                               "attention_mask": prompt_mask}, settings, dp,
                                      kl_coef=0.1)
         weights, count = loss_weights(exp.action_mask, "token-mean")
-        update = (exp, models, settings, 0.1, weights, float(count), None, dp)
+        update = (exp, models, settings, 0.1, (weights, weights), float(count), None, dp)
         first = ppo.train_on(*update)
         after_first = [p.detach().clone() for p in models.actor.parameters()]
         assert ppo.train_on(*update) is None   # moved 1e-3 nats from the sampling policy

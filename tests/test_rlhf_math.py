@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from steps.rlhf import (
+    LOSS_AGGREGATIONS,
     answer_mask,
     ema_update,
     gae,
     kl_penalized_rewards,
     logprobs_of_tokens,
+    loss_weights,
     masked_mean,
     masked_sum,
     masked_var,
@@ -20,6 +22,7 @@ from steps.rlhf import (
     pairwise_reward_loss,
     policy_loss,
     sft_loss,
+    statistic_weights,
     value_loss,
     whiten,
 )
@@ -372,6 +375,25 @@ def test_clip_higher_and_dual_clip_hand_computed():
     close(out.clip_fraction, 0.6)
     out.loss.backward()
     close(new.grad, [[-1.1 / 5, 0.0, 0.0, 0.0, -0.5 / 5]])
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_an_unmoved_policy_reads_ratio_one_under_every_aggregation(aggregation):
+    """The update's statistics are means under every loss aggregation: a policy that has
+    not moved reads a ratio of 1 and no KL, and one whose every token moved by log 1.5
+    reads 1.5 and every token clipped, also under Dr. GRPO's token-sum weights (which
+    summed to length / max_new_tokens per answer and read 1.5 x 3/8 for answers of 3)."""
+    mask = torch.tensor([[1.0, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]])
+    advantages = torch.ones(2, 8)
+    weights, count = loss_weights(mask, aggregation, max_new_tokens=8)
+    stats = statistic_weights(mask, aggregation)
+    for log_ratio, ratio, kl, clipped in ((0.0, 1.0, 0.0, 0.0),
+                                          (math.log(1.5), 1.5, 0.5 - math.log(1.5), 1.0)):
+        out = policy_loss(torch.full((2, 8), log_ratio), torch.zeros(2, 8), advantages,
+                          weights, 0.2, count, stat_weights=stats)
+        close(out.ratio_mean, ratio)
+        close(out.approx_kl, kl)
+        close(out.clip_fraction, clipped)
 
 
 def test_overlong_penalty_rises_linearly_over_the_buffer():

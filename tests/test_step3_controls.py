@@ -146,8 +146,12 @@ def test_overlong_shaping_clip_higher_dual_clip_and_dr_grpo_reach_the_round(monk
     share = Share(list(range(4)), list(range(4)), 1.0)
     ppo.update(plain, share, 4, models, s, DataParallel(CPU), [], 0, None, 0, 0.0)
     (args, _), = seen
-    assert args[4:] == (0.2, 4.0, 0.28, 3.0)   # clip_range, answers, high, dual
+    assert args[4:8] == (0.2, 4.0, 0.28, 3.0)   # clip_range, answers, high, dual
     torch.testing.assert_close(args[3], plain.action_mask / 6)
+    # the statistics (ratio, KL from the sampling policy, clip fraction) stay means: each
+    # answer's tokens weigh 1 / its length, not its length / 6 (target_kl reads the KL)
+    lengths = plain.action_mask.sum(-1, keepdim=True)
+    torch.testing.assert_close(args[8], plain.action_mask / lengths)
 
 
 def test_best_of_n_equals_a_direct_computation():
