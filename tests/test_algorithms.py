@@ -22,6 +22,7 @@ from steps import algorithms, demo, ppo
 from steps.algorithms import load_reward_fn
 from steps.config import PPOConfig, RunConfig, validate
 from steps.rlhf import (
+    LOSS_AGGREGATIONS,
     adaptive_kl_coef,
     coef_for_kl,
     group_normalized_advantages,
@@ -321,6 +322,16 @@ def test_the_schema_accepts_every_algorithm_of_the_table():
     assert all(rule.test(name) for name in algorithms.ALGORITHMS) and not rule.test("dpo")
     assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp")
     assert ppo.ESTIMATORS.keys() == algorithms.ALGORITHMS.keys()   # each has its estimator
+
+
+def test_the_schema_accepts_every_loss_aggregation_of_loss_weights():
+    """steps/config.py names the aggregations without importing torch's side: the same
+    list as rlhf.LOSS_AGGREGATIONS, which loss_weights implements."""
+    rule = next(f for f in fields(PPOConfig) if f.name == "loss_aggregation").metadata["ok"]
+    assert all(rule.test(name) for name in LOSS_AGGREGATIONS) and not rule.test("seq-sum")
+    mask = torch.ones(2, 3)
+    for name in LOSS_AGGREGATIONS:
+        loss_weights(mask, name, max_new_tokens=4)
 
 
 def test_the_group_algorithms_accept_their_settings():
