@@ -61,6 +61,16 @@ class DataParallel:
             return torch.tensor([0]), 0.0
         return held, 1.0
 
+    def batch_flags(self, share: Share, flags: torch.Tensor, size: int, group: int = 1
+                    ) -> torch.Tensor:
+        """[size] bool over a batch of `size` items dealt by `share(batch, group)`: each
+        process's `flags` [its items] in place, one collective (a stand-in flags nothing)."""
+        local = torch.zeros(size, dtype=torch.float64, device=self.device)
+        if share.weight:
+            local[torch.tensor(share.index[::group], device=self.device) // group] = \
+                flags.to(self.device, torch.float64)
+        return self.runtime.all_sum(local) > 0
+
     def row_chunks(self, rows: int, size: int | None) -> list[tuple[slice, bool]]:
         """This process's `rows` as slices of at most `size` (None: one slice), each with
         whether it is real: every process runs as many passes as the one with the most

@@ -103,6 +103,10 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
     if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
         raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
                         "compares the answers to one prompt; give 2 or more (e.g. 4)")
+    if ppo.dynamic_sampling and not ALGORITHMS[ppo.algorithm].groups:
+        raise UserError(f"ppo.dynamic_sampling drops the prompts whose answers all score the "
+                        f"same, which only a group algorithm learns nothing from: set "
+                        f"ppo.algorithm=grpo or rloo (not {ppo.algorithm})")
     if ppo.reward_fn:
         load_reward_fn(ppo.reward_fn)
     elif ppo.reward_model_weight == 0:

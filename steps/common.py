@@ -195,6 +195,18 @@ def epoch_batches(items: Sequence, batch_size: int, *, seed: int, skip: int, des
     return enumerate(bar, start=skip + 1)
 
 
+class Draws:
+    """An epoch's batches (epoch_batches) drawn one at a time, None after the last: an
+    iteration may draw several (ppo.dynamic_sampling). `number` is the last one drawn's."""
+
+    def __init__(self, numbered: Iterator[tuple[int, list]]):
+        self._numbered, self.number = numbered, 0
+
+    def __call__(self) -> list | None:
+        self.number, batch = next(self._numbered, (self.number, None))
+        return batch
+
+
 def num_batches(n: int, batch_size: int) -> int:
     return math.ceil(n / batch_size)
 

@@ -143,6 +143,13 @@ class PPOConfig(OptimConfig):
     samples_per_prompt: int = val(1, "answers sampled per prompt, a group (GRPO and RLOO need "
                                   ">= 2); rollout_batch_size counts prompts", COUNT)
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
+    dynamic_sampling: bool = val(False, "DAPO's dynamic sampling (grpo, rloo): drop the prompts "
+                                 "whose answers all score the same (no advantage) and "
+                                 "sample further prompt batches until rollout_batch_size "
+                                 "prompts have answers that differ")
+    dynamic_sampling_max_draws: int = val(4, "dynamic_sampling: prompt batches an iteration "
+                                          "samples at most; it then trains on the prompts "
+                                          "found (the epoch's end stops it too)", COUNT)
     reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer[, label]) -> "  # noqa: UP045
                                    "float: a rule-based reward (the demo's: steps.demo:score)")
     reward_fn_weight: float = val(1.0, ok=FINITE)

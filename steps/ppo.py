@@ -40,6 +40,7 @@ import contextlib
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -51,7 +52,7 @@ from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel, Share
 from engine.errors import NonFiniteError, UserError
 from engine.generation import SamplingSettings
-from engine.hybrid import HybridEngine
+from engine.hybrid import GenerationTimes, HybridEngine
 from engine.models import (
     disable_dropout,
     head_reduced,
@@ -68,6 +69,7 @@ from engine.tracking import Tracker
 from engine.trainer import TrainEngine
 from steps.algorithms import ALGORITHMS, Algorithm, model_paths
 from steps.common import (
+    Draws,
     StepCheckpoints,
     batches,
     check_export_fits,
@@ -91,6 +93,7 @@ from steps.rlhf import (
     ema_update,
     gae,
     group_normalized_advantages,
+    informative_groups,
     kl_estimate,
     kl_penalized_rewards,
     leave_one_out_advantages,
@@ -511,15 +514,17 @@ def train(cfg: DictConfig, s: Settings, models: Models, prompts: Prompts, kept: 
     start, first = time.perf_counter() - state.seconds, state.iteration
     time_totals: dict[str, float] = {}
     for epoch in range(state.epoch, s.ppo.epochs):
-        for round_index, prompt_batch in epoch_batches(
-                prompts.train, s.ppo.rollout_batch_size, seed=s.seed + epoch,
-                skip=state.round if epoch == state.epoch else 0,
-                desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports):
+        draw = Draws(epoch_batches(
+            prompts.train, s.ppo.rollout_batch_size, seed=s.seed + epoch,
+            skip=state.round if epoch == state.epoch else 0,
+            desc=f"step 3 epoch {epoch + 1}", enabled=cfg.logging.progress and dp.reports))
+        while (prompt_batch := draw()) is not None:
             number = state.iteration + 1
             try:
                 with profiler.iteration(number) if profiler else contextlib.nullcontext():
                     state, times = iterate(s, models, prompts, prompt_batch, kept, dp, tracker,
-                                           state, bars=cfg.logging.progress)
+                                           state, bars=cfg.logging.progress,
+                                           more=draw if s.ppo.dynamic_sampling else None)
             except NonFiniteError as err:
                 raise NonFiniteError(f"step 3 iteration {number}: {err}") from None
             if profiler and number == profiler.last:
@@ -527,9 +532,9 @@ def train(cfg: DictConfig, s: Settings, models: Models, prompts: Prompts, kept: 
             time_totals = {k: time_totals.get(k, 0.0) + v for k, v in times.items()}
             if s.ppo.eval_every and state.iteration % s.ppo.eval_every == 0:
                 state = evaluate_during(models, prompts, s, kept, dp, tracker, state)
-            epoch_done = round_index == rounds
+            epoch_done = draw.number == rounds
             state = state._replace(epoch=epoch + epoch_done,
-                                   round=0 if epoch_done else round_index,
+                                   round=0 if epoch_done else draw.number,
                                    seconds=time.perf_counter() - start)
             ckpt.save_if_due(state.iteration, state._asdict(), tracker)
     if profiler and profiler.close(state.iteration):   # the run ended inside the span
@@ -546,24 +551,25 @@ def _profiled(profiler: IterationProfiler, dp: DataParallel) -> None:
 
 def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[list[int]],
             kept: Kept, dp: DataParallel, tracker: Tracker, state: Progress, *,
+            more: Callable[[], list[list[int]] | None] | None = None,
             bars: bool = False) -> tuple[Progress, dict]:
-    """One iteration: rollouts for a batch of prompts (`s.group` answers each), then
-    updates, then metrics. Returns the new state and the iteration's time breakdown."""
-    t0 = time.perf_counter()
-    share = dp.share(prompt_batch, group=s.group)   # a prompt's answers stay on one rank
-    batch = to_device(collate_prompts(share.rows, models.tokenizer.pad_token_id), dp.device)
-    exp, timing = make_experience(models, batch, s, dp, kl_coef=state.kl_coef,
-                                  seeds=row_seeds(s.seed, state.iteration + 1, share.index),
-                                  weight=share.weight)
+    """One iteration: rollouts for a batch of prompts (`s.group` answers each; with dynamic
+    sampling, `more` draws further batches), then updates, then metrics. Returns the new
+    state and the iteration's time breakdown."""
+    models.actor.take_times()
+    t0, stream = time.perf_counter(), state.iteration + 1
+    taken = sample_round(models, prompt_batch, s, dp, stream) if more is None else \
+        sample_informative(models, prompt_batch, more, s, dp, stream)
+    exp = experience_of(models, taken.sampled, s, dp, kl_coef=state.kl_coef)
     t1 = time.perf_counter()
-    answers = len(prompt_batch) * s.group
-    stats, ptx_batches = update(exp, share, answers, models, s, dp, prompts.ptx,
+    timing = sampling_times(models.actor.take_times(), t1 - t0)
+    stats, ptx_batches = update(exp, taken.share, taken.size, models, s, dp, prompts.ptx,
                                 state.ptx_batches, kept.ema, state.iteration, state.kl_coef)
     t2 = time.perf_counter()
     kl_stops = state.kl_stops + int(stats.pop("stopped"))
     trained_tokens = stats.pop("trained_tokens")
     metrics = {**stats, **_rollout_metrics(exp, models.tokenizer.eos_token_id,
-                                           s.kl_target is not None, dp),
+                                           s.kl_target is not None, dp), **taken.counts,
                "kl_coef": state.kl_coef, "train/kl_stops": kl_stops,
                "train/skipped_steps": models.actor.skipped_steps,
                "generation/decode_steps_built": models.actor.decode_steps_built}
@@ -574,7 +580,7 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
             metrics[f"train/{name}loss_scale"] = engine.loss_scale.value
             metrics[f"train/{name}scale_overflows"] = engine.loss_scale.overflows
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
-                            answers, metrics.pop("answer/tokens"), trained_tokens)
+                            taken.drawn, metrics.pop("answer/tokens"), trained_tokens)
     iteration = state.iteration + 1
     if iteration % s.ppo.log_every == 0:
         lrs = {f"lr/{name}": engine.applied_lr for name, engine
@@ -584,7 +590,11 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         tracker.log({**metrics, **lrs, **times, **peak}, iteration)
         if not bars:   # else the progress bar shows the pace
             log(f"step 3 iteration {iteration}: " + _breakdown_line(times))
-    state = next_kl_coef(state, metrics.get("reward/kl_vocab", 0.0), answers, s)
+    if not taken.size:   # dynamic sampling found nothing to learn from: no update
+        log(f"step 3 iteration {iteration}: the answers to every prompt of "
+            f"{taken.counts['sampling/draws']} batches scored the same; nothing trained")
+    observed_kl = metrics.get("reward/kl_vocab", 0.0) if taken.size else math.nan
+    state = next_kl_coef(state, observed_kl, taken.size, s)
     return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_stops=kl_stops), times
 
 
@@ -674,25 +684,50 @@ def rollout(models: Models, prompts: dict[str, torch.Tensor], sampling: Sampling
                    answered)
 
 
+class Sampled(NamedTuple):
+    """A round's answers on this process and their scores: what `experience_of`'s forwards
+    turn into experience."""
+
+    answers: Rollout
+    scores: torch.Tensor           # [B] each answer's score (reward model and/or function)
+    penalty: torch.Tensor | None   # [B] what ppo.missing_eos_penalty and ppo.overlong_buffer
+                                   # take from it after ppo.score_clip (None: both off)
+    weight: float                  # 1.0, or 0.0 for a stand-in (DataParallel.share)
+
+    def rows(self, index: torch.Tensor) -> Sampled:
+        return Sampled(Rollout(*(field[index] for field in self.answers)), self.scores[index],
+                       None if self.penalty is None else self.penalty[index], self.weight)
+
+
 @torch.no_grad()
-def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Settings,
-                    dp: DataParallel, *, kl_coef: float, seeds: torch.Tensor | None = None,
-                    weight: float = 1.0) -> tuple[Experience, dict[str, float]]:
-    """Sample answers for left-padded prompts (row `seeds`, see row_seeds), rows in groups
-    of `s.group` copies of a prompt, and compute everything the update needs. The prompts
-    are this process's share of the rollout batch, of `weight` (0 empties the action masks
-    of a stand-in); batch statistics (whitening) use the whole batch. Returns the
-    experience and the seconds spent: gathering the actor for generation, generating (of
-    which, with the inference decoder, its prefills and decode steps, and ms per decode
-    step), and computing the rest."""
-    actor, critic, eos = models.actor, models.critic, models.tokenizer.eos_token_id
-    actor.take_times()
+def sample(models: Models, prompts: dict[str, torch.Tensor], s: Settings, dp: DataParallel,
+           *, seeds: torch.Tensor | None = None, weight: float = 1.0) -> Sampled:
+    """Answers to left-padded prompts (row `seeds`, see row_seeds), rows in groups of
+    `s.group` copies of a prompt, scored, with the penalties the settings ask for. The
+    prompts are this process's share of the round, of `weight` (0: a stand-in's)."""
     answers = rollout(models, prompts, s.sampling, seeds, s.group)
-    sequences, attention_mask, answered = answers
-    t1 = time.perf_counter()
-    generation = actor.take_times()
-    prompt_len = prompts["input_ids"].shape[1]
-    actions = answered * weight
+    scores, penalty = _scores(models, answers, s, dp), None
+    # penalties are taken after score_clip, which cannot hide them
+    if s.ppo.missing_eos_penalty is not None:
+        cut_off = ~ended_with_eos(answers.sequences[:, answers.prompt_len:], answers.answered,
+                                  models.tokenizer.eos_token_id)
+        penalty = s.ppo.missing_eos_penalty * cut_off.float()
+    if s.ppo.overlong_buffer is not None:
+        overlong = overlong_penalty(answers.answered.sum(-1), s.ppo.max_new_tokens,
+                                    s.ppo.overlong_buffer, s.ppo.overlong_penalty)
+        penalty = overlong if penalty is None else penalty + overlong
+    return Sampled(answers, scores, penalty, weight)
+
+
+@torch.no_grad()
+def experience_of(models: Models, sampled: Sampled, s: Settings, dp: DataParallel, *,
+                  kl_coef: float) -> Experience:
+    """Everything the update needs from scored answers: the actor's and the reference's
+    log-probs (and the critic's values), the KL-penalised rewards, and the advantages.
+    Batch statistics (whitening) use the whole round's rows, all processes'."""
+    actor, critic = models.actor, models.critic
+    (sequences, attention_mask, answered), prompt_len = sampled.answers, sampled.answers.prompt_len
+    actions = answered * sampled.weight
 
     def by_rows(fn) -> torch.Tensor:   # fn(sequences, attention_mask) over row chunks
         return dp.by_row_chunks(lambda rows: fn(sequences[rows], attention_mask[rows]),
@@ -708,33 +743,150 @@ def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Setting
         values = by_rows(lambda seq, mask: answer_values(critic, seq, mask, prompt_len))
         values = values * actions
         critic.train()
-    scores, penalty = _scores(models, answers, s, dp), None
-    # penalties are taken after score_clip, which cannot hide them
-    if s.ppo.missing_eos_penalty is not None:
-        cut_off = ~ended_with_eos(sequences[:, prompt_len:], answered, eos)
-        penalty = s.ppo.missing_eos_penalty * cut_off.float()
-    if s.ppo.overlong_buffer is not None:
-        overlong = overlong_penalty(answered.sum(-1), s.ppo.max_new_tokens,
-                                    s.ppo.overlong_buffer, s.ppo.overlong_penalty)
-        penalty = overlong if penalty is None else penalty + overlong
-
+    scores, penalty = sampled.scores, sampled.penalty
     reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
                                        s.ppo.score_clip, s.kl.estimator, penalty)
     advantages, returns = ESTIMATORS[s.ppo.algorithm](
         s.ppo, rewards, scores, penalty, kl, values, actions, reward_kl_coef, s.group, dp)
-    if penalty is not None:   # the logged score includes it, as before
-        scores = scores - penalty.to(scores.dtype)
-    t2 = time.perf_counter()
-    experience = Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
-                            rewards, advantages, returns, scores, kl, vocab_kl)
+    return Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
+                      rewards, advantages, returns, _logged_scores(sampled), kl, vocab_kl)
+
+
+def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Settings,
+                    dp: DataParallel, *, kl_coef: float, seeds: torch.Tensor | None = None,
+                    weight: float = 1.0) -> tuple[Experience, dict[str, float]]:
+    """`sample` then `experience_of`: one round's experience from its prompts. Returns it
+    and the seconds spent (`sampling_times`)."""
+    models.actor.take_times()
+    start = time.perf_counter()
+    sampled = sample(models, prompts, s, dp, seeds=seeds, weight=weight)
+    experience = experience_of(models, sampled, s, dp, kl_coef=kl_coef)
+    return experience, sampling_times(models.actor.take_times(), time.perf_counter() - start)
+
+
+def sampling_times(generation: GenerationTimes, seconds: float) -> dict[str, float]:
+    """The phases of `seconds` spent making a round's experience: gathering the actor for
+    generation, generating (of which, with the inference decoder, its prefills and decode
+    steps, and ms per decode step), and the rest (scoring, the forwards)."""
     times = {"time/gather": generation.gather, "time/generate": generation.generate,
-             "time/experience": t2 - t1}
+             "time/experience": seconds - generation.gather - generation.generate}
     if generation.decode_steps:   # the inference decoder's split of the generate phase
         times.update({"time/prefill": generation.prefill, "time/decode": generation.decode,
                       "time/decode_step_ms":
                           generation.decode / generation.decode_steps * 1e3})
-    return experience, times
+    return times
+
+
+class Round(NamedTuple):
+    """What an iteration sampled and trains on, on this process."""
+
+    sampled: Sampled
+    share: Share            # where its rows sit in the batch trained on
+    size: int               # that batch's answers, all processes'
+    drawn: int              # answers sampled for it, all processes' (dynamic sampling's too)
+    counts: dict[str, float]   # dynamic sampling's (sampling/*); empty without it
+
+
+def sample_round(models: Models, prompt_batch: list[list[int]], s: Settings, dp: DataParallel,
+                 stream: int, first_row: int = 0) -> Round:
+    """This process's share of a batch of prompts, sampled and scored; row seeds from global
+    row `first_row` on (row_seeds: a later draw of the same iteration gets fresh ones)."""
+    share = dp.share(prompt_batch, group=s.group)   # a prompt's answers stay on one rank
+    batch = to_device(collate_prompts(share.rows, models.tokenizer.pad_token_id), dp.device)
+    seeds = row_seeds(s.seed, stream, [first_row + i for i in share.index])
+    size = len(prompt_batch) * s.group
+    return Round(sample(models, batch, s, dp, seeds=seeds, weight=share.weight), share, size,
+                 size, {})
+
+
+def sample_informative(models: Models, prompt_batch: list[list[int]] | None,
+                       more: Callable[[], list[list[int]] | None], s: Settings,
+                       dp: DataParallel, stream: int) -> Round:
+    """DAPO's dynamic sampling (Yu et al., 2025): batches of prompts (`prompt_batch`, then
+    `more()`'s, None at the epoch's end) are sampled until ppo.rollout_batch_size prompts
+    have answers that do not all score the same (rlhf.informative_groups), for at most
+    ppo.dynamic_sampling_max_draws batches. The first that many such prompts in the order
+    sampled are the batch trained on, the same on any number of processes; the others are
+    dropped and counted (sampling/*). A process left without rows holds a stand-in."""
+    group, parts, flags = s.group, [], []
+    while prompt_batch is not None:
+        part = sample_round(models, prompt_batch, s, dp, stream,
+                            first_row=sum(p.size for p in parts))
+        differ = informative_groups(part.sampled.scores, group, s.ppo.score_clip,
+                                    part.sampled.penalty)
+        flags.append(dp.batch_flags(part.share, differ, len(prompt_batch), group).cpu())
+        parts.append(part)
+        if int(torch.cat(flags).sum()) >= s.ppo.rollout_batch_size \
+                or len(parts) == s.ppo.dynamic_sampling_max_draws:
+            break
+        prompt_batch = more()
+    places = kept_places(flags, s.ppo.rollout_batch_size)
+    kept, positions = [], []
+    for part, place in zip(parts, places, strict=True):
+        mine = place[torch.tensor(part.share.index[::group]) // group] if part.share.weight \
+            else torch.tensor([-1])   # a stand-in's row belongs to another process
+        keep = mine >= 0
+        kept.append(part.sampled.rows(keep.repeat_interleave(group).nonzero().flatten()))
+        positions += (mine[keep, None] * group + torch.arange(group)).flatten().tolist()
+    size, drawn = sum(int((p >= 0).sum()) for p in places) * group, sum(p.size for p in parts)
+    counts = _sampling_counts(parts, flags, size // group, dp)
+    if not positions:   # a stand-in group of weight 0: every process runs the same passes
+        return Round(parts[0].sampled.rows(torch.arange(group))._replace(weight=0.0),
+                     Share([], [0], 0.0), size, drawn, counts)
+    return Round(concat_sampled(kept, models.tokenizer.pad_token_id), Share([], positions, 1.0),
+                 size, drawn, counts)
+
+
+def kept_places(flags: list[torch.Tensor], target: int) -> list[torch.Tensor]:
+    """Dynamic sampling's choice: for each batch's prompts ([prompts] bool, informative),
+    its place among the first `target` informative prompts in the order sampled, -1 where
+    it is not kept. Returns [prompts] long tensors, one per batch."""
+    informative = torch.cat(flags)
+    place = informative.long().cumsum(0) - 1
+    place = torch.where(informative & (place < target), place, -1)
+    return list(place.split([len(f) for f in flags]))
+
+
+def _sampling_counts(parts: list[Round], flags: list[torch.Tensor], kept: int,
+                     dp: DataParallel) -> dict[str, float]:
+    """Dynamic sampling's metrics: the batches drawn, the prompts kept, those dropped
+    because their answers all scored the same ("uniform") or as past the target
+    ("surplus"), and the mean score over every answer sampled (reward/score's, without
+    dynamic sampling: reward/score is then over the answers kept)."""
+    informative = sum(int(f.sum()) for f in flags)
+    score, answers = dp.sum(*(sum(float(_logged_scores(p.sampled).sum()) * p.share.weight
+                                  for p in parts),
+                              sum(len(p.sampled.scores) * p.share.weight for p in parts)))
+    return {"sampling/draws": len(parts), "sampling/prompts_kept": kept,
+            "sampling/prompts_uniform": sum(len(f) for f in flags) - informative,
+            "sampling/prompts_surplus": informative - kept,
+            "sampling/score": score / max(answers, 1.0)}
+
+
+def _logged_scores(sampled: Sampled) -> torch.Tensor:
+    """[B] the scores the metrics report: with their penalties."""
+    if sampled.penalty is None:
+        return sampled.scores
+    return sampled.scores - sampled.penalty.to(sampled.scores.dtype)
+
+
+def concat_sampled(parts: list[Sampled], pad_token_id: int) -> Sampled:
+    """Several rounds' rows as one: prompts left-padded and answers right-padded to the
+    longest (the masks' zeros cover the padding, and positions come from the masks)."""
+    prompt_len = max(part.answers.prompt_len for part in parts)
+    answer_len = max(part.answers.answered.shape[1] for part in parts)
+
+    def padded(answers: Rollout) -> Rollout:
+        left, right = prompt_len - answers.prompt_len, answer_len - answers.answered.shape[1]
+        return Rollout(F.pad(answers.sequences, (left, right), value=pad_token_id),
+                       F.pad(answers.attention_mask, (left, right)),
+                       F.pad(answers.answered, (0, right)))
+
+    rollouts = [padded(part.answers) for part in parts]
+    penalty = None if parts[0].penalty is None else torch.cat([p.penalty for p in parts])
+    return Sampled(Rollout(*(torch.cat(fields) for fields in zip(*rollouts, strict=True))),
+                   torch.cat([part.scores for part in parts]), penalty, parts[0].weight)
 
 
 def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.Tensor,
@@ -774,7 +926,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
     updates, stopped, tokens = 0, False, 0.0
     for ppo_epoch in range(s.ppo.ppo_epochs):
         order = torch.tensor(permutation(batch_size, s.seed + iteration * 131 + ppo_epoch))
-        for micro in order.split(s.ppo.micro_batch_size):
+        for micro in order.split(s.ppo.micro_batch_size) if batch_size else ():
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
             weights, local_count = loss_weights(rows.action_mask, s.ppo.loss_aggregation,

@@ -396,6 +396,24 @@ def leave_one_out_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return (groups - others).float().flatten()
 
 
+def informative_groups(scores: Tensor, group_size: int, score_clip: float,
+                       penalty: Tensor | None = None) -> Tensor:
+    """DAPO's dynamic-sampling filter (Yu et al., 2025): which prompts' answers do not all
+    score the same. A group whose clipped scores less penalties (what the group estimators
+    compare, see ``sequence_rewards``) are all equal has a GRPO advantage of exactly 0 and
+    no score signal for RLOO: training on it only dilutes the others' gradient.
+
+    Args:
+        scores: [B] one score per answer, B = prompts * group_size, each prompt's answers
+            consecutive. penalty: [B] subtracted after the clip, or None.
+
+    Returns:
+        [B / group_size] bool, True where the group's scores differ.
+    """
+    groups = _groups(_clipped(scores, score_clip, penalty), group_size)
+    return groups.amax(dim=1) > groups.amin(dim=1)
+
+
 KL_PROPORTIONAL_GAIN = 1.0   # the coefficient's immediate answer to a KL e times the target: x e
 KL_INTEGRAL_GAIN = 0.2       # its drift per horizon at that error (Ziegler's most per horizon)
 

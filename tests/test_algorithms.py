@@ -26,6 +26,7 @@ from steps.rlhf import (
     adaptive_kl_coef,
     coef_for_kl,
     group_normalized_advantages,
+    informative_groups,
     kl_estimate,
     kl_penalized_rewards,
     leave_one_out_advantages,
@@ -78,6 +79,30 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_its_size(group_size
                        group_normalized_advantages(rewards, group_size, scale=False),
                        leave_one_out_advantages(rewards, group_size)):
         assert advantages.dtype == torch.float32 and not advantages.any()
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_compared_rewards_differ():
+    """DAPO's filter reads what the group estimators compare: scores clipped to
+    ppo.score_clip, less their penalties. Groups of 3: scores that differ; all equal;
+    7, 9 and 6, all 5 once clipped; equal scores that one answer's penalty sets apart."""
+    scores = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 7.0, 9.0, 6.0, 2.0, 2.0, 2.0])
+    penalty = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.5, 0])
+    assert informative_groups(scores, 3, 5.0).tolist() == [True, False, False, False]
+    differ = informative_groups(scores, 3, 5.0, penalty)
+    assert differ.tolist() == [True, False, False, True]
+    # exactly the groups with a GRPO advantage
+    rewards = sequence_rewards(scores, torch.zeros(12, 1), torch.ones(12, 1), 0.0, 5.0, penalty)
+    advantages = group_normalized_advantages(rewards, 3).view(4, 3)
+    assert advantages.any(1).tolist() == differ.tolist()
+
+
+def test_dynamic_sampling_keeps_the_first_informative_prompts_in_the_order_sampled():
+    flags = [torch.tensor([True, False, True]), torch.tensor([False, True, True, True])]
+    assert [p.tolist() for p in ppo.kept_places(flags, 4)] == [[0, -1, 1], [-1, 2, 3, -1]]
+    # short of the target: every informative prompt, in order
+    assert [p.tolist() for p in ppo.kept_places(flags, 9)] == [[0, -1, 1], [-1, 2, 3, 4]]
+    assert [p.tolist() for p in ppo.kept_places([torch.zeros(2, dtype=torch.bool)], 2)] \
+        == [[-1, -1]]
 
 
 def test_groups_must_divide_the_batch():
@@ -306,6 +331,12 @@ def settings(**changes):
     (dict(clip_range_high=0.0), "ppo.clip_range_high=0.0"),
     (dict(max_new_tokens=16, overlong_buffer=32), "ppo.overlong_buffer=32: give at most "
      "ppo.max_new_tokens (16)"),
+    (dict(dynamic_sampling=True), "ppo.dynamic_sampling drops the prompts whose answers all "
+     "score the same, which only a group algorithm learns nothing from: set "
+     "ppo.algorithm=grpo or rloo (not ppo)"),
+    (dict(algorithm="reinforce_pp", samples_per_prompt=4, dynamic_sampling=True),
+     "(not reinforce_pp)"),
+    (dict(dynamic_sampling_max_draws=0), "ppo.dynamic_sampling_max_draws=0"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
     """Each key's own range is the schema's (steps/config.py), the rules between keys

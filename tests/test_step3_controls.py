@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import zlib
 
 import pytest
 import torch
@@ -413,3 +414,81 @@ def test_a_preset_actor_in_step_3_gets_the_runs_tokenizer(opt_tokenizer_path, tm
     load_causal_lm("tiny-llama", tok).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     assert len(ppo.model_tokenizer(cfg, str(tmp_path), "ppo.actor_path")) == len(tok)
+
+
+def _same_or_checksum(prompt: str, answer: str) -> float:
+    """A rule reward: 1 for a prompt saying "same" whatever the answer (a group that
+    teaches nothing), else a checksum of the answer in [0, 1) (answers that differ score
+    apart, within ppo.score_clip)."""
+    return 1.0 if "same" in prompt else zlib.crc32(answer.encode()) % 1000 / 1000
+
+
+def rule_models(tok) -> ppo.Models:
+    models = tiny_models(tok)
+    fn = RewardFunction(_same_or_checksum, "tests:same_or_checksum")
+    return models._replace(rewards=Rewards(tok, None, 0.0, fn, 1.0))
+
+
+def dynamic(**changes) -> ppo.Settings:
+    return settings(algorithm="grpo", samples_per_prompt=3, rollout_batch_size=3,
+                    micro_batch_size=3, max_new_tokens=6, dynamic_sampling=True, **changes)
+
+
+def test_dynamic_sampling_draws_until_enough_prompts_differ_and_keeps_the_first():
+    """Batches are drawn until 3 prompts' answers differ: the first batch has one, the
+    second two more (and one past the target), the third is never drawn. The batch
+    trained on holds those prompts' answers in order, as each draw sampled them (the
+    second with row seeds of its own), left-padded to the longest prompt: its log-probs
+    and advantages are each round's own."""
+    tok, dp = byte_tokenizer(), DataParallel(CPU)
+    torch.manual_seed(0)
+    models, s = rule_models(tok), dynamic()
+    texts = [["same a:", "Q1:", "same b:"], ["Q2:", "Q3:", "Q4:"], ["Q5:", "Q6:", "Q7:"]]
+    batches = [[tok(t)["input_ids"] for t in batch] for batch in texts]
+    rest = iter(batches[1:])
+    got = ppo.sample_informative(models, batches[0], lambda: next(rest, None), s, dp, stream=1)
+    assert next(rest) == batches[2]   # not drawn
+    alone = [ppo.sample_round(models, batch, s, dp, stream=1, first_row=9 * i)
+             for i, batch in enumerate(batches[:2])]
+    everything = torch.cat([r.sampled.scores for r in alone])
+    assert got.counts == {"sampling/draws": 2, "sampling/prompts_kept": 3,
+                          "sampling/prompts_uniform": 2, "sampling/prompts_surplus": 1,
+                          "sampling/score": pytest.approx(float(everything.mean()))}
+    assert (got.size, got.drawn, got.share.index, got.share.weight) == (9, 18, list(range(9)), 1.0)
+    rows = [(0, torch.arange(3, 6)), (1, torch.arange(0, 3)), (1, torch.arange(3, 6))]
+    want = [alone[draw].sampled.rows(index) for draw, index in rows]   # Q1, Q2, Q3
+    sampled = got.sampled
+    prompts, answers = decode_rollouts(tok, sampled.answers.sequences, sampled.answers.prompt_len)
+    assert prompts[::3] == ["Q1:", "Q2:", "Q3:"]
+    assert answers == [a for w in want for a in decode_rollouts(tok, w.answers.sequences,
+                                                                w.answers.prompt_len)[1]]
+    assert torch.equal(sampled.scores, torch.cat([w.scores for w in want]))
+    assert alone[1].sampled.answers.prompt_len < sampled.answers.prompt_len   # padded more
+    exp = ppo.experience_of(models, sampled, s, dp, kl_coef=0.0)
+    own = [ppo.experience_of(models, w, s, dp, kl_coef=0.0) for w in want]
+    for name in ("logprobs", "ref_logprobs", "advantages", "action_mask"):
+        whole = getattr(exp, name).view(3, 3, -1)
+        for i, part in enumerate(own):
+            width = getattr(part, name).shape[1]
+            torch.testing.assert_close(whole[i, :, :width], getattr(part, name), atol=1e-5,
+                                       rtol=1e-5, msg=name)
+    assert exp.advantages.abs().sum(1).gt(0).all()   # every kept answer has a signal
+
+
+def test_dynamic_sampling_that_finds_nothing_to_learn_trains_nothing():
+    """ppo.dynamic_sampling_max_draws batches whose answers all score the same: a stand-in
+    of weight 0 and a batch of 0 answers, on which the update makes no step."""
+    tok, dp = byte_tokenizer(), DataParallel(CPU)
+    torch.manual_seed(0)
+    models, s = rule_models(tok), dynamic(dynamic_sampling_max_draws=2)
+    batches = [[tok(f"same {i}{j}:")["input_ids"] for j in range(3)] for i in range(3)]
+    rest = iter(batches[1:])
+    got = ppo.sample_informative(models, batches[0], lambda: next(rest, None), s, dp, stream=1)
+    assert next(rest) == batches[2]   # the draws' limit
+    assert (got.size, got.drawn, got.share, got.sampled.weight) == (0, 18, Share([], [0], 0.0),
+                                                                   0.0)
+    assert got.counts["sampling/prompts_uniform"] == 6 and got.counts["sampling/draws"] == 2
+    exp = ppo.experience_of(models, got.sampled, s, dp, kl_coef=0.0)
+    assert not exp.action_mask.any()
+    stats, _ = ppo.update(exp, got.share, got.size, models, s, dp, [], 0, None, 0, 0.0)
+    assert stats["train/updates"] == 0 and models.actor.steps == 0
