@@ -196,6 +196,25 @@ def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_two_ranks,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
+def test_dynamic_sampling_on_two_ranks_matches_one_process(single, tmp_path_factory):
+    """DAPO's dynamic sampling over a two-valued rule reward: both ranks drop the same
+    prompts and keep the same ones in the same places, so the run is one process's. An
+    iteration that draws several batches consumes them from the epoch."""
+    dynamic = ("ppo.dynamic_sampling=true", "ppo.reward_model_weight=0",
+               "ppo.reward_fn=tests.harness.rewards:even_words")
+    one, two = tmp_path_factory.mktemp("dynamic_one"), tmp_path_factory.mktemp("dynamic_two")
+    _ok(_grpo(single, one, *dynamic))
+    _ok(_grpo(single, two, *dynamic, "engine.procs=2", "--actor-zero-stage", "3"))
+    _assert_same_run(two, one, rtol=1e-5, atol=1e-5, weight_max=2e-4, weight_mean=1e-6,
+                     steps=(3,), models=("step3/actor", "step3/actor_ema"))
+    rows = [r for r in _rows(one, 3) if "sampling/draws" in r]
+    drawn = [r["sampling/draws"] for r in rows]
+    assert max(drawn) > 1 and len(rows) < sum(drawn)   # fewer iterations than batches
+    assert sum(r["sampling/prompts_uniform"] for r in rows) > 0
+    for r in rows:   # a kept prompt is one of the target's, and its answers differ
+        assert r["sampling/prompts_kept"] <= 8 and r["train/updates"] > 0
+
+
 def test_two_nodes_rendezvous_like_a_cluster_in_bf16_over_fp32_masters(single, tmp_path):
     """--deployment-type multi_node, run once per "node" (here both on this machine, one
     process each): torchrun's static rendezvous joins them into one job of 2 ranks. It runs
