@@ -579,8 +579,10 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
         if engine is not None and engine.loss_scale.enabled:   # fp16
             metrics[f"train/{name}loss_scale"] = engine.loss_scale.value
             metrics[f"train/{name}scale_overflows"] = engine.loss_scale.overflows
+    generated = metrics.pop("answer/tokens")   # the answers trained on; with dynamic
+    generated = taken.counts.get("sampling/answer_tokens", generated)   # sampling, more
     times = _time_breakdown({**timing, "time/train": t2 - t1}, time.perf_counter() - t0,
-                            taken.drawn, metrics.pop("answer/tokens"), trained_tokens)
+                            taken.drawn, generated, trained_tokens)
     iteration = state.iteration + 1
     if iteration % s.ppo.log_every == 0:
         lrs = {f"lr/{name}": engine.applied_lr for name, engine
@@ -852,16 +854,18 @@ def _sampling_counts(parts: list[Round], flags: list[torch.Tensor], kept: int,
                      dp: DataParallel) -> dict[str, float]:
     """Dynamic sampling's metrics: the batches drawn, the prompts kept, those dropped
     because their answers all scored the same ("uniform") or as past the target
-    ("surplus"), and the mean score over every answer sampled (reward/score's, without
-    dynamic sampling: reward/score is then over the answers kept)."""
+    ("surplus"), the mean score over every answer sampled (reward/score's, without
+    dynamic sampling: reward/score is then over the answers kept), and the answer tokens
+    generated (the throughput's)."""
     informative = sum(int(f.sum()) for f in flags)
-    score, answers = dp.sum(*(sum(float(_logged_scores(p.sampled).sum()) * p.share.weight
-                                  for p in parts),
-                              sum(len(p.sampled.scores) * p.share.weight for p in parts)))
+    score, answers, tokens = dp.sum(*(
+        sum(float(_logged_scores(p.sampled).sum()) * p.share.weight for p in parts),
+        sum(len(p.sampled.scores) * p.share.weight for p in parts),
+        sum(float(p.sampled.answers.answered.sum()) * p.share.weight for p in parts)))
     return {"sampling/draws": len(parts), "sampling/prompts_kept": kept,
             "sampling/prompts_uniform": sum(len(f) for f in flags) - informative,
             "sampling/prompts_surplus": informative - kept,
-            "sampling/score": score / max(answers, 1.0)}
+            "sampling/score": score / max(answers, 1.0), "sampling/answer_tokens": tokens}
 
 
 def _logged_scores(sampled: Sampled) -> torch.Tensor:

@@ -196,23 +196,44 @@ def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_two_ranks,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
-def test_dynamic_sampling_on_two_ranks_matches_one_process(single, tmp_path_factory):
-    """DAPO's dynamic sampling over a two-valued rule reward: both ranks drop the same
-    prompts and keep the same ones in the same places, so the run is one process's. An
-    iteration that draws several batches consumes them from the epoch."""
-    dynamic = ("ppo.dynamic_sampling=true", "ppo.reward_model_weight=0",
-               "ppo.reward_fn=tests.harness.rewards:even_words")
-    one, two = tmp_path_factory.mktemp("dynamic_one"), tmp_path_factory.mktemp("dynamic_two")
-    _ok(_grpo(single, one, *dynamic))
-    _ok(_grpo(single, two, *dynamic, "engine.procs=2", "--actor-zero-stage", "3"))
-    _assert_same_run(two, one, rtol=1e-5, atol=1e-5, weight_max=2e-4, weight_mean=1e-6,
-                     steps=(3,), models=("step3/actor", "step3/actor_ema"))
-    rows = [r for r in _rows(one, 3) if "sampling/draws" in r]
+DYNAMIC = ("ppo.dynamic_sampling=true", "ppo.reward_model_weight=0",
+           "ppo.reward_fn=tests.harness.rewards:even_words")
+
+
+@pytest.fixture(scope="module")
+def dynamic_one(single, tmp_path_factory) -> Path:
+    """GRPO with DAPO's dynamic sampling over a two-valued rule reward, one process."""
+    out = tmp_path_factory.mktemp("dynamic_one")
+    _ok(_grpo(single, out, *DYNAMIC))
+    return out
+
+
+def test_dynamic_sampling_on_two_ranks_matches_one_process(single, dynamic_one, tmp_path):
+    """Both ranks drop the same prompts and keep the same ones in the same places, so the
+    run is one process's. An iteration that draws several batches consumes them from the
+    epoch."""
+    _ok(_grpo(single, tmp_path, *DYNAMIC, "engine.procs=2", "--actor-zero-stage", "3"))
+    _assert_same_run(tmp_path, dynamic_one, rtol=1e-5, atol=1e-5, weight_max=2e-4,
+                     weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"))
+    rows = [r for r in _rows(dynamic_one, 3) if "sampling/draws" in r]
     drawn = [r["sampling/draws"] for r in rows]
     assert max(drawn) > 1 and len(rows) < sum(drawn)   # fewer iterations than batches
     assert sum(r["sampling/prompts_uniform"] for r in rows) > 0
-    for r in rows:   # a kept prompt is one of the target's, and its answers differ
+    for r in rows:   # never more than the target, and something to learn from each time
         assert r["sampling/prompts_kept"] <= 8 and r["train/updates"] > 0
+
+
+def test_dynamic_sampling_killed_run_resumes_at_the_batch_it_had_drawn(single, dynamic_one,
+                                                                       tmp_path):
+    """A checkpoint after an iteration that drew several batches resumes at the next
+    undrawn one."""
+    first = [r["sampling/draws"] for r in _rows(dynamic_one, 3) if "sampling/draws" in r][:2]
+    assert sum(first) > 2   # the first checkpoint (engine.checkpoint_every=2) comes after it
+    assert _grpo(single, tmp_path, *DYNAMIC, fault="kill:3:1").returncode != 0
+    resumed = _ok(_grpo(single, tmp_path, *DYNAMIC, "--resume"))
+    assert "step 3: resumed from" in resumed.stdout
+    _assert_same_run(tmp_path, dynamic_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
+                     weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
 def test_two_nodes_rendezvous_like_a_cluster_in_bf16_over_fp32_masters(single, tmp_path):

@@ -453,7 +453,9 @@ def test_dynamic_sampling_draws_until_enough_prompts_differ_and_keeps_the_first(
     everything = torch.cat([r.sampled.scores for r in alone])
     assert got.counts == {"sampling/draws": 2, "sampling/prompts_kept": 3,
                           "sampling/prompts_uniform": 2, "sampling/prompts_surplus": 1,
-                          "sampling/score": pytest.approx(float(everything.mean()))}
+                          "sampling/score": pytest.approx(float(everything.mean())),
+                          "sampling/answer_tokens": sum(float(r.sampled.answers.answered.sum())
+                                                        for r in alone)}
     assert (got.size, got.drawn, got.share.index, got.share.weight) == (9, 18, list(range(9)), 1.0)
     rows = [(0, torch.arange(3, 6)), (1, torch.arange(0, 3)), (1, torch.arange(3, 6))]
     want = [alone[draw].sampled.rows(index) for draw, index in rows]   # Q1, Q2, Q3
