@@ -415,10 +415,10 @@ HEAD_CHUNK = 2**24
 def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, keep: int, reduce, *, call=None,
                  chunk: int = HEAD_CHUNK) -> torch.Tensor:
-    """[B, keep]: ``reduce(logits, rows)`` of a causal LM's logits [r, keep, V] at the last
-    `keep` positions, r rows at a time (as many as fit in `chunk` logits elements), where
-    ``reduce`` maps rows `rows` (a slice) of the logits to [r, keep] (e.g. the taken tokens'
-    log-probs). The [B, keep, V] logits never exist at once, forward or backward: the head
+    """[B, keep, ...]: ``reduce(logits, rows)`` of a causal LM's logits [r, keep, V] at the
+    last `keep` positions, r rows at a time (as many as fit in `chunk` logits elements),
+    where ``reduce`` maps rows `rows` (a slice) of the logits to [r, keep] (e.g. the taken
+    tokens' log-probs) or [r, keep, k] (several values a position: log-prob and entropy). The [B, keep, V] logits never exist at once, forward or backward: the head
     computes the reduction in its own forward (inside FSDP's gathered root, peft's adapters,
     an offload's hooks), and with gradients each chunk's head runs again in backward, so
     between the passes only its input [B, keep, H] is kept: a plain nn.Linear head through

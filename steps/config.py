@@ -193,6 +193,11 @@ class PPOConfig(OptimConfig):
                                      "clip_ratio_c): a token with a negative advantage A adds "
                                      "at most -A x this to the loss; null: off",
                                      above(1))
+    entropy_coef: float = val(0.0, "entropy bonus: the loss less this x the policy's mean "
+                              "token entropy (verl's entropy_coeff, OpenRLHF's "
+                              "--entropy_loss_coef; logged as train/entropy); 0: off "
+                              "(policy/entropy, the sampling policy's, is logged anyway)",
+                              NON_NEGATIVE)
     value_clip_range: float = val(0.2, ok=POSITIVE)
     gamma: float = val(1.0, ok=within(0, 1))
     lam: float = val(0.95, ok=within(0, 1))

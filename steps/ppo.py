@@ -106,6 +106,7 @@ from steps.rlhf import (
     sequence_rewards,
     statistic_weights,
     tilted_kl,
+    token_entropy,
     token_kl,
     value_loss,
     whiten,
@@ -634,6 +635,7 @@ class Experience(NamedTuple):
     kl: torch.Tensor              # [B, N] per-token KL estimate actor/reference
     vocab_kl: torch.Tensor        # [B, N] KL over the vocabulary at each answer token (the
                                   # KL controller's reading; zeros when it is off)
+    entropy: torch.Tensor         # [B, N] the sampling policy's entropy at each answer token
 
     @property
     def prompt_len(self) -> int:
@@ -736,7 +738,7 @@ def experience_of(models: Models, sampled: Sampled, s: Settings, dp: DataParalle
                                 len(sequences), s.ppo.forward_batch_size)
 
     actor.eval()
-    logprobs, ref_logprobs, vocab_kl = by_rows(
+    logprobs, ref_logprobs, vocab_kl, entropy = by_rows(
         lambda seq, mask: _policy_and_reference(models, seq, mask, prompt_len, s)).unbind(1)
     actor.train()
     values = torch.zeros_like(logprobs)
@@ -752,7 +754,8 @@ def experience_of(models: Models, sampled: Sampled, s: Settings, dp: DataParalle
     advantages, returns = ESTIMATORS[s.ppo.algorithm](
         s.ppo, rewards, scores, penalty, kl, values, actions, reward_kl_coef, s.group, dp)
     return Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
-                      rewards, advantages, returns, _logged_scores(sampled), kl, vocab_kl)
+                      rewards, advantages, returns, _logged_scores(sampled), kl, vocab_kl,
+                      entropy)
 
 
 def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Settings,
@@ -895,25 +898,28 @@ def concat_sampled(parts: list[Sampled], pad_token_id: int) -> Sampled:
 
 def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.Tensor,
                           prompt_len: int, s: Settings) -> torch.Tensor:
-    """[B, 3, N]: each answer token's log-prob under the actor and under the reference, and
+    """[B, 4, N]: each answer token's log-prob under the actor and under the reference;
     with the KL controller on, the KL between their next-token distributions over the
-    vocabulary (steps.rlhf.token_kl; else zeros). The controller reads the last: the
+    vocabulary (steps.rlhf.token_kl; else zeros); and the actor's entropy there
+    (rlhf.token_entropy, logged as policy/entropy). The controller reads the KL: the
     sampled log-ratio of 32-64 answers has three times its spread, noise the controller
     would answer as if the policy had moved. Without it, neither model's logits for the
     whole batch are made (answer_logprobs)."""
     temperature = s.sampling.temperature
     if s.kl_target is None:
-        logprobs = answer_logprobs(models.actor, sequences, mask, prompt_len, temperature)
+        logprobs, entropy = answer_logprobs_and_entropy(models.actor, sequences, mask,
+                                                        prompt_len, temperature)
         ref_logprobs = answer_logprobs(models.reference, sequences, mask, prompt_len,
                                        temperature)
-        return torch.stack([logprobs, ref_logprobs, torch.zeros_like(logprobs)], 1)
+        return torch.stack([logprobs, ref_logprobs, torch.zeros_like(logprobs), entropy], 1)
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
     logits = _answer_head(models.actor, sequences, mask, prompt_len)
     logprobs = logprobs_of_tokens(logits, answers, temperature)[:, :-1]
     ref_logits = _answer_head(models.reference, sequences, mask, prompt_len)
     ref_logprobs = logprobs_of_tokens(ref_logits, answers, temperature)[:, :-1]
     vocab_kl = token_kl(logits[:, :-1], ref_logits[:, :-1], temperature)
-    return torch.stack([logprobs, ref_logprobs, vocab_kl], 1)
+    entropy = token_entropy(logits[:, :-1], temperature)
+    return torch.stack([logprobs, ref_logprobs, vocab_kl, entropy], 1)
 
 
 def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Settings,
@@ -974,7 +980,7 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     micro-batch's), and the gradient norms (the whole micro-batch's already: NaN or inf
     where the update was skipped); None, with nothing updated, when the policy is already
     `ppo.target_kl` from the sampling one."""
-    exp, prompt_len, actor = experience, experience.prompt_len, models.actor
+    exp, actor = experience, models.actor
     chunks = dp.row_chunks(len(exp.sequences), s.ppo.forward_batch_size)
 
     def add(name: str, value) -> None:
@@ -983,8 +989,7 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     (action_weights, stat_weights), stats = weights, {}
     for i, (rows, real) in enumerate(chunks):
         last, part_weights = i == len(chunks) - 1, action_weights[rows] * real
-        logprobs = answer_logprobs(actor, exp.sequences[rows], exp.attention_mask[rows],
-                                   prompt_len, s.sampling.temperature)
+        logprobs, entropy = _policy_logprobs(actor, exp, rows, s)
         actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
                                 part_weights, s.ppo.clip_range, count,
                                 s.ppo.clip_range_high, s.ppo.dual_clip,
@@ -1005,6 +1010,10 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
                                  part_weights) / max(count, 1.0)
             loss = loss + kl_coef * kl_loss
             add("train/kl_loss", kl_loss)
+        if entropy is not None:   # the bonus, over the loss's tokens as the policy loss is
+            loss = loss - s.ppo.entropy_coef * masked_sum(entropy, part_weights) / max(count, 1.0)
+            add("train/entropy", masked_sum(entropy.detach(), stat_weights[rows] * real)
+                / max(count, 1.0))
         if ptx is not None and last:
             ptx_loss = batch_loss(actor, ptx.batch, ptx.examples)[0] * ptx.weight
             loss = loss + s.ppo.ptx.coef * ptx_loss
@@ -1012,17 +1021,38 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
         actor.backward(loss)   # the parts' gradients add up: one step below
     norms = {"train/grad_norm": actor.step()}
     if models.critic is not None:
-        for rows, real in chunks:
-            values = answer_values(models.critic, exp.sequences[rows],
-                                   exp.attention_mask[rows], prompt_len)
-            critic_out = value_loss(values, exp.values[rows], exp.returns[rows],
-                                    action_weights[rows] * real, s.ppo.value_clip_range, count,
-                                    stat_weights[rows] * real)
-            models.critic.backward(critic_out.loss)
-            add("train/value_loss", critic_out.loss)
-            add("train/value_clip_fraction", critic_out.clip_fraction)
-        norms["train/critic_grad_norm"] = models.critic.step()
+        norms["train/critic_grad_norm"] = _critic_step(models.critic, exp, chunks, weights,
+                                                       count, s, add)
     return stats, norms
+
+
+def _policy_logprobs(actor: TrainEngine, exp: Experience, rows: slice, s: Settings
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, N] the actor's log-probs of rows `rows`' answers, with gradients, and with
+    ppo.entropy_coef their entropies (differentiable; else None)."""
+    args = (actor, exp.sequences[rows], exp.attention_mask[rows], exp.prompt_len,
+            s.sampling.temperature)
+    if s.ppo.entropy_coef:
+        return answer_logprobs_and_entropy(*args, entropy_grad=True)
+    return answer_logprobs(*args), None
+
+
+def _critic_step(critic: TrainEngine, exp: Experience, chunks: list[tuple[slice, bool]],
+                 weights: tuple[torch.Tensor, torch.Tensor], count: float, s: Settings,
+                 add: Callable[[str, Any], None]) -> float:
+    """train_on's optimisation step of the critic, over the same row chunks; returns its
+    gradient norm."""
+    action_weights, stat_weights = weights
+    for rows, real in chunks:
+        values = answer_values(critic, exp.sequences[rows], exp.attention_mask[rows],
+                               exp.prompt_len)
+        critic_out = value_loss(values, exp.values[rows], exp.returns[rows],
+                                action_weights[rows] * real, s.ppo.value_clip_range, count,
+                                stat_weights[rows] * real)
+        critic.backward(critic_out.loss)
+        add("train/value_loss", critic_out.loss)
+        add("train/value_clip_fraction", critic_out.clip_fraction)
+    return critic.step()
 
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -1032,15 +1062,40 @@ def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     distribution the answers were drawn from, log_softmax(logits / T). The head runs on a
     few rows at a time and on the answer's positions only: neither the whole batch's logits
     nor their gradient is ever made."""
-    # position t's logits are answer token t's distribution; the last position's log-prob
-    # (of a stand-in token 0) is dropped: slicing the logits instead would make the backward
-    # fill a zero gradient to copy into
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
 
     def taken(logits: torch.Tensor, rows: slice) -> torch.Tensor:
         return logprobs_of_tokens(logits, answers[rows], temperature)
 
-    args = (sequences, attention_mask, answers.shape[1], taken)
+    return _answer_reduced(model, sequences, attention_mask, answers.shape[1], taken)
+
+
+def answer_logprobs_and_entropy(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                                prompt_len: int, temperature: float = 1.0, *,
+                                entropy_grad: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """answer_logprobs, and [B, N] fp32 the entropy of the distribution each answer token
+    was drawn from (rlhf.token_entropy), from the same chunks of the head's logits.
+    `entropy_grad`: the entropy is differentiable (ppo.entropy_coef's bonus), else it is
+    taken without a gradient (logged only)."""
+    answers = F.pad(sequences[:, prompt_len:], (0, 1))
+
+    def both(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = token_entropy(logits, temperature)
+        return torch.stack([logprobs_of_tokens(logits, answers[rows], temperature), entropy], -1)
+
+    reduced = _answer_reduced(model, sequences, attention_mask, answers.shape[1], both)
+    return reduced[..., 0], reduced[..., 1] if entropy_grad else reduced[..., 1].detach()
+
+
+def _answer_reduced(model, sequences: torch.Tensor, attention_mask: torch.Tensor, keep: int,
+                    reduce) -> torch.Tensor:
+    """`reduce` of the head's logits at the answer's positions and one past it, with that
+    last one dropped: position t's logits are answer token t's distribution, and the last
+    one's log-prob (of a stand-in token 0) is dropped after the head, since slicing the
+    logits instead would make the backward fill a zero gradient to copy into."""
+    args = (sequences, attention_mask, keep, reduce)
     if isinstance(model, torch.nn.Module):
         return head_reduced(model, *args)[:, :-1]
     return model.head_reduced(*args)[:, :-1]   # a TrainEngine, or a LoRA model's base
@@ -1339,20 +1394,22 @@ def _breakdown_line(times: dict[str, float]) -> str:
 
 def _rollout_metrics(exp: Experience, eos_token_id: int, vocab_kl: bool, dp: DataParallel
                      ) -> dict[str, float]:
-    """Means over the whole batch's real rows (rows with at least one action); `vocab_kl`:
-    also the KL over the vocabulary per answer (reward/kl_vocab, the controller's reading)."""
+    """Means over the whole batch's real rows (rows with at least one action; value/mean and
+    policy/entropy: over its answer tokens); `vocab_kl`: also the KL over the vocabulary
+    per answer (reward/kl_vocab, the controller's reading)."""
     lengths = exp.action_mask.sum(1)
     real = (lengths > 0).float()
     ended = ended_with_eos(exp.sequences[:, exp.prompt_len:], exp.action_mask, eos_token_id)
-    rows, score, kl, kl_vocab, reward, tokens, ended, values = dp.sum(
+    rows, score, kl, kl_vocab, reward, tokens, ended, values, entropy = dp.sum(
         float(real.sum()), float((exp.scores * real).sum()),
         float(masked_sum(exp.kl, exp.action_mask)),
         float(masked_sum(exp.vocab_kl, exp.action_mask)), float(exp.rewards.sum()),
         float(lengths.sum()), float(ended.float().sum()),
-        float(masked_sum(exp.values, exp.action_mask)))
+        float(masked_sum(exp.values, exp.action_mask)),
+        float(masked_sum(exp.entropy, exp.action_mask)))
     rows = max(rows, 1)
     return {"reward/score": score / rows, "reward/kl": kl / rows,
             **({"reward/kl_vocab": kl_vocab / rows} if vocab_kl else {}),
             "reward/total": reward / rows, "answer/length": tokens / rows,
             "answer/ended_with_eos": ended / rows, "value/mean": values / max(tokens, 1),
-            "answer/tokens": tokens}
+            "policy/entropy": entropy / max(tokens, 1), "answer/tokens": tokens}

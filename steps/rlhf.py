@@ -91,6 +91,22 @@ def logprobs_of_tokens(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
     return _TokenLogprobs.apply(logits, tokens, temperature, rows)
 
 
+def token_entropy(logits: Tensor, temperature: float = 1.0, chunk: int = LOGPROB_CHUNK
+                  ) -> Tensor:
+    """float32 [B, T] entropy ``-sum_v p_v log p_v`` of ``p = softmax(logits / temperature)``
+    at each position of ``logits`` [B, T, V] (any float dtype, finite): the policy's
+    uncertainty over its next token, whose collapse long RL runs watch for (DAPO's
+    clip-higher is its remedy). Differentiable. ``chunk`` float32 elements a piece, as in
+    `logprobs_of_tokens` (with gradients each piece's softmax is kept for backward: pass
+    a few rows at a time then, as engine.models.head_reduced's chunks are)."""
+    rows = max(1, chunk // (logits.shape[1] * logits.shape[-1]))
+    parts = []
+    for b in range(0, logits.shape[0], rows):
+        logp = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(parts)
+
+
 @torch.no_grad()
 def token_kl(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0,
              chunk: int = LOGPROB_CHUNK) -> Tensor:

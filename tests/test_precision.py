@@ -7,6 +7,7 @@ sampling from non-finite scores, and log-probs at the sampling temperature."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 from pathlib import Path
@@ -32,8 +33,8 @@ from engine.precision import LossScale, Precision
 from engine.quantized_base import effective_weight
 from engine.runtime import Runtime
 from engine.trainer import TrainEngine
-from steps.ppo import answer_logprobs
-from steps.rlhf import logprobs_of_tokens, sft_loss
+from steps.ppo import answer_logprobs, answer_logprobs_and_entropy
+from steps.rlhf import logprobs_of_tokens, sft_loss, token_entropy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from tensor_peak import TensorPeak  # noqa: E402
@@ -370,6 +371,59 @@ def test_head_reduced_logprobs_and_gradients_equal_the_full_logits(lora_on_head)
     for name, want_grad in grads[0].items():   # fp32 sums in another order: ~1e-7 of scale
         torch.testing.assert_close(grads[1][name], want_grad, rtol=1e-4,
                                    atol=2e-6 * float(want_grad.abs().max()), msg=name)
+
+
+def test_token_entropy_by_hand():
+    """Uniform over 4: log 4; p = (1/4, 3/4) from logits (0, log 3): -(1/4 log 1/4 + 3/4
+    log 3/4); the same logits at T = 2 are p ~ (1, sqrt 3); bf16 logits read in fp32; rows
+    a chunk at a time as one."""
+    t, l3 = 2.0, math.log(3)
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, l3, -1e4, -1e4]]])
+    q = 1 / (1 + math.sqrt(3))
+    want = [[math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]]
+    got = token_entropy(logits)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=1e-6)
+    hot = token_entropy(logits[:, 1:, :2], temperature=t)
+    torch.testing.assert_close(hot, torch.tensor([[-(q * math.log(q) + (1 - q) * math.log(1 - q))]]),
+                               rtol=0, atol=1e-6)
+    rows = torch.randn(5, 3, 7)
+    torch.testing.assert_close(token_entropy(rows, 0.7, chunk=21), token_entropy(rows, 0.7))
+    torch.testing.assert_close(token_entropy(rows.bfloat16()), token_entropy(rows), rtol=0,
+                               atol=3e-2)
+
+
+@pytest.mark.parametrize("lora_on_head", [False, True])
+def test_head_reduced_entropy_and_its_gradients_equal_the_full_logits(lora_on_head,
+                                                                      monkeypatch):
+    """The entropy made beside the log-probs from the same chunks of the head (2 rows of 8 a
+    chunk) equals the whole logits' entropy, and with entropy_grad the gradients of a loss
+    over both equal the whole logits' (the entropy bonus); without it the entropy carries
+    no gradient."""
+    ids, mask = head_batch()
+    monkeypatch.setattr("steps.ppo.head_reduced", functools.partial(head_reduced,
+                                                                    chunk=2 * 25 * 4096))
+    weights = torch.linspace(-1, 1, 24)
+    grads = []
+    for reduced in (False, True):
+        model = head_model(lora_on_head=lora_on_head)
+        if reduced:
+            logprobs, entropy = answer_logprobs_and_entropy(model, ids, mask, 4, 0.7,
+                                                            entropy_grad=True)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask,
+                           position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 3:-1]
+            want_entropy = entropy = token_entropy(logits, 0.7)
+            want_logprobs = logprobs = full_logprobs(model, ids, mask, 4, 0.7)
+        ((logprobs * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=2e-5)
+    for name, want_grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want_grad, rtol=1e-4,
+                                   atol=2e-6 * float(want_grad.abs().max()), msg=name)
+    _, logged = answer_logprobs_and_entropy(head_model(lora_on_head=lora_on_head), ids, mask, 4)
+    assert not logged.requires_grad
 
 
 def test_a_lora_models_base_gives_its_logprobs_a_few_rows_at_a_time():

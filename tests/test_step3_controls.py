@@ -23,7 +23,7 @@ from engine.runtime import Runtime
 from steps import ppo
 from steps.algorithms import model_paths
 from steps.config import RunConfig
-from steps.rlhf import tilted_kl
+from steps.rlhf import masked_sum, tilted_kl
 from steps.scoring import RewardFunction, Rewards, RewardScorer, decode_rollouts
 from steps.tokenize import collate_prompts
 
@@ -494,3 +494,35 @@ def test_dynamic_sampling_that_finds_nothing_to_learn_trains_nothing():
     assert not exp.action_mask.any()
     stats, _ = ppo.update(exp, got.share, got.size, models, s, dp, [], 0, None, 0, 0.0)
     assert stats["train/updates"] == 0 and models.actor.steps == 0
+
+
+@pytest.mark.parametrize("kl_target", [None, 0.5])   # the experience's two forward paths
+def test_the_entropy_bonus_raises_the_policys_entropy_and_is_logged(kl_target):
+    """With no advantage to follow, an update moves the policy only through ppo.entropy_coef:
+    its entropy rises, and train/entropy (the policy's at the update, before its step) is
+    the experience's policy/entropy. Without the bonus the update leaves it as it was."""
+    tok, dp = byte_tokenizer(), DataParallel(CPU)
+    entropies = {}
+    for coef in (0.0, 1.0):
+        torch.manual_seed(0)
+        models = tiny_models(tok, lr=1e-4)
+        s = settings(rollout_batch_size=4, micro_batch_size=4, max_new_tokens=6,
+                     entropy_coef=coef, kl_target=kl_target, kl_coef=0.0 if kl_target is None
+                     else 0.1)
+        exp = experience(models, s, rows=4)._replace(advantages=torch.zeros(4, 6))
+        before = float(masked_sum(exp.entropy, exp.action_mask) / exp.action_mask.sum())
+        share = Share(list(range(4)), list(range(4)), 1.0)
+        stats, _ = ppo.update(exp, share, 4, models, s, dp, [], 0, None, 0, 0.0)
+        after = ppo.experience_of(models, ppo.Sampled(ppo.Rollout(exp.sequences,
+                                                                 exp.attention_mask,
+                                                                 exp.action_mask),
+                                                       exp.scores, None, 1.0), s, dp,
+                                  kl_coef=0.0)
+        entropies[coef] = float(masked_sum(after.entropy, after.action_mask)
+                                / after.action_mask.sum())
+        if coef:
+            assert stats["train/entropy"] == pytest.approx(before, rel=1e-5)
+        else:
+            assert "train/entropy" not in stats
+            assert entropies[coef] == pytest.approx(before, abs=1e-6)
+    assert entropies[1.0] > entropies[0.0] + 1e-3
