@@ -28,6 +28,8 @@ ALGORITHMS = {
     "grpo": Algorithm("GRPO", critic=False, groups=True, kl_in_loss=True),
     "rloo": Algorithm("RLOO", critic=False, groups=True, kl_in_loss=False),
     "reinforce_pp": Algorithm("REINFORCE++", critic=False, groups=False, kl_in_loss=False),
+    "reinforce_pp_baseline": Algorithm("REINFORCE++-baseline", critic=False, groups=True,
+                                       kl_in_loss=False),
 }
 CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorithm.critic)
 
@@ -106,7 +108,7 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
     if ppo.dynamic_sampling and not ALGORITHMS[ppo.algorithm].groups:
         raise UserError(f"ppo.dynamic_sampling drops the prompts whose answers all score the "
                         f"same, which only a group algorithm learns nothing from: set "
-                        f"ppo.algorithm=grpo or rloo (not {ppo.algorithm})")
+                        f"ppo.algorithm=grpo, rloo or reinforce_pp_baseline (not {ppo.algorithm})")
     if ppo.reward_fn:
         load_reward_fn(ppo.reward_fn)
     elif ppo.reward_model_weight == 0:

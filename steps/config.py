@@ -138,15 +138,18 @@ class PPOConfig(OptimConfig):
     actor_lr: float = val(9.65e-6, ok=LEARNING_RATE)
     critic_lr: float = val(5e-6, ok=LEARNING_RATE)
     lr_scheduler: str = val("linear", ok=SCHEDULERS)   # OptimConfig's key, its own default
-    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp (the last three train no "
-                         "critic)", one_of("ppo", "grpo", "rloo", "reinforce_pp"))
-    samples_per_prompt: int = val(1, "answers sampled per prompt, a group (GRPO and RLOO need "
-                                  ">= 2); rollout_batch_size counts prompts", COUNT)
+    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp | reinforce_pp_baseline (all "
+                         "but ppo train no critic)",
+                         one_of("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"))
+    samples_per_prompt: int = val(1, "answers sampled per prompt, a group (grpo, rloo and "
+                                  "reinforce_pp_baseline need >= 2); rollout_batch_size "
+                                  "counts prompts", COUNT)
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
-    dynamic_sampling: bool = val(False, "DAPO's dynamic sampling (grpo, rloo): drop the prompts "
-                                 "whose answers all score the same (no advantage) and "
-                                 "sample further prompt batches until rollout_batch_size "
-                                 "prompts have answers that differ")
+    dynamic_sampling: bool = val(False, "DAPO's dynamic sampling (grpo, rloo, "
+                                 "reinforce_pp_baseline): drop the prompts whose answers "
+                                 "all score the same (no advantage) and sample further "
+                                 "prompt batches until rollout_batch_size prompts have "
+                                 "answers that differ")
     dynamic_sampling_max_draws: int = val(4, "dynamic_sampling: prompt batches an iteration "
                                           "samples at most; it then trains on the prompts "
                                           "found (the epoch's end stops it too)", COUNT)

@@ -21,8 +21,9 @@ evaluations.
 
 `ppo.algorithm` picks the estimator (steps/rlhf.py): `ppo` (critic + GAE), or critic-free
 `grpo` (rewards normalised within each prompt's group of `ppo.samples_per_prompt`
-answers), `rloo` (leave-one-out baseline within the group) and `reinforce_pp` (discounted
-returns with a per-token KL penalty, normalised over the batch). The loop is the same.
+answers), `rloo` (leave-one-out baseline within the group), `reinforce_pp` (discounted
+returns with a per-token KL penalty, normalised over the batch) and `reinforce_pp_baseline`
+(the same, each score less its group's mean first). The loop is the same.
 
 All tensors of a rollout are answer-aligned [B, N] (see steps/rlhf.py): column j is answer
 token j of `sequences[:, P + j]`; the logits and values that belong to it sit at P+j-1.
@@ -110,6 +111,7 @@ from steps.rlhf import (
     token_kl,
     value_loss,
     whiten,
+    with_group_baseline,
 )
 from steps.scoring import (
     RewardFunction,
@@ -223,6 +225,14 @@ def _returns_to_go(ppo, rewards, scores, penalty, kl, values, actions, kl_coef, 
     return whiten(returns, actions, moments=dp.masked_moments(returns, actions)), returns
 
 
+def _returns_to_go_baseline(ppo, rewards, scores, penalty, kl, values, actions, kl_coef,
+                            group_size, dp):
+    relative = with_group_baseline(rewards, scores, actions, group_size, ppo.score_clip,
+                                   penalty)
+    return _returns_to_go(ppo, relative, scores, penalty, kl, values, actions, kl_coef,
+                          group_size, dp)
+
+
 def _per_answer(baseline):
     """A critic-free estimator over each answer's reward (score minus its KL), compared
     within its group by `baseline(per_answer [B], group_size, ppo) -> [B]`."""
@@ -240,6 +250,7 @@ ESTIMATORS = {
                                                                       ppo.grpo_scale_rewards)),
     "rloo": _per_answer(lambda r, g, ppo: leave_one_out_advantages(r, g)),
     "reinforce_pp": _returns_to_go,
+    "reinforce_pp_baseline": _returns_to_go_baseline,
 }
 
 

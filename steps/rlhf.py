@@ -338,6 +338,33 @@ def returns_to_go(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 
 
 @torch.no_grad()
+def with_group_baseline(rewards: Tensor, scores: Tensor, mask: Tensor, group_size: int,
+                        score_clip: float, penalty: Tensor | None = None) -> Tensor:
+    """REINFORCE++-baseline (Hu et al., 2025; OpenRLHF's ``reinforce_baseline``): the
+    per-token ``rewards`` [B, N] of ``kl_penalized_rewards`` with each answer's score made
+    relative to its group's, the mean clipped score (less penalties) of the answers to the
+    same prompt subtracted at each answer's last action. A group whose answers all score
+    the same keeps only its KL penalties.
+
+    Args:
+        rewards: [B, N], the clipped scores at the last actions. scores: [B] raw scores, B =
+            prompts * group_size, each prompt's answers consecutive. mask: [B, N] actions.
+        penalty: [B] subtracted after the clip, or None.
+
+    Returns:
+        [B, N] float32, 0 outside the mask.
+    """
+    has_action = (mask != 0).any(dim=-1)
+    score = torch.where(has_action, _clipped(scores, score_clip, penalty), 0.0)
+    # float64: the mean of equal scores is exactly that score (see _groups)
+    baseline = _groups(score, group_size).mean(dim=1).repeat_interleave(group_size)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask != 0, positions, torch.zeros_like(positions)).amax(dim=-1)
+    offsets = torch.where(has_action, -baseline, 0.0).to(rewards.dtype)
+    return rewards.scatter_add(-1, last.unsqueeze(-1), offsets.unsqueeze(-1))
+
+
+@torch.no_grad()
 def sequence_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float,
                      score_clip: float, penalty: Tensor | None = None) -> Tensor:
     """[B] float32: one reward per answer for the critic-free group estimators, its score

@@ -37,6 +37,8 @@ from steps.rlhf import (
     sequence_rewards,
     tilted_kl,
     token_kl,
+    whiten,
+    with_group_baseline,
 )
 from steps.scoring import RewardFunction, Rewards
 
@@ -105,6 +107,30 @@ def test_dynamic_sampling_keeps_the_first_informative_prompts_in_the_order_sampl
         == [[-1, -1]]
 
 
+def test_reinforce_pp_baseline_makes_each_score_relative_to_its_groups():
+    """Groups of 2: scores 1 and 3 (mean 2); 2 and 2, the second less a penalty of 0.5
+    (mean 1.75). The group's mean is subtracted at each answer's last action, the KL
+    penalties stay where they are; then REINFORCE++'s returns, whitened over the batch."""
+    scores, penalty = torch.tensor([1.0, 3.0, 2.0, 2.0]), torch.tensor([0.0, 0.0, 0.0, 0.5])
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    logprobs = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.0, 0.0], [0.0, 0.0, 0.4], [0.0, 0.0, 0.0]])
+    zero = torch.zeros(4, 3)
+    out = kl_penalized_rewards(scores, logprobs, zero, mask, 0.5, 5.0, penalty=penalty)
+    got = with_group_baseline(out.rewards, scores, mask, 2, 5.0, penalty)
+    want = [[-0.05, -0.1 - 1.0, 0], [-0.15 + 1.0, 0, 0], [0, 0, -0.2 + 0.25], [0, -0.25, 0]]
+    close(got, want)
+    # an all-equal group keeps its KL penalties alone, exactly
+    equal = torch.full((2,), 0.7234)
+    rewards = kl_penalized_rewards(equal, zero[:2], zero[:2], mask[:2], 0.5, 5.0).rewards
+    assert not with_group_baseline(rewards, equal, mask[:2], 2, 5.0).any()
+    settings = PPOConfig(score_clip=5.0, gamma=1.0)
+    advantages, returns = ppo.ESTIMATORS["reinforce_pp_baseline"](
+        settings, out.rewards, scores, penalty, out.kl, zero, mask, 0.5, 2, DataParallel(CPU))
+    # gamma 1: each action's return is the sum of the rewards from it on
+    close(returns, [[-1.15, -1.1, 0], [0.85, 0, 0], [0.05, 0.05, 0.05], [-0.25, -0.25, 0]])
+    close(advantages, whiten(returns, mask))
+
+
 def test_groups_must_divide_the_batch():
     with pytest.raises(ValueError, match="groups of 3"):
         leave_one_out_advantages(REWARDS, 3)
@@ -140,7 +166,9 @@ def test_the_missing_eos_penalty_is_taken_after_the_score_clip():
     for name, estimate in ppo.ESTIMATORS.items():
         _, returns = estimate(settings, out.rewards, scores, penalty, zero, zero, mask, 0.1, 3,
                               DataParallel(CPU))
-        torch.testing.assert_close(returns[:, 0], torch.tensor(want), msg=name)
+        expected = torch.tensor(want)   # REINFORCE++-baseline: relative to the group's mean
+        expected -= expected.mean() if name == "reinforce_pp_baseline" else 0.0
+        torch.testing.assert_close(returns[:, 0], expected, msg=name)
 
 
 # -- KL estimators and the adaptive controller -----------------------------------------------
@@ -333,7 +361,7 @@ def settings(**changes):
      "ppo.max_new_tokens (16)"),
     (dict(dynamic_sampling=True), "ppo.dynamic_sampling drops the prompts whose answers all "
      "score the same, which only a group algorithm learns nothing from: set "
-     "ppo.algorithm=grpo or rloo (not ppo)"),
+     "ppo.algorithm=grpo, rloo or reinforce_pp_baseline (not ppo)"),
     (dict(algorithm="reinforce_pp", samples_per_prompt=4, dynamic_sampling=True),
      "(not reinforce_pp)"),
     (dict(dynamic_sampling_max_draws=0), "ppo.dynamic_sampling_max_draws=0"),
@@ -351,7 +379,7 @@ def test_bad_settings_are_refused_naming_the_key(changes, said):
 def test_the_schema_accepts_every_algorithm_of_the_table():
     rule = next(f for f in fields(PPOConfig) if f.name == "algorithm").metadata["ok"]
     assert all(rule.test(name) for name in algorithms.ALGORITHMS) and not rule.test("dpo")
-    assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp")
+    assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     assert ppo.ESTIMATORS.keys() == algorithms.ALGORITHMS.keys()   # each has its estimator
 
 
@@ -373,7 +401,7 @@ def test_the_group_algorithms_accept_their_settings():
 
 def test_kl_placement_defaults_per_algorithm():
     assert ppo.kl_settings(settings(algorithm="grpo")) == ppo.KLSettings(True, "k3")
-    for algorithm in ("ppo", "rloo", "reinforce_pp"):
+    for algorithm in ("ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
         assert ppo.kl_settings(settings(algorithm=algorithm)) == ppo.KLSettings(False, "k1")
     assert ppo.kl_settings(settings(algorithm="grpo", kl_penalty="reward")) == \
         ppo.KLSettings(False, "k1")
