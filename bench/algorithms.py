@@ -11,8 +11,7 @@ actor and, for PPO, the critic).
 Budgets: PPO and REINFORCE++ sample one answer per prompt, 32 prompts a round, 2 epochs
 over the step-3 prompts (the demo recipe until 2026-11-27, which now gives PPO GRPO's
 layout); GRPO, RLOO and REINFORCE++-baseline 4 answers per prompt, 16 prompts a round,
-1 epoch: twice the
-answers, in about the same number of iterations.
+1 epoch: twice the answers, in about the same number of iterations.
 
 --part hacking: reward over-optimisation on the `distinct` demo task (data.demo_task=
 distinct: "Give me 4 different even digits.", whose preference pairs hold no repeated
