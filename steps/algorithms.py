@@ -109,6 +109,10 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
         raise UserError(f"ppo.dynamic_sampling drops the prompts whose answers all score the "
                         f"same, which only a group algorithm learns nothing from: set "
                         f"ppo.algorithm=grpo, rloo or reinforce_pp_baseline (not {ppo.algorithm})")
+    if ppo.critic_warmup and not ALGORITHMS[ppo.algorithm].critic:
+        raise UserError(f"ppo.critic_warmup={ppo.critic_warmup} trains the critic alone "
+                        f"first, and {ppo.algorithm} has none: set ppo.critic_warmup=0 or "
+                        "ppo.algorithm=ppo")
     if ppo.reward_fn:
         load_reward_fn(ppo.reward_fn)
     elif ppo.reward_model_weight == 0:

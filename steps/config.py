@@ -202,6 +202,11 @@ class PPOConfig(OptimConfig):
                               "(policy/entropy, the sampling policy's, is logged anyway)",
                               NON_NEGATIVE)
     value_clip_range: float = val(0.2, ok=POSITIVE)
+    critic_warmup: int = val(0, "PPO: iterations at the start that train the critic alone, "
+                             "the actor frozen (verl's critic_warmup, OpenRLHF's "
+                             "--freezing_actor_steps): a critic started from the reward "
+                             "model learns values before its advantages steer the actor",
+                             NON_NEGATIVE)
     gamma: float = val(1.0, ok=within(0, 1))
     lam: float = val(0.95, ok=within(0, 1))
     whiten_advantages: bool = val(True, "PPO: normalise advantages over the rollout batch "

@@ -945,6 +945,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
     sums: dict[str, float] = {}
     norm_sums: dict[str, float] = {}
     updates, stopped, tokens = 0, False, 0.0
+    actor_trains = iteration >= s.ppo.critic_warmup   # else the critic alone learns
     for ppo_epoch in range(s.ppo.ppo_epochs):
         order = torch.tensor(permutation(batch_size, s.seed + iteration * 131 + ppo_epoch))
         for micro in order.split(s.ppo.micro_batch_size) if batch_size else ():
@@ -955,20 +956,21 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
             weights = (weights, statistic_weights(rows.action_mask, s.ppo.loss_aggregation))
             count = dp.sum(float(local_count))[0]
             ptx_batch = None
-            if ptx:
+            if ptx and actor_trains:
                 ptx_batch = ptx_rows(ptx, ptx_batches, s.ppo.ptx.batch_size, s.seed,
                                      models.tokenizer.pad_token_id, dp)
-            trained = train_on(rows, models, s, kl_coef, weights, count, ptx_batch, dp)
+            trained = train_on(rows, models, s, kl_coef, weights, count, ptx_batch, dp,
+                               train_actor=actor_trains)
             if trained is None:   # target_kl: nothing trained, the PTX batch waits
                 stopped = True
                 break
-            ptx_batches += 1 if ptx else 0
+            ptx_batches += 1 if ptx_batch is not None else 0
             for totals, values in zip((sums, norm_sums), trained, strict=True):
                 for name, value in values.items():
                     totals[name] = totals.get(name, 0.0) + value
             updates += 1
             tokens = tokens + rows.action_mask.sum()   # a tensor: read once, at the end
-            if ema is not None:
+            if ema is not None and actor_trains:
                 ema_update(ema.tensors.values(), models.actor.trained_parameters(),
                            s.ppo.ema.beta)
         if stopped:
@@ -982,9 +984,11 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
 
 def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float,
              weights: tuple[torch.Tensor, torch.Tensor], count: float, ptx: PtxRows | None,
-             dp: DataParallel) -> tuple[dict[str, float], dict[str, float]] | None:
-    """One optimisation step of the actor (and critic) on this process's rows of a
-    micro-batch, in forwards of `ppo.forward_batch_size` rows whose gradients add up.
+             dp: DataParallel, *, train_actor: bool = True
+             ) -> tuple[dict[str, float], dict[str, float]] | None:
+    """One optimisation step of the actor (unless not `train_actor`: ppo.critic_warmup) and
+    critic on this process's rows of a micro-batch, in forwards of `ppo.forward_batch_size`
+    rows whose gradients add up.
     `weights` ([B, N] loss and statistics weights), `count`: the micro-batch's divisor over
     all processes (loss_weights), so the parts' losses and statistics sum to its own.
     Returns this process's shares of the statistics (their sums over processes are the
@@ -998,7 +1002,7 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
         stats[name] = stats.get(name, 0.0) + (value.item() if torch.is_tensor(value) else value)
 
     (action_weights, stat_weights), stats = weights, {}
-    for i, (rows, real) in enumerate(chunks):
+    for i, (rows, real) in enumerate(chunks if train_actor else []):
         last, part_weights = i == len(chunks) - 1, action_weights[rows] * real
         logprobs, entropy = _policy_logprobs(actor, exp, rows, s)
         actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
@@ -1030,7 +1034,7 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
             loss = loss + s.ppo.ptx.coef * ptx_loss
             add("train/ptx_loss", ptx_loss)
         actor.backward(loss)   # the parts' gradients add up: one step below
-    norms = {"train/grad_norm": actor.step()}
+    norms = {"train/grad_norm": actor.step()} if train_actor else {}
     if models.critic is not None:
         norms["train/critic_grad_norm"] = _critic_step(models.critic, exp, chunks, weights,
                                                        count, s, add)

@@ -365,6 +365,8 @@ def settings(**changes):
     (dict(algorithm="reinforce_pp", samples_per_prompt=4, dynamic_sampling=True),
      "(not reinforce_pp)"),
     (dict(dynamic_sampling_max_draws=0), "ppo.dynamic_sampling_max_draws=0"),
+    (dict(algorithm="grpo", samples_per_prompt=4, critic_warmup=2), "ppo.critic_warmup=2 "
+     "trains the critic alone first, and grpo has none"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
     """Each key's own range is the schema's (steps/config.py), the rules between keys

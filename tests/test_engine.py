@@ -20,7 +20,7 @@ from transformers import (
 
 import steps.ppo as ppo
 from engine.config import SCHEDULER_NAMES, LoraConfig, OptimConfig, QuantizedBaseConfig
-from engine.data_parallel import DataParallel
+from engine.data_parallel import DataParallel, Share
 from engine.errors import UserError
 from engine.export import atomic_directory
 from engine.hybrid import HybridEngine
@@ -456,6 +456,36 @@ def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
             read = real if real[0, -1] == EOS else torch.cat([real, torch.tensor([[EOS]])], 1)
             score = sequence_scores(reward, read, torch.ones_like(read))[0]
             torch.testing.assert_close(exp.scores[i], score, atol=1e-5, rtol=0)
+
+
+def test_critic_warmup_trains_the_critic_alone_first(tok, monkeypatch):
+    """ppo.critic_warmup=1: the first iteration's update moves the critic and leaves the
+    actor as it was (no policy statistics, no actor gradient norm); the second moves the
+    actor too."""
+    models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
+    monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, **__:
+                        torch.cat([input_ids, answers], dim=1))
+    settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
+        max_new_tokens=N, rollout_batch_size=3, micro_batch_size=3, target_kl=None,
+        critic_warmup=1)}))
+    dp = DataParallel(CPU)
+    exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
+                                          "attention_mask": prompt_mask}, settings, dp,
+                                 kl_coef=0.1)
+
+    def weights(engine) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in engine.parameters()]
+
+    for iteration, actor_trains in ((0, False), (1, True)):
+        actor, critic = weights(models.actor), weights(models.critic)
+        stats, _ = ppo.update(exp, Share([], [0, 1, 2], 1.0), 3, models, settings, dp, [], 0,
+                              None, iteration, 0.1)
+        assert stats["train/updates"] == 1 and "train/value_loss" in stats
+        assert ("train/policy_loss" in stats) == ("train/grad_norm" in stats) == actor_trains
+        moved = [[not torch.equal(p, q) for p, q in zip(weights(engine), before, strict=True)]
+                 for engine, before in ((models.critic, critic), (models.actor, actor))]
+        assert any(moved[1]) == actor_trains
+        assert any(moved[0]) or iteration   # (its 1-step schedule is spent at the second)
 
 
 def test_forward_batches_equal_one_pass(tok, monkeypatch):
