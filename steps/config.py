@@ -183,6 +183,10 @@ class PPOConfig(OptimConfig):
                                          "score, linearly; null: off", COUNT)
     overlong_penalty: float = val(1.0, "the most overlong_buffer takes (at max_new_tokens)",
                                   POSITIVE)
+    mask_truncated: bool = val(False, "answers cut off at max_new_tokens without EOS are left "
+                               "out of the losses (TRL's mask_truncated_completions, DAPO's "
+                               "overlong filtering); they still count in their group's "
+                               "statistics and the metrics")
     loss_aggregation: str = val("token-mean", "token-mean | seq-mean (each answer's mean, "
                                 "then over answers) | seq-mean-token-sum-norm (each answer's "
                                 "token sum over max_new_tokens, then over answers: Dr. GRPO)",

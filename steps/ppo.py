@@ -647,6 +647,8 @@ class Experience(NamedTuple):
     vocab_kl: torch.Tensor        # [B, N] KL over the vocabulary at each answer token (the
                                   # KL controller's reading; zeros when it is off)
     entropy: torch.Tensor         # [B, N] the sampling policy's entropy at each answer token
+    loss_mask: torch.Tensor       # [B, N] the actions the losses weigh: action_mask, less
+                                  # cut-off answers' under ppo.mask_truncated
 
     @property
     def prompt_len(self) -> int:
@@ -657,7 +659,8 @@ class Experience(NamedTuple):
 
     def without_actions(self) -> Experience:
         """The same rows contributing nothing (a stand-in on a rank with no rows)."""
-        return self._replace(action_mask=torch.zeros_like(self.action_mask))
+        return self._replace(action_mask=torch.zeros_like(self.action_mask),
+                             loss_mask=torch.zeros_like(self.loss_mask))
 
 
 def row_seeds(seed: int, stream: int, rows: list[int]) -> torch.Tensor:
@@ -764,9 +767,13 @@ def experience_of(models: Models, sampled: Sampled, s: Settings, dp: DataParalle
                                        s.ppo.score_clip, s.kl.estimator, penalty)
     advantages, returns = ESTIMATORS[s.ppo.algorithm](
         s.ppo, rewards, scores, penalty, kl, values, actions, reward_kl_coef, s.group, dp)
+    trained = actions
+    if s.ppo.mask_truncated:   # in their group's statistics above, out of the losses
+        trained = actions * ended_with_eos(sequences[:, prompt_len:], answered,
+                                           models.tokenizer.eos_token_id)[:, None]
     return Experience(sequences, attention_mask, actions, logprobs, ref_logprobs, values,
                       rewards, advantages, returns, _logged_scores(sampled), kl, vocab_kl,
-                      entropy)
+                      entropy, trained)
 
 
 def make_experience(models: Models, prompts: dict[str, torch.Tensor], s: Settings,
@@ -951,10 +958,12 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
         for micro in order.split(s.ppo.micro_batch_size) if batch_size else ():
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
-            weights, local_count = loss_weights(rows.action_mask, s.ppo.loss_aggregation,
+            weights, local_count = loss_weights(rows.loss_mask, s.ppo.loss_aggregation,
                                                 s.ppo.max_new_tokens)
-            weights = (weights, statistic_weights(rows.action_mask, s.ppo.loss_aggregation))
+            weights = (weights, statistic_weights(rows.loss_mask, s.ppo.loss_aggregation))
             count = dp.sum(float(local_count))[0]
+            if not count:   # every answer masked (ppo.mask_truncated): Adam would still move
+                continue
             ptx_batch = None
             if ptx and actor_trains:
                 ptx_batch = ptx_rows(ptx, ptx_batches, s.ppo.ptx.batch_size, s.seed,
@@ -969,7 +978,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
                 for name, value in values.items():
                     totals[name] = totals.get(name, 0.0) + value
             updates += 1
-            tokens = tokens + rows.action_mask.sum()   # a tensor: read once, at the end
+            tokens = tokens + rows.loss_mask.sum()   # a tensor: read once, at the end
             if ema is not None and actor_trains:
                 ema_update(ema.tensors.values(), models.actor.trained_parameters(),
                            s.ppo.ema.beta)

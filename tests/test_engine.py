@@ -488,6 +488,40 @@ def test_critic_warmup_trains_the_critic_alone_first(tok, monkeypatch):
         assert any(moved[0]) or iteration   # (its 1-step schedule is spent at the second)
 
 
+def test_mask_truncated_leaves_cut_off_answers_out_of_the_losses(tok, monkeypatch):
+    """ppo.mask_truncated: the answer cut off without EOS (row 1) keeps its actions, score
+    and advantages (its group's statistics and the metrics see it) and loses its loss
+    weights: the update trains as it does on the two answers that ended alone."""
+    runs = []
+    for masked in (True, False):
+        models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
+        monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, answers=answers,
+                            **__: torch.cat([input_ids, answers], dim=1))
+        settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
+            max_new_tokens=N, rollout_batch_size=3, micro_batch_size=3, target_kl=None,
+            mask_truncated=masked)}))
+        dp = DataParallel(CPU)
+        exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
+                                              "attention_mask": prompt_mask}, settings, dp,
+                                     kl_coef=0.1)
+        ended = torch.tensor([1.0, 0.0, 1.0])[:, None]
+        if masked:
+            assert torch.equal(exp.loss_mask, exp.action_mask * ended)
+            assert exp.action_mask[1].sum() == N and exp.advantages[1].abs().sum() > 0
+            share, size = Share([], [0, 1, 2], 1.0), 3
+        else:   # the rows that ended, alone
+            assert torch.equal(exp.loss_mask, exp.action_mask)
+            exp, share, size = exp.rows(torch.tensor([0, 2])), Share([], [0, 1], 1.0), 2
+        stats, _ = ppo.update(exp, share, size, models, settings, dp, [], 0, None, 0, 0.1)
+        runs.append((stats, [p.detach() for p in models.actor.parameters()]))
+    (masked, masked_weights), (alone, alone_weights) = runs
+    assert masked["trained_tokens"] == alone["trained_tokens"] == 3 + 1
+    for name, value in alone.items():
+        assert masked[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    for p, q in zip(masked_weights, alone_weights, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
+
+
 def test_forward_batches_equal_one_pass(tok, monkeypatch):
     """ppo.forward_batch_size=1: the experience (log-probs, reference log-probs, values,
     scores) and one update of actor and critic (KL in the loss) equal one pass over the
