@@ -1,7 +1,8 @@
 """Step 3's algorithms side by side on the demo task, through train.py (subprocesses), on
-CPU: PPO, GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline, each rewarded by the step-2 reward model (`rm`) and
-by the demo's ground-truth scorer as a reward function alone (`fn`: ppo.reward_fn=
-steps.demo:score, ppo.reward_model_weight=0), from one demo step-1/2 run per seed.
+CPU: PPO, GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline, each rewarded by the step-2
+reward model (`rm`) and by the demo's ground-truth scorer as a reward function alone
+(`fn`: ppo.reward_fn=steps.demo:score, ppo.reward_model_weight=0), from one demo step-1/2
+run per seed.
 
 Per run: the ground truth of held-out answers before -> after step 3, step 3's wall time,
 its memory peak (CUDA allocator, or on CPU the process's resident set, which includes
@@ -116,17 +117,17 @@ def algorithms(root: Path, seeds: list[int], names: list[str], rewards: list[str
                           final["memory/peak_mib"], final["memory/trained_mib"],
                           final["iterations"])
                 results.setdefault((algorithm, reward), []).append(result)
-                print(f"{algorithm:<13}{reward:<4}" + _row(result), flush=True)
-    print(f"\n{'algorithm':<13}{'reward':<7}{'seed':>5}{'ground truth':>18}{'gain':>8}"
+                print(f"{algorithm:<22}{reward:<4}" + _row(result), flush=True)
+    print(f"\n{'algorithm':<22}{'reward':<7}{'seed':>5}{'ground truth':>18}{'gain':>8}"
           f"{'step 3 s':>10}{'peak MiB':>10}{'trained MiB':>13}{'iters':>7}")
     for (algorithm, reward), runs in results.items():
         for result in runs:
-            print(f"{algorithm:<13}{reward:<7}" + _row(result))
-    print(f"\n{'algorithm':<13}{'reward':<7}{'mean gain':>10}{'min gain':>10}{'mean s':>8}"
+            print(f"{algorithm:<22}{reward:<7}" + _row(result))
+    print(f"\n{'algorithm':<22}{'reward':<7}{'mean gain':>10}{'min gain':>10}{'mean s':>8}"
           f"{'mean peak MiB':>15}{'trained MiB':>13}")
     for (algorithm, reward), runs in results.items():
         gains = [after - before for _, before, after, *_ in runs]
-        print(f"{algorithm:<13}{reward:<7}{statistics.fmean(gains):>+10.3f}{min(gains):>+10.3f}"
+        print(f"{algorithm:<22}{reward:<7}{statistics.fmean(gains):>+10.3f}{min(gains):>+10.3f}"
               f"{statistics.fmean(r[3] for r in runs):>8.1f}"
               f"{statistics.fmean(r[4] for r in runs):>15.0f}{runs[0][5]:>13.1f}")
 

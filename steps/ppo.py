@@ -379,8 +379,12 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         disable_dropout(actor)
         if critic is not None:
             disable_dropout(critic)
-    actor = place.trainer(actor, ppo, updates, family="policy", generates=True, name="actor",
-                          lr=ppo.actor_lr, lora_lr=ppo.actor_lora.learning_rate)
+    # the actor's schedule runs over the updates after ppo.critic_warmup's iterations
+    warmup = ppo.critic_warmup * ppo.ppo_epochs * num_batches(
+        ppo.rollout_batch_size * ppo.samples_per_prompt, ppo.micro_batch_size)
+    actor = place.trainer(actor, ppo, max(updates - warmup, 1), family="policy",
+                          generates=True, name="actor", lr=ppo.actor_lr,
+                          lora_lr=ppo.actor_lora.learning_rate)
     if critic is not None:
         critic = place.trainer(critic, ppo, updates, family="scorer", name="critic",
                                lr=ppo.critic_lr, lora_lr=ppo.critic_lora.learning_rate)
@@ -607,7 +611,10 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
     if not taken.size:   # dynamic sampling found nothing to learn from: no update
         log(f"step 3 iteration {iteration}: the answers to every prompt of "
             f"{taken.counts['sampling/draws']} batches scored the same; nothing trained")
-    observed_kl = metrics.get("reward/kl_vocab", 0.0) if taken.size else math.nan
+    # nothing trained, or the actor frozen (ppo.critic_warmup): its KL tells the controller
+    # nothing about the coefficient
+    trained = taken.size > 0 and state.iteration >= s.ppo.critic_warmup
+    observed_kl = metrics.get("reward/kl_vocab", 0.0) if trained else math.nan
     state = next_kl_coef(state, observed_kl, taken.size, s)
     return state._replace(iteration=iteration, ptx_batches=ptx_batches, kl_stops=kl_stops), times
 
@@ -823,7 +830,7 @@ def sample_round(models: Models, prompt_batch: list[list[int]], s: Settings, dp:
                  size, {})
 
 
-def sample_informative(models: Models, prompt_batch: list[list[int]] | None,
+def sample_informative(models: Models, prompt_batch: list[list[int]],
                        more: Callable[[], list[list[int]] | None], s: Settings,
                        dp: DataParallel, stream: int) -> Round:
     """DAPO's dynamic sampling (Yu et al., 2025): batches of prompts (`prompt_batch`, then
@@ -897,8 +904,9 @@ def _logged_scores(sampled: Sampled) -> torch.Tensor:
 
 
 def concat_sampled(parts: list[Sampled], pad_token_id: int) -> Sampled:
-    """Several rounds' rows as one: prompts left-padded and answers right-padded to the
-    longest (the masks' zeros cover the padding, and positions come from the masks)."""
+    """Several rounds' real rows as one (of weight 1): prompts left-padded and answers
+    right-padded to the longest (the masks' zeros cover the padding, and positions come
+    from the masks)."""
     prompt_len = max(part.answers.prompt_len for part in parts)
     answer_len = max(part.answers.answered.shape[1] for part in parts)
 
@@ -911,7 +919,7 @@ def concat_sampled(parts: list[Sampled], pad_token_id: int) -> Sampled:
     rollouts = [padded(part.answers) for part in parts]
     penalty = None if parts[0].penalty is None else torch.cat([p.penalty for p in parts])
     return Sampled(Rollout(*(torch.cat(fields) for fields in zip(*rollouts, strict=True))),
-                   torch.cat([part.scores for part in parts]), penalty, parts[0].weight)
+                   torch.cat([part.scores for part in parts]), penalty, 1.0)
 
 
 def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.Tensor,

@@ -96,15 +96,13 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, chunk: int = LOGPROB
     """float32 [B, T] entropy ``-sum_v p_v log p_v`` of ``p = softmax(logits / temperature)``
     at each position of ``logits`` [B, T, V] (any float dtype, finite): the policy's
     uncertainty over its next token, whose collapse long RL runs watch for (DAPO's
-    clip-higher is its remedy). Differentiable. ``chunk`` float32 elements a piece, as in
-    `logprobs_of_tokens` (with gradients each piece's softmax is kept for backward: pass
-    a few rows at a time then, as engine.models.head_reduced's chunks are)."""
+    clip-higher is its remedy).
+
+    Fused and chunked as `logprobs_of_tokens` is: no float32 [B, T, V] tensor is made, and
+    the forward keeps nothing but the logits; the backward recomputes each chunk's softmax:
+    dH / d logits = -p (log p + H) / T, returned in the logits' dtype."""
     rows = max(1, chunk // (logits.shape[1] * logits.shape[-1]))
-    parts = []
-    for b in range(0, logits.shape[0], rows):
-        logp = torch.log_softmax(logits[b:b + rows].float() / temperature, dim=-1)
-        parts.append(-(logp.exp() * logp).sum(-1))
-    return torch.cat(parts)
+    return _TokenEntropy.apply(logits, temperature, rows)
 
 
 @torch.no_grad()
@@ -154,6 +152,32 @@ class _TokenLogprobs(torch.autograd.Function):
             chunk.scatter_add_(-1, tokens[part, :, None], torch.ones_like(chunk[..., :1]))
             grad[part] = chunk.mul_(grad_out[part, :, None].float() / ctx.temperature)
         return grad, None, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, rows: int):
+        out = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+        for part, scaled in _scaled_chunks(logits, temperature, rows):
+            log_p = torch.log_softmax(scaled, -1)
+            del scaled
+            out[part] = -(log_p.exp() * log_p).sum(-1)
+        ctx.save_for_backward(logits)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (logits,) = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for part, scaled in _scaled_chunks(logits, ctx.temperature, ctx.rows):
+            log_p = torch.log_softmax(scaled, -1)
+            del scaled
+            p = log_p.exp()
+            entropy = -(p * log_p).sum(-1, keepdim=True)
+            scale = grad_out[part, :, None].float() / -ctx.temperature
+            grad[part] = log_p.add_(entropy).mul_(p).mul_(scale)
+        return grad, None, None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -385,12 +385,34 @@ def test_token_entropy_by_hand():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=1e-6)
     hot = token_entropy(logits[:, 1:, :2], temperature=t)
-    torch.testing.assert_close(hot, torch.tensor([[-(q * math.log(q) + (1 - q) * math.log(1 - q))]]),
-                               rtol=0, atol=1e-6)
+    want_hot = -(q * math.log(q) + (1 - q) * math.log(1 - q))
+    torch.testing.assert_close(hot, torch.tensor([[want_hot]]), rtol=0, atol=1e-6)
     rows = torch.randn(5, 3, 7)
     torch.testing.assert_close(token_entropy(rows, 0.7, chunk=21), token_entropy(rows, 0.7))
     torch.testing.assert_close(token_entropy(rows.bfloat16()), token_entropy(rows), rtol=0,
                                atol=3e-2)
+
+
+def plain_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The reference computation, through autograd: the whole fp32 log_softmax."""
+    log_p = torch.log_softmax(logits.float() / temperature, -1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def test_token_entropys_gradient_is_autograds_without_keeping_fp32_logits():
+    """The fused backward, -p (log p + H) / T per chunk, equals autograd's through the
+    whole log_softmax, in fp32 and for bf16 logits (returned in bf16)."""
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)) * 3
+    weights = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        grads = []
+        for fused in (True, False):   # 2 rows of 3 a chunk
+            x = logits.to(dtype).clone().requires_grad_()
+            entropy = token_entropy(x, 0.7, chunk=2 * 5 * 11) if fused else plain_entropy(x, 0.7)
+            (entropy * weights).sum().backward()
+            grads.append(x.grad)
+        assert grads[0].dtype == dtype
+        torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("lora_on_head", [False, True])
@@ -413,7 +435,7 @@ def test_head_reduced_entropy_and_its_gradients_equal_the_full_logits(lora_on_he
         else:
             logits = model(input_ids=ids, attention_mask=mask,
                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, 3:-1]
-            want_entropy = entropy = token_entropy(logits, 0.7)
+            want_entropy = entropy = plain_entropy(logits, 0.7)
             want_logprobs = logprobs = full_logprobs(model, ids, mask, 4, 0.7)
         ((logprobs * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
