@@ -5,12 +5,14 @@ is one process or many, and how rows are dealt to them, is decided here.
 Rows are dealt round robin (process r of W takes rows r, r+W, ...). A process that a small
 batch leaves without rows still takes part, with the batch's first row as a stand-in of
 weight 0, because every process must run the same forward and backward passes (the
-sharded weights' collectives pair up across processes). Means over a global batch are
+sharded weights' collectives pair up across processes). Rows kept from several batches
+(dynamic sampling) are dealt again the same way (`redeal`). Means over a global batch are
 sums of every share divided by the global count: see `TrainEngine`'s loss contract.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -70,6 +72,33 @@ class DataParallel:
             local[torch.tensor(share.index[::group], device=self.device) // group] = \
                 flags.to(self.device, torch.float64)
         return self.runtime.all_sum(local) > 0
+
+    def redeal(self, fields: Sequence[torch.Tensor], places: torch.Tensor, group: int = 1
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Groups of rows kept wherever they were made, dealt again as `share` deals a
+        batch, so that no process holds more than its part: the group at global place p
+        goes to process p % W. `places` [groups] long are this process's groups' places
+        and each of `fields` [groups * group, ...] their rows (the same trailing shapes on
+        every process). Returns this process's fields and places, in the places' order."""
+        rows = len(places) * group
+        widths = [math.prod(field.shape[1:]) for field in fields]
+        # one collective: every field as float64 columns (exact for integers below 2**53)
+        packed = torch.cat([field.reshape(rows, width).to(self.device, torch.float64)
+                            for field, width in zip(fields, widths, strict=True)]
+                           + [places.repeat_interleave(group)[:, None].to(self.device,
+                                                                          torch.float64)], 1)
+        packed = self.runtime.gather_rows(packed)
+        row_places = packed[:, -1].long()
+        mine = (row_places % self.runtime.world_size == self.runtime.rank).nonzero().flatten()
+        mine = mine[torch.sort(row_places[mine], stable=True).indices]   # a group's rows
+        columns = packed[mine, :-1].split(widths, 1)                     # keep their order
+        dealt = [column.to(field.dtype).reshape(len(mine), *field.shape[1:])
+                 for column, field in zip(columns, fields, strict=True)]
+        return dealt, row_places[mine][::group]
+
+    def most(self, number: int) -> int:
+        """The largest of the processes' `number`s."""
+        return self.runtime.most(number)
 
     def row_chunks(self, rows: int, size: int | None) -> list[tuple[slice, bool]]:
         """This process's `rows` as slices of at most `size` (None: one slice), each with

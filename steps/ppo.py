@@ -838,7 +838,9 @@ def sample_informative(models: Models, prompt_batch: list[list[int]],
     have answers that do not all score the same (rlhf.informative_groups), for at most
     ppo.dynamic_sampling_max_draws batches. The first that many such prompts in the order
     sampled are the batch trained on, the same on any number of processes; the others are
-    dropped and counted (sampling/*). A process left without rows holds a stand-in."""
+    dropped and counted (sampling/*). The kept prompts are dealt to the processes as a
+    batch of that many is (DataParallel.redeal); a process left without one holds a
+    stand-in."""
     group, parts, flags = s.group, [], []
     while prompt_batch is not None:
         part = sample_round(models, prompt_batch, s, dp, stream,
@@ -852,20 +854,28 @@ def sample_informative(models: Models, prompt_batch: list[list[int]],
             break
         prompt_batch = more()
     places = kept_places(flags, s.ppo.rollout_batch_size)
-    kept, positions = [], []
+    kept, kept_groups = [], []
     for part, place in zip(parts, places, strict=True):
         mine = place[torch.tensor(part.share.index[::group]) // group] if part.share.weight \
             else torch.tensor([-1])   # a stand-in's row belongs to another process
         keep = mine >= 0
         kept.append(part.sampled.rows(keep.repeat_interleave(group).nonzero().flatten()))
-        positions += (mine[keep, None] * group + torch.arange(group)).flatten().tolist()
+        kept_groups.append(mine[keep])
     size, drawn = sum(int((p >= 0).sum()) for p in places) * group, sum(p.size for p in parts)
     counts = _sampling_counts(parts, flags, size // group, dp)
-    if not positions:   # a stand-in group of weight 0: every process runs the same passes
+    # the kept groups sit where they were sampled, unevenly: deal them again as a batch
+    local = concat_sampled(kept, models.tokenizer.pad_token_id,
+                           dp.most(max(p.sampled.answers.prompt_len for p in parts)),
+                           dp.most(max(p.sampled.answers.answered.shape[1] for p in parts)))
+    penalty = [] if local.penalty is None else [local.penalty]
+    fields, places = dp.redeal([*local.answers, local.scores, *penalty],
+                               torch.cat(kept_groups), group)
+    if not len(places):   # a stand-in group of weight 0: every process runs the same passes
         return Round(parts[0].sampled.rows(torch.arange(group))._replace(weight=0.0),
                      Share([], [0], 0.0), size, drawn, counts)
-    return Round(concat_sampled(kept, models.tokenizer.pad_token_id), Share([], positions, 1.0),
-                 size, drawn, counts)
+    positions = places[:, None] * group + torch.arange(group, device=places.device)
+    dealt = Sampled(Rollout(*fields[:3]), fields[3], fields[4] if penalty else None, 1.0)
+    return Round(dealt, Share([], positions.flatten().tolist(), 1.0), size, drawn, counts)
 
 
 def kept_places(flags: list[torch.Tensor], target: int) -> list[torch.Tensor]:
@@ -903,12 +913,13 @@ def _logged_scores(sampled: Sampled) -> torch.Tensor:
     return sampled.scores - sampled.penalty.to(sampled.scores.dtype)
 
 
-def concat_sampled(parts: list[Sampled], pad_token_id: int) -> Sampled:
+def concat_sampled(parts: list[Sampled], pad_token_id: int, prompt_len: int = 0,
+                   answer_len: int = 0) -> Sampled:
     """Several rounds' real rows as one (of weight 1): prompts left-padded and answers
-    right-padded to the longest (the masks' zeros cover the padding, and positions come
-    from the masks)."""
-    prompt_len = max(part.answers.prompt_len for part in parts)
-    answer_len = max(part.answers.answered.shape[1] for part in parts)
+    right-padded to the longest, or to `prompt_len` and `answer_len` where longer (the
+    masks' zeros cover the padding, and positions come from the masks)."""
+    prompt_len = max(prompt_len, *(part.answers.prompt_len for part in parts))
+    answer_len = max(answer_len, *(part.answers.answered.shape[1] for part in parts))
 
     def padded(answers: Rollout) -> Rollout:
         left, right = prompt_len - answers.prompt_len, answer_len - answers.answered.shape[1]

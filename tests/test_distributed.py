@@ -223,6 +223,16 @@ def test_dynamic_sampling_on_two_ranks_matches_one_process(single, dynamic_one, 
         assert r["sampling/prompts_kept"] <= 8 and r["train/updates"] > 0
 
 
+def test_groups_kept_unevenly_are_dealt_again_as_a_batch():
+    """Dynamic sampling keeps groups where they were sampled (one rank three, another
+    none): DataParallel.redeal on 4 ranks gives each rank the groups `share` would deal it,
+    exact in every dtype and in order (tests/harness/redeal_checks.py)."""
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "harness" / "redeal_checks.py")],
+                            cwd=ROOT, env=child_env(OMP_NUM_THREADS="1", TEST_RANKS="4"),
+                            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
 def test_dynamic_sampling_killed_run_resumes_at_the_batch_it_had_drawn(single, dynamic_one,
                                                                        tmp_path):
     """A checkpoint after an iteration that drew several batches resumes at the next
