@@ -479,6 +479,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
     s = with_evaluations(resolve(cfg, cfg.ppo.epochs * len(prompts.train)
                                  * cfg.ppo.samples_per_prompt, prompts.labels), len(prompts.eval))
+    check_critic_warmup(s.ppo, s.ppo.epochs * rounds)
     updates = s.ppo.epochs * rounds * s.ppo.ppo_epochs * num_batches(
         s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
     reset_memory_peak(dp.device)
@@ -510,6 +511,14 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         after = evaluate(models, prompts, s, dp)          # was of these very weights
         state = keep_if_best(state, after, s, kept, models.actor)
     return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
+
+
+def check_critic_warmup(ppo: PPOConfig, iterations: int) -> None:
+    """Refuse a ppo.critic_warmup that would freeze the actor for the whole run."""
+    if ppo.critic_warmup and ppo.critic_warmup >= iterations:
+        raise UserError(f"ppo.critic_warmup={ppo.critic_warmup} freezes the actor for all "
+                        f"{iterations} iterations of step 3 (ppo.epochs={ppo.epochs} over "
+                        f"the prompts): it would never train; set it below {iterations}")
 
 
 class Kept(NamedTuple):

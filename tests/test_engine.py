@@ -488,6 +488,19 @@ def test_critic_warmup_trains_the_critic_alone_first(tok, monkeypatch):
         assert any(moved[0]) or iteration   # (its 1-step schedule is spent at the second)
 
 
+def test_a_critic_warmup_as_long_as_the_run_is_refused():
+    """ppo.critic_warmup covering every iteration would end step 3 with the SFT actor."""
+    def config(warmup: int):
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "ppo": dict(critic_warmup=warmup)})).ppo
+
+    ppo.check_critic_warmup(config(0), 1)
+    ppo.check_critic_warmup(config(3), 4)
+    with pytest.raises(UserError, match=r"^ppo.critic_warmup=4 freezes the actor for all 4 "
+                                        r"iterations .* set it below 4$"):
+        ppo.check_critic_warmup(config(4), 4)
+
+
 def test_mask_truncated_leaves_cut_off_answers_out_of_the_losses(tok, monkeypatch):
     """ppo.mask_truncated: the answer cut off without EOS (row 1) keeps its actions, score
     and advantages (its group's statistics and the metrics see it) and loses its loss
