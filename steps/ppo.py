@@ -1448,7 +1448,8 @@ def _rollout_metrics(exp: Experience, eos_token_id: int, vocab_kl: bool, dp: Dat
                      ) -> dict[str, float]:
     """Means over the whole batch's real rows (rows with at least one action; value/mean and
     policy/entropy: over its answer tokens); `vocab_kl`: also the KL over the vocabulary
-    per answer (reward/kl_vocab, the controller's reading)."""
+    per answer (reward/kl_vocab, the controller's reading). A batch without a real row
+    (dynamic sampling kept nothing) has no means: zeros would read as scores."""
     lengths = exp.action_mask.sum(1)
     real = (lengths > 0).float()
     ended = ended_with_eos(exp.sequences[:, exp.prompt_len:], exp.action_mask, eos_token_id)
@@ -1459,7 +1460,8 @@ def _rollout_metrics(exp: Experience, eos_token_id: int, vocab_kl: bool, dp: Dat
         float(lengths.sum()), float(ended.float().sum()),
         float(masked_sum(exp.values, exp.action_mask)),
         float(masked_sum(exp.entropy, exp.action_mask)))
-    rows = max(rows, 1)
+    if not rows:
+        return {"answer/tokens": 0.0}
     return {"reward/score": score / rows, "reward/kl": kl / rows,
             **({"reward/kl_vocab": kl_vocab / rows} if vocab_kl else {}),
             "reward/total": reward / rows, "answer/length": tokens / rows,

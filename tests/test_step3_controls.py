@@ -494,6 +494,8 @@ def test_dynamic_sampling_that_finds_nothing_to_learn_trains_nothing():
     assert not exp.action_mask.any()
     stats, _ = ppo.update(exp, got.share, got.size, models, s, dp, [], 0, None, 0, 0.0)
     assert stats["train/updates"] == 0 and models.actor.steps == 0
+    # no answer kept: no score or length means logged as zeros
+    assert ppo._rollout_metrics(exp, tok.eos_token_id, True, dp) == {"answer/tokens": 0.0}
 
 
 @pytest.mark.parametrize("kl_target", [None, 0.5])   # the experience's two forward paths
