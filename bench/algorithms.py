@@ -1,5 +1,6 @@
 """Step 3's algorithms side by side on the demo task, through train.py (subprocesses), on
-CPU: PPO, GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline, each rewarded by the step-2
+CPU: PPO, GRPO, RLOO, REINFORCE++, REINFORCE++-baseline and GSPO (GRPO with
+ppo.importance_ratio=sequence and GSPO's clips), each rewarded by the step-2
 reward model (`rm`) and by the demo's ground-truth scorer as a reward function alone
 (`fn`: ppo.reward_fn=steps.demo:score, ppo.reward_model_weight=0), from one demo step-1/2
 run per seed.
@@ -11,7 +12,7 @@ actor and, for PPO, the critic).
 
 Budgets: PPO and REINFORCE++ sample one answer per prompt, 32 prompts a round, 2 epochs
 over the step-3 prompts (the demo recipe until 2026-11-27, which now gives PPO GRPO's
-layout); GRPO, RLOO and REINFORCE++-baseline 4 answers per prompt, 16 prompts a round,
+layout); GRPO, RLOO, REINFORCE++-baseline and GSPO 4 answers per prompt, 16 prompts a round,
 1 epoch: twice the answers, in about the same number of iterations.
 
 --part hacking: reward over-optimisation on the `distinct` demo task (data.demo_task=
@@ -25,7 +26,7 @@ last 10 iterations the KL per answer, the share of answers that ended with EOS, 
 final kl_coef.
 
 Run:  python bench/algorithms.py [--part algorithms|hacking|all] [--seeds 1,2,3]
-      [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline] [--rewards rm,fn]
+      [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline,gspo] [--rewards rm,fn]
       (algorithms ~25 min, hacking ~15 min on 2 cores, alone)
 """
 
@@ -49,6 +50,10 @@ SETTINGS = {
     "reinforce_pp": ["ppo.algorithm=reinforce_pp", *ONE_ANSWER, "ppo.epochs=2"],
     "reinforce_pp_baseline": ["ppo.algorithm=reinforce_pp_baseline", "ppo.samples_per_prompt=4",
                               "ppo.rollout_batch_size=16", "ppo.epochs=1"],
+    # GRPO with GSPO's sequence ratio and its paper's clips and aggregation
+    "gspo": ["ppo.algorithm=grpo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
+             "ppo.epochs=1", "ppo.importance_ratio=sequence", "ppo.clip_range=3e-4",
+             "ppo.clip_range_high=4e-4", "ppo.loss_aggregation=seq-mean"],
 }
 REWARDS = {"rm": [], "fn": ["ppo.reward_fn=steps.demo:score", "ppo.reward_model_weight=0"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],

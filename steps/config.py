@@ -200,6 +200,12 @@ class PPOConfig(OptimConfig):
                                      "clip_ratio_c): a token with a negative advantage A adds "
                                      "at most -A x this to the loss; null: off",
                                      above(1))
+    importance_ratio: str = val("token", "token: PPO's ratio per token | sequence: GSPO's "
+                                "(Zheng et al., 2025; TRL's importance_sampling_level, "
+                                "verl's loss_mode=gspo), each answer's geometric mean ratio, "
+                                "clipped as one: use it with clip_range=3e-4 "
+                                "clip_range_high=4e-4 loss_aggregation=seq-mean",
+                                one_of("token", "sequence"))
     entropy_coef: float = val(0.0, "entropy bonus: the loss less this x the policy's mean "
                               "token entropy (verl's entropy_coeff, OpenRLHF's "
                               "--entropy_loss_coef; logged as train/entropy); 0: off "

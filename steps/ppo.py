@@ -1045,7 +1045,8 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
         actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
                                 part_weights, s.ppo.clip_range, count,
                                 s.ppo.clip_range_high, s.ppo.dual_clip,
-                                stat_weights[rows] * real)
+                                stat_weights[rows] * real,
+                                sequence_ratio=s.ppo.importance_ratio == "sequence")
         for name, value in zip(("train/policy_loss", "train/clip_fraction", "train/approx_kl",
                                 "train/ratio"), actor_out, strict=True):
             add(name, value)

@@ -603,13 +603,19 @@ def statistic_weights(mask: Tensor, aggregation: str) -> Tensor:
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_range: float, num_actions: Tensor | float | None = None,
                 clip_range_high: float | None = None, dual_clip: float | None = None,
-                stat_weights: Tensor | None = None) -> PolicyLossOut:
+                stat_weights: Tensor | None = None, sequence_ratio: bool = False
+                ) -> PolicyLossOut:
     """PPO clipped surrogate objective.
 
     ``r = exp(logprobs - old_logprobs)``;
     ``loss = masked_mean(max(-A * r, -A * clip(r, 1 - clip_range, 1 + clip_range_high)))``;
     with ``dual_clip`` c, a token with A < 0 contributes at most ``-A * c`` (Ye et al.,
     2020: a ratio far above 1 on a bad action no longer drives an unbounded update).
+    ``sequence_ratio``: GSPO's ratio (Zheng et al., 2025), each answer's geometric mean
+    ``s = exp(mean_t(logprobs - old_logprobs))`` for all its tokens, clipped as one; as
+    GSPO-token, token t's ratio is ``sg(s) * exp(logprobs_t - sg(logprobs_t))``: the value
+    s, the gradient ``s * grad logprobs_t``, so token advantages keep their own credit (with
+    one advantage an answer it is the gradient of s itself).
 
     Args:
         logprobs: [B, N] log-probs of the actions under the current policy (with grad).
@@ -624,17 +630,24 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         dual_clip: c > 1, or None for no dual clip.
         stat_weights: [B, N] the statistics' weights (``statistic_weights``); default
             ``mask``.
+        sequence_ratio: GSPO's ratio per answer (above) instead of PPO's per token.
 
     Returns:
         PolicyLossOut (see its fields), all scalars, the statistics detached; ``approx_kl`` is
-        the "k3" estimator ``(r - 1) - log r`` (>= 0, unbiased for KL(old || new));
-        ``clip_fraction`` counts the tokens either clip holds.
+        the "k3" estimator ``(r - 1) - log r`` of the tokens' own ratios (>= 0, unbiased for
+        KL(old || new), whichever ratio is clipped); ``clip_fraction`` counts the tokens
+        either clip holds; ``ratio`` is the mean of the ratio the clip acts on.
     """
     keep = mask != 0
     old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     # Zero the log-ratio off the mask before exp, so garbage there can't overflow to inf/NaN.
     log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = torch.exp(log_ratio)
+    clipped_log_ratio = log_ratio
+    if sequence_ratio:
+        answer = masked_mean(log_ratio.detach(), keep, dim=1)[:, None]
+        clipped_log_ratio = torch.where(keep, answer + logprobs - logprobs.detach(),
+                                        torch.zeros_like(logprobs))
+    ratio = torch.exp(clipped_log_ratio)
     high = clip_range if clip_range_high is None else clip_range_high
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
@@ -649,7 +662,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     with torch.no_grad():
         w = mask if stat_weights is None else stat_weights
         clip_fraction = _over(masked_sum(held.to(ratio.dtype), w), num_actions, w)
-        approx_kl = _over(masked_sum((ratio - 1.0) - log_ratio, w), num_actions, w)
+        token_ratio = torch.exp(log_ratio) if sequence_ratio else ratio
+        approx_kl = _over(masked_sum((token_ratio - 1.0) - log_ratio, w), num_actions, w)
         ratio_mean = _over(masked_sum(ratio, w), num_actions, w)
     return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)
 

@@ -377,6 +377,33 @@ def test_clip_higher_and_dual_clip_hand_computed():
     close(new.grad, [[-1.1 / 5, 0.0, 0.0, 0.0, -0.5 / 5]])
 
 
+def test_gspo_sequence_ratio_hand_computed():
+    """GSPO (sequence_ratio): each answer's tokens share its geometric-mean ratio, clipped
+    as one, and token t's gradient is -A_t * s / count (GSPO-token: a token's own
+    advantage, not its answer's mean). clip_range 0.1: [0.9, 1.1]."""
+    # row 0: 2 tokens of ratios 1.2, 1.0 (a garbage log-ratio of 50 in its padding);
+    #        s0 = sqrt(1.2) = 1.0954451, inside the clip; token advantages -1, -3
+    # row 1: 3 tokens of ratios 2, 0.5, 1.5: s1 = 1.5^(1/3) = 1.1447142, above 1.1; A = +1
+    new = torch.tensor([[1.2, 1.0, math.exp(50)], [2.0, 0.5, 1.5]]).log().requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([[-1.0, -3.0, 0.0], [1.0, 1.0, 1.0]])
+    out = policy_loss(new, torch.zeros(2, 3), adv, mask, 0.1, sequence_ratio=True)
+    # per token max(-A s, -A clip(s)): row 0: 1.0954451, 3.2863353 (unclipped); row 1:
+    # max(-1.1447142, -1.1) = -1.1 on each of its 3 tokens (clipped)
+    # loss = (1.0954451 + 3.2863353 - 3 * 1.1) / 5 = 0.2163561; clip_fraction 3/5
+    close(out.loss, 0.2163561)
+    close(out.clip_fraction, 0.6)
+    close(out.ratio_mean, (2 * 1.0954451 + 3 * 1.1447142) / 5)
+    # the KL statistic stays the tokens' k3 (what target_kl reads): 1.2 -> 0.0176784,
+    # 1.0 -> 0, 2 -> 0.3068528, 0.5 -> 0.1931472, 1.5 -> 0.0945349; mean 0.1224427
+    close(out.approx_kl, 0.1224427)
+    out.loss.backward()
+    close(new.grad, [[1.0954451 / 5, 3 * 1.0954451 / 5, 0.0], [0.0, 0.0, 0.0]])
+    # per token, row 0's ratio 1.2 would be clipped and row 1's 0.5 not: a different loss
+    token = policy_loss(new.detach(), torch.zeros(2, 3), adv, mask, 0.1)
+    close(token.clip_fraction, 0.4)   # 2 and 1.5 (A > 0, above 1.1); 1.2 (A < 0) is not
+
+
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
 def test_an_unmoved_policy_reads_ratio_one_under_every_aggregation(aggregation):
     """The update's statistics are means under every loss aggregation: a policy that has

@@ -120,8 +120,8 @@ def test_target_kl_stops_a_round_early():
 
 def test_overlong_shaping_clip_higher_dual_clip_and_dr_grpo_reach_the_round(monkeypatch):
     """ppo.overlong_buffer lowers each answer's score (and its reward) by DAPO's penalty
-    for its length; ppo.clip_range_high, ppo.dual_clip and the Dr. GRPO aggregation reach
-    the policy loss of every update."""
+    for its length; ppo.clip_range_high, ppo.dual_clip, GSPO's ratio and the Dr. GRPO
+    aggregation reach the policy loss of every update."""
     tok = byte_tokenizer()
     torch.manual_seed(0)
     models = tiny_models(tok)
@@ -143,11 +143,13 @@ def test_overlong_shaping_clip_higher_dual_clip_and_dr_grpo_reach_the_round(monk
     real = ppo.policy_loss
     monkeypatch.setattr(ppo, "policy_loss", spy)
     s = settings(max_new_tokens=6, rollout_batch_size=4, micro_batch_size=4,
-                 clip_range_high=0.28, dual_clip=3.0, loss_aggregation="seq-mean-token-sum-norm")
+                 clip_range_high=0.28, dual_clip=3.0, loss_aggregation="seq-mean-token-sum-norm",
+                 importance_ratio="sequence")
     share = Share(list(range(4)), list(range(4)), 1.0)
     ppo.update(plain, share, 4, models, s, DataParallel(CPU), [], 0, None, 0, 0.0)
-    (args, _), = seen
+    (args, kwargs), = seen
     assert args[4:8] == (0.2, 4.0, 0.28, 3.0)   # clip_range, answers, high, dual
+    assert kwargs == {"sequence_ratio": True}
     torch.testing.assert_close(args[3], plain.action_mask / 6)
     # the statistics (ratio, KL from the sampling policy, clip fraction) stay means: each
     # answer's tokens weigh 1 / its length, not its length / 6 (target_kl reads the KL)
