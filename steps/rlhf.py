@@ -638,16 +638,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         KL(old || new), whichever ratio is clipped); ``clip_fraction`` counts the tokens
         either clip holds; ``ratio`` is the mean of the ratio the clip acts on.
     """
-    keep = mask != 0
-    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
-    # Zero the log-ratio off the mask before exp, so garbage there can't overflow to inf/NaN.
-    log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    clipped_log_ratio = log_ratio
-    if sequence_ratio:
-        answer = masked_mean(log_ratio.detach(), keep, dim=1)[:, None]
-        clipped_log_ratio = torch.where(keep, answer + logprobs - logprobs.detach(),
-                                        torch.zeros_like(logprobs))
-    ratio = torch.exp(clipped_log_ratio)
+    advantages = advantages.detach()
+    log_ratio, ratio = _ratios(logprobs, old_logprobs.detach(), mask != 0, sequence_ratio)
     high = clip_range if clip_range_high is None else clip_range_high
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)
@@ -666,6 +658,19 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
         approx_kl = _over(masked_sum((token_ratio - 1.0) - log_ratio, w), num_actions, w)
         ratio_mean = _over(masked_sum(ratio, w), num_actions, w)
     return PolicyLossOut(loss, clip_fraction, approx_kl, ratio_mean)
+
+
+def _ratios(logprobs: Tensor, old_logprobs: Tensor, keep: Tensor, sequence_ratio: bool
+            ) -> tuple[Tensor, Tensor]:
+    """([B, N] the tokens' log-ratios, [B, N] the ratio the clip acts on: theirs, or with
+    ``sequence_ratio`` GSPO-token's), both 0 and 1 off ``keep``."""
+    # zeroed off the mask before exp, so that garbage there cannot overflow to inf/NaN
+    zeros = torch.zeros_like(logprobs)
+    log_ratio = torch.where(keep, logprobs - old_logprobs, zeros)
+    if not sequence_ratio:
+        return log_ratio, torch.exp(log_ratio)
+    answer = masked_mean(log_ratio.detach(), keep, dim=1)[:, None]   # [B, 1]
+    return log_ratio, torch.exp(torch.where(keep, answer + logprobs - logprobs.detach(), zeros))
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
