@@ -89,7 +89,7 @@ def hacking(root: Path, seeds: list[int]) -> None:
                   *ONE_ANSWER, "ppo.epochs=4", f"ppo.actor_path={base / 'actor'}",
                   f"ppo.reward_path={base / 'reward'}", *flags)
             metrics = rows(out / "step3" / "metrics.jsonl")
-            final, last = metrics[-1], [r for r in metrics if "kl_coef" in r][-10:]
+            final, last = metrics[-1], [r for r in metrics if "reward/kl" in r][-10:]
             lines.append(
                 f"{name:<10}{seed:>5}{final['eval/reward_before']:>9.3f} -> "
                 f"{final['eval/reward_after']:.3f}{final['eval/ground_truth_before']:>9.3f} -> "

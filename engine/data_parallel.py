@@ -79,22 +79,22 @@ class DataParallel:
         batch, so that no process holds more than its part: the group at global place p
         goes to process p % W. `places` [groups] long are this process's groups' places
         and each of `fields` [groups * group, ...] their rows (the same trailing shapes on
-        every process). Returns this process's fields and places, in the places' order."""
+        every process). Returns this process's fields and places, in the places' order.
+        An all-to-all: each process holds only the rows it sends and receives."""
         rows = len(places) * group
         widths = [math.prod(field.shape[1:]) for field in fields]
-        # one collective: every field as float64 columns (exact for integers below 2**53)
+        row_places = places.to(self.device).repeat_interleave(group)
+        # one exchange: every field as float64 columns (exact for integers below 2**53)
         packed = torch.cat([field.reshape(rows, width).to(self.device, torch.float64)
                             for field, width in zip(fields, widths, strict=True)]
-                           + [places.repeat_interleave(group)[:, None].to(self.device,
-                                                                          torch.float64)], 1)
-        packed = self.runtime.gather_rows(packed)
+                           + [row_places[:, None].to(torch.float64)], 1)
+        packed = self.runtime.exchange_rows(packed, row_places % self.runtime.world_size)
         row_places = packed[:, -1].long()
-        mine = (row_places % self.runtime.world_size == self.runtime.rank).nonzero().flatten()
-        mine = mine[torch.sort(row_places[mine], stable=True).indices]   # a group's rows
-        columns = packed[mine, :-1].split(widths, 1)                     # keep their order
-        dealt = [column.to(field.dtype).reshape(len(mine), *field.shape[1:])
+        order = torch.sort(row_places, stable=True).indices   # a group's rows keep their order
+        columns = packed[order, :-1].split(widths, 1)
+        dealt = [column.to(field.dtype).reshape(len(order), *field.shape[1:])
                  for column, field in zip(columns, fields, strict=True)]
-        return dealt, row_places[mine][::group]
+        return dealt, row_places[order][::group]
 
     def most(self, number: int) -> int:
         """The largest of the processes' `number`s."""

@@ -65,22 +65,20 @@ class Runtime:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value)
 
-    def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Every rank's `rows` [n_rank, ...] concatenated in rank order: the trailing shape
-        is the same on every rank, the counts may differ (0 included)."""
+    def exchange_rows(self, rows: torch.Tensor, to: torch.Tensor) -> torch.Tensor:
+        """Row i of `rows` [n, ...] sent to rank `to[i]` ([n] long): returns the rows this
+        rank was sent, by sender rank and in each sender's order (`rows` in one process).
+        Each rank holds only what it sends and receives (all-to-all, not a gather)."""
         if not self.distributed or self.world_size == 1:
             return rows
-        counts = [torch.zeros(1, dtype=torch.int64, device=self.device)
-                  for _ in range(self.world_size)]
-        dist.all_gather(counts, torch.tensor([len(rows)], device=self.device))
-        counts = [int(count) for count in counts]
-        if not max(counts):
-            return rows
-        padded = torch.zeros(max(counts), *rows.shape[1:], dtype=rows.dtype, device=self.device)
-        padded[:len(rows)] = rows
-        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded)
-        return torch.cat([part[:count] for part, count in zip(gathered, counts, strict=True)])
+        to = to.to(self.device)
+        send = torch.bincount(to, minlength=self.world_size)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send)
+        received = rows.new_empty((int(receive.sum()), *rows.shape[1:]))
+        dist.all_to_all_single(received, rows[torch.sort(to, stable=True).indices].contiguous(),
+                               receive.tolist(), send.tolist())
+        return received
 
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:

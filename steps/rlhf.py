@@ -615,7 +615,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     ``s = exp(mean_t(logprobs - old_logprobs))`` for all its tokens, clipped as one; as
     GSPO-token, token t's ratio is ``sg(s) * exp(logprobs_t - sg(logprobs_t))``: the value
     s, the gradient ``s * grad logprobs_t``, so token advantages keep their own credit (with
-    one advantage an answer it is the gradient of s itself).
+    one advantage an answer and ``seq-mean`` weights, GSPO's gradient of s itself).
 
     Args:
         logprobs: [B, N] log-probs of the actions under the current policy (with grad).
@@ -670,7 +670,8 @@ def _ratios(logprobs: Tensor, old_logprobs: Tensor, keep: Tensor, sequence_ratio
     if not sequence_ratio:
         return log_ratio, torch.exp(log_ratio)
     answer = masked_mean(log_ratio.detach(), keep, dim=1)[:, None]   # [B, 1]
-    return log_ratio, torch.exp(torch.where(keep, answer + logprobs - logprobs.detach(), zeros))
+    # the bracket is exactly 0 in value: s rounds once, the same for all its answer's tokens
+    return log_ratio, torch.exp(torch.where(keep, answer + (logprobs - logprobs.detach()), zeros))
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,

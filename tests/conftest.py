@@ -56,3 +56,14 @@ def opt_tokenizer_path() -> Path:
     if not OPT_TOKENIZER.exists():
         pytest.skip(f"shared OPT tokenizer not found at {OPT_TOKENIZER} (../shared is absent)")
     return OPT_TOKENIZER
+
+
+# The longest files first. Two files run at a time (`--dist loadfile`), handed out in
+# collection order, so the last long one to start sets the end: the demo's (~5 min) began
+# mid-suite and ran on alone for minutes.
+LONGEST_FIRST = ("test_demo_learns.py", "test_distributed.py", "test_kernels.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONGEST_FIRST)))   # stable

@@ -399,9 +399,12 @@ def test_gspo_sequence_ratio_hand_computed():
     close(out.approx_kl, 0.1224427)
     out.loss.backward()
     close(new.grad, [[1.0954451 / 5, 3 * 1.0954451 / 5, 0.0], [0.0, 0.0, 0.0]])
-    # per token, row 0's ratio 1.2 would be clipped and row 1's 0.5 not: a different loss
+    # PPO's token ratios on the same tokens: row 0: max(1.2, 1.1) = 1.2 (A < 0, the
+    # pessimistic side: not clipped), 3.0; row 1: -1.1 (2, clipped), -0.5 (0.5, not),
+    # -1.1 (1.5, clipped); loss (1.2 + 3 - 1.1 - 0.5 - 1.1) / 5 = 0.3, clip_fraction 2/5
     token = policy_loss(new.detach(), torch.zeros(2, 3), adv, mask, 0.1)
-    close(token.clip_fraction, 0.4)   # 2 and 1.5 (A > 0, above 1.1); 1.2 (A < 0) is not
+    close(token.loss, 0.3)
+    close(token.clip_fraction, 0.4)
 
 
 @pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
