@@ -692,7 +692,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     Returns:
         ValueLossOut (see its fields), scalars, ``clip_fraction`` detached.
     """
-    old_values, returns = old_values.detach(), returns.detach()
+    # garbage at masked positions selected away first: squared or clamped, an inf there would
+    # give a NaN gradient (0 x inf) however the sum masks it
+    real = mask != 0
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    values = torch.where(real, values, zero)
+    old_values = torch.where(real, old_values.detach(), zero)
+    returns = torch.where(real, returns.detach(), zero)
     # clamp to bounds (not old + clamp(diff)): inside them v_clip is `values` bit for bit, so
     # the clip statistics never count rounding noise as clipping
     v_clip = torch.clamp(values, old_values - clip_range, old_values + clip_range)

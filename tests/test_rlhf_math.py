@@ -492,6 +492,23 @@ def test_value_loss_hand_computed():
     close(values.grad, [[-1.0 / 4, 0.0, 0.5 / 4, 0.0, 0.0]])
 
 
+@pytest.mark.parametrize("junk", ["values", "old_values", "returns"])
+def test_value_loss_ignores_inf_and_nan_off_the_mask(junk):
+    """Junk at masked positions (inf, NaN, 1e30) changes neither the loss nor its gradient:
+    squared or clamped there, it made the gradient NaN (0 x inf) and the update skipped."""
+    mask = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    inputs = {"values": [[0.0, 0.0, 0.0, 0.0]], "old_values": [[0.0, 0.0, 0.0, 0.0]],
+              "returns": [[1.0, 0.0, 0.0, 0.0]]}
+    inputs[junk] = [[inputs[junk][0][0], 1e30, float("inf"), float("nan")]]
+    values = torch.tensor(inputs["values"], requires_grad=True)
+    out = value_loss(values, torch.tensor(inputs["old_values"]), torch.tensor(inputs["returns"]),
+                     mask, clip_range=0.2)
+    out.loss.backward()
+    close(out.loss, 0.5)            # 0.5 * (0 - 1)^2 on the one real token
+    close(out.clip_fraction, 0.0)
+    close(values.grad, [[-1.0, 0.0, 0.0, 0.0]])
+
+
 # --------------------------------------------------------------------------------------------
 # reward model and SFT losses
 # --------------------------------------------------------------------------------------------
