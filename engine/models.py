@@ -547,14 +547,52 @@ def token_values(model: torch.nn.Module, input_ids: torch.Tensor,
     reward at every position, or the critic's values). The model is called as a whole
     (through `call`, e.g. its TrainEngine, when given), so wrappers (peft, FSDP) run their
     hooks; the head's output is captured on the way out."""
+    return _score_outputs(model, call, input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids(attention_mask))
+
+
+def _score_outputs(model: torch.nn.Module, call, **inputs) -> torch.Tensor:
     captured = []
     handle = _score_head(model).register_forward_hook(lambda m, i, out: captured.append(out))
     try:
-        (call or model)(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids(attention_mask))
+        (call or model)(**inputs)
     finally:
         handle.remove()
     return captured[0].squeeze(-1).float()
+
+
+def packed_scores(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  ends: torch.Tensor, call=None) -> torch.Tensor:
+    """[N] a one-label scorer's outputs at the last tokens `ends` (flat indices into [R, W])
+    of sequences packed into input_ids [R, W] (steps.tokenize.collate_packed_pairs); the
+    packing's position_ids keep each sequence's attention to itself (require_packing)."""
+    values = _score_outputs(model, call, input_ids=input_ids, position_ids=position_ids,
+                            use_cache=False)
+    return values.reshape(-1)[ends]
+
+
+# Model types whose transformers forward keeps a packed sequence's attention to itself when
+# given restarting position_ids and no attention_mask (transformers.masking_utils), with
+# rotary or per-position embeddings read from position_ids: tests/test_data.py checks each
+# against the sequences run apart. OPT derives positions from the attention mask, Bloom's
+# ALiBi and others build their own masks: those mix packed sequences, so they are refused.
+PACKABLE_MODEL_TYPES = frozenset({
+    "falcon", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3"})
+PACKABLE_ATTENTION = frozenset({"sdpa", "eager"})
+
+
+def require_packing(model: torch.nn.Module, flag: str, where: str) -> None:
+    """Refuse `flag` (e.g. sft.packing=true) for a model (`where`: its flag and path) whose
+    forward would let packed sequences attend to each other."""
+    config = hf_model(model).config
+    kind, attention = config.model_type, config._attn_implementation
+    if kind not in PACKABLE_MODEL_TYPES:
+        raise UserError(f"{flag}: {where} is a {kind} model, whose attention would mix packed "
+                        f"sequences (packing supports {', '.join(sorted(PACKABLE_MODEL_TYPES))}); "
+                        f"set {flag.split('=')[0]}=false")
+    if attention not in PACKABLE_ATTENTION:
+        raise UserError(f"{flag}: {where} runs {attention} attention; packing is checked with "
+                        f"sdpa and eager only; set {flag.split('=')[0]}=false")
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,

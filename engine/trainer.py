@@ -35,7 +35,7 @@ from engine.config import OptimConfig
 from engine.errors import NonFiniteError
 from engine.export import merged_export_size, save_adapter, save_hf
 from engine.lora import is_lora_param
-from engine.models import head_reduced, sequence_scores, token_values
+from engine.models import head_reduced, packed_scores, sequence_scores, token_values
 from engine.parallel import ShardSettings, resharded, set_gradient_sync, shard
 from engine.precision import LossScale
 from engine.runtime import Runtime
@@ -294,6 +294,12 @@ class TrainEngine:
                         ) -> torch.Tensor:
         """[B] a scorer's output at each sequence's last real token."""
         return sequence_scores(self.module, input_ids, attention_mask, call=self)
+
+    def packed_scores(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      ends: torch.Tensor) -> torch.Tensor:
+        """[N] a scorer's output at the last tokens of packed sequences (see
+        engine.models.packed_scores)."""
+        return packed_scores(self.module, input_ids, position_ids, ends, call=self)
 
     def copy_weights(self, trainable_only: bool = False) -> Tensors:
         """A detached copy of the parameters (`trainable_only`: those that train, e.g. LoRA

@@ -93,6 +93,10 @@ class TrainConfig(OptimConfig):
     lr: float = val(9.65e-6, ok=LEARNING_RATE)
     eval_batch_size: int = val(16, ok=COUNT)
     log_every: int = val(10, ok=COUNT)
+    packing: bool = val(False, "pack each micro-batch's examples into rows as wide as its "
+                        "longest, attention kept within each (no padding between): fewer "
+                        "tokens through the model where lengths vary; llama, mistral, qwen2/3, "
+                        "gemma, phi3, gpt_neox, falcon and gpt2 models, sdpa or eager attention")
     lora: LoraConfig = val(LoraConfig)
 
 

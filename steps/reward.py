@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.models import load_tokenizer, require_positions
+from engine.models import load_tokenizer, require_packing, require_positions
 from engine.runtime import Runtime
 from steps import supervised
 from steps.common import (
@@ -23,15 +23,19 @@ from steps.common import (
 )
 from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
-from steps.tokenize import PairExample, collate_pairs, tokenize_pairs
+from steps.tokenize import PairExample, collate_packed_pairs, collate_pairs, tokenize_pairs
 
 
 def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample]
               ) -> tuple[torch.Tensor, dict]:
     """This process's share of the pairwise loss and accuracy over `examples` (the batch,
-    or its accumulation window); `batch` holds its chosen rows, then its rejected rows."""
-    chosen, rejected = model.sequence_scores(batch["input_ids"],
-                                             batch["attention_mask"]).chunk(2)
+    or its accumulation window); `batch` holds its chosen rows, then its rejected rows
+    (packed: its sequences, their ends in that order)."""
+    if "attention_mask" in batch:
+        scores = model.sequence_scores(batch["input_ids"], batch["attention_mask"])
+    else:   # packed (rm.packing)
+        scores = model.packed_scores(batch["input_ids"], batch["position_ids"], batch["ends"])
+    chosen, rejected = scores.chunk(2)
     out = pairwise_reward_loss(chosen, rejected, len(examples))
     return out.loss, {"train/accuracy": out.accuracy}
 
@@ -87,10 +91,13 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
                       f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
                       f"{cfg.data.max_answer_len}", f"--reward-model {cfg.reward_model}")
+    if rm.packing:
+        require_packing(model, "rm.packing=true", f"--reward-model {cfg.reward_model}")
     pad = tokenizer.pad_token_id
     task = supervised.Task(
         step=2, name="reward model", role="reward", family="scorer", section=rm, examples=train,
-        collate=partial(collate_pairs, pad_token_id=pad), loss=pair_loss,
+        collate=partial(collate_packed_pairs if rm.packing else collate_pairs, pad_token_id=pad),
+        loss=pair_loss,
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)
         if evals else {},

@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.models import load_tokenizer, position_ids, require_positions
+from engine.models import load_tokenizer, position_ids, require_packing, require_positions
 from engine.runtime import Runtime
 from steps import supervised
 from steps.common import (
@@ -24,7 +24,13 @@ from steps.common import (
 )
 from steps.data import PreferencePair
 from steps.rlhf import sft_loss
-from steps.tokenize import IGNORE_INDEX, SFTExample, collate_sft, tokenize_sft
+from steps.tokenize import (
+    IGNORE_INDEX,
+    SFTExample,
+    collate_packed_sft,
+    collate_sft,
+    tokenize_sft,
+)
 
 
 def trained_tokens(examples: list[SFTExample]) -> int:
@@ -37,8 +43,12 @@ def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[SFTExample]
     """This process's share of the mean answer-token cross entropy over `examples` (the
     whole batch, or the accumulation window it is part of), from its collated rows
     `batch`."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=position_ids(batch["attention_mask"])).logits
+    if "attention_mask" in batch:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=position_ids(batch["attention_mask"])).logits
+    else:   # packed (sft.packing): no cache, or transformers would not read the packing
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
     return sft_loss(logits, batch["labels"], num_tokens=trained_tokens(examples)), {}
 
 
@@ -70,10 +80,13 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
                       f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
                       f"{cfg.data.max_answer_len}", f"--actor-model {cfg.actor_model}")
+    if sft.packing:
+        require_packing(model, "sft.packing=true", f"--actor-model {cfg.actor_model}")
     pad = tokenizer.pad_token_id
     task = supervised.Task(
         step=1, name="SFT", role="actor", family="policy", section=sft, examples=train,
-        collate=partial(collate_sft, pad_token_id=pad), loss=batch_loss,
+        collate=partial(collate_packed_sft if sft.packing else collate_sft, pad_token_id=pad),
+        loss=batch_loss,
         tokens=lambda batch: sum(len(ex.input_ids) for ex in batch),
         evaluate=lambda engine: {"eval/perplexity": perplexity(
             engine, evals, pad, sft.eval_batch_size, dp)} if evals else {},

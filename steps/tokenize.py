@@ -224,6 +224,69 @@ def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tens
     return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids)}
 
 
+def packed_layout(lengths: Sequence[int]) -> list[list[int]]:
+    """Rows of sequence indices for packing sequences of `lengths` (sft.packing, rm.packing):
+    first-fit decreasing into rows as wide as the longest sequence, so the packed batch has
+    at most as many rows as sequences and is no wider than its padded form: never more
+    tokens, nor more attention per row, than padding makes."""
+    width, rows, room = max(lengths), [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if fits is None:
+            rows.append([i])
+            room.append(width - lengths[i])
+        else:
+            rows[fits].append(i)
+            room[fits] -= lengths[i]
+    return rows
+
+
+def _packed(seqs: Sequence[Sequence[int]], fill: int) -> dict[str, Tensor]:
+    """`seqs` packed by `packed_layout`: input_ids [R, W] (`fill` after a row's last
+    sequence), position_ids [R, W] counting from 0 in every sequence and in the fill (so the
+    model's mask keeps attention within each: transformers reads sequence starts from
+    restarting positions when given no attention_mask), starts [N] and ends [N], each
+    sequence's first and last token as a flat index (row * W + column), in `seqs`' order."""
+    if not seqs:
+        raise ValueError("cannot collate an empty batch")
+    layout = packed_layout([len(s) for s in seqs])
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(layout), width), fill, dtype=torch.long)
+    positions = torch.zeros((len(layout), width), dtype=torch.long)
+    starts = torch.zeros(len(seqs), dtype=torch.long)
+    for r, row in enumerate(layout):
+        column = 0
+        for i in row:
+            n = len(seqs[i])
+            ids[r, column:column + n] = torch.tensor(seqs[i], dtype=torch.long)
+            positions[r, column:column + n] = torch.arange(n)
+            starts[i] = r * width + column
+            column += n
+        positions[r, column:] = torch.arange(width - column)
+    ends = starts + torch.tensor([len(s) - 1 for s in seqs])
+    return {"input_ids": ids, "position_ids": positions, "starts": starts, "ends": ends}
+
+
+def collate_packed_sft(batch: list[SFTExample], pad_token_id: int) -> dict[str, Tensor]:
+    """collate_sft's batch packed (`_packed`): input_ids, position_ids and labels [R, W], with
+    -100 on the fill and on each example's first token, which the previous example's last
+    token would otherwise be trained to predict."""
+    out = _packed([ex.input_ids for ex in batch], pad_token_id)
+    labels = _packed([ex.labels for ex in batch], IGNORE_INDEX)["input_ids"]
+    labels.view(-1)[out.pop("starts")] = IGNORE_INDEX
+    del out["ends"]
+    return {**out, "labels": labels}
+
+
+def collate_packed_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tensor]:
+    """collate_pairs' sequences packed (`_packed`): input_ids and position_ids [R, W], and ends
+    [2B], the flat index of each sequence's last token, all chosen then all rejected."""
+    out = _packed([ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch],
+                  pad_token_id)
+    del out["starts"]
+    return out
+
+
 def collate_prompts(batch: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:
     """LEFT-padded input_ids [B,P] and attention_mask [B,P] (prompts end at the last column,
     ready for generation)."""
