@@ -78,8 +78,12 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
         copy.name_or_path = inner.name_or_path
         with peft_quietly():
             copy = get_peft_model(copy, config)
-    # a replicated model's CPU state shares storage with the live one: copy before merging
-    full = {k: v.detach().to("cpu", copy=not rt.distributed) for k, v in full.items()}
+    # what shares storage with the live model (a CPU model's state, replicated at ZeRO-0 on
+    # any number of ranks) is copied before merging, or the merge would add LoRA into the
+    # live base; a gathered or offloaded tensor is new already, not copied a second time
+    live = _storages(model)
+    full = {k: v.detach().clone() if v.untyped_storage().data_ptr() in live
+            else v.detach().cpu() for k, v in full.items()}
     quantized = any(k.endswith(".weight_scale") for k in full)
     if quantized:   # LoRA merges into the dequantized base, in fp32
         full = dequantize_state_dict(full, torch.float32)
@@ -98,6 +102,13 @@ def full_copy(model: nn.Module, rt: Runtime) -> PreTrainedModel | None:
     if meta:
         raise RuntimeError(f"export left weights unset: {meta[:3]}")
     return copy.eval()
+
+
+def _storages(model: nn.Module) -> set[int]:
+    """Data pointers of the storages behind `model`'s state (each rank's local shards)."""
+    tensors = [t.to_local() if isinstance(t, DTensor) else t
+               for t in model.state_dict().values() if torch.is_tensor(t)]
+    return {t.untyped_storage().data_ptr() for t in tensors if not t.is_meta}
 
 
 def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path,

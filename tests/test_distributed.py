@@ -233,6 +233,18 @@ def test_groups_kept_unevenly_are_dealt_again_as_a_batch():
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
 
+@pytest.mark.parametrize("ranks, stage", [(2, 0), (2, 3)])
+def test_merged_export_leaves_the_live_model_as_it_was(ranks, stage, tmp_path):
+    """A LoRA model exported twice (its adapters, then a copy of them as step 3 exports its
+    EMA) writes base + one delta both times and leaves the live base unchanged, at ZeRO-0
+    too, whose gathered state is the live storage (tests/harness/export_checks.py)."""
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "harness" / "export_checks.py"),
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                            env=child_env(OMP_NUM_THREADS="1", TEST_RANKS=str(ranks),
+                                          STAGE=str(stage)), timeout=LAUNCH_TIMEOUT)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
 def test_dynamic_sampling_killed_run_resumes_at_the_batch_it_had_drawn(single, dynamic_one,
                                                                        tmp_path):
     """A checkpoint after an iteration that drew several batches resumes at the next
