@@ -94,7 +94,8 @@ class Checkpointer:
                 raise FileNotFoundError(f"no {path / '.metadata'}")
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-                dcp.load(stateful, checkpoint_id=str(path))
+                dcp.load(stateful, storage_reader=_checked_reader(path),
+                         planner=_weights_only_planner())
             same_world = state["world_size"] == self.rt.world_size
             if same_world and rng.exists():
                 set_rng_state(torch.load(rng, weights_only=True))
@@ -113,6 +114,69 @@ class Checkpointer:
         self.rt.barrier()
         if self.rt.is_main:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# What a checkpoint's pickles may name: DCP's own metadata classes, torch's dtypes and
+# sizes, paths. DCP unpickles .metadata with pickle.load and its non-tensor entries (the
+# optimizers' param_groups) with torch.load(weights_only=False), so a crafted checkpoint
+# would run code on resume; these readers refuse anything else.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",
+                     "torch.distributed.checkpoint.filesystem")
+_METADATA_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                   ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                   ("collections", "OrderedDict")}
+
+
+def _metadata_unpickler(file):
+    import pickle
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            found = super().find_class(module, name)
+            if ((module in _METADATA_MODULES and isinstance(found, type))
+                    or (module, name) in _METADATA_NAMES
+                    or (module == "torch" and isinstance(found, torch.dtype))):
+                return found
+            raise pickle.UnpicklingError(f".metadata names {module}.{name}, which a "
+                                         "checkpoint's metadata never holds")
+
+    return MetadataUnpickler(file)
+
+
+def _checked_reader(path: Path):
+    """DCP's file reader, its .metadata unpickled by `_metadata_unpickler`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            with open(path / ".metadata", "rb") as file:
+                metadata = _metadata_unpickler(file).load()
+            if not isinstance(metadata, Metadata):
+                raise TypeError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(str(path))
+
+
+def _weights_only_planner():
+    """DCP's load planner, its non-tensor entries read with torch.load(weights_only=True)
+    (then handed to DCP's own placement as a buffer holding only what that allowed)."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            checked = io.BytesIO()
+            torch.save(torch.load(value, weights_only=True), checked)
+            checked.seek(0)
+            super().load_bytes(read_item, checked)
+
+    return WeightsOnlyPlanner()
 
 
 def _first_line(err: BaseException) -> str:

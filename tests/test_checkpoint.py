@@ -92,6 +92,44 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_saying_what_to_do(tmp_path,
     assert "\n" not in str(error.value)
 
 
+class _RunsCode:
+    """Unpickled, it would make a directory: the stand-in for any code a pickle can run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return os.makedirs, (self.marker,)
+
+
+@pytest.mark.parametrize("where", ["param_groups", "metadata"])
+def test_a_checkpoint_that_would_run_code_on_resume_is_refused(tmp_path, where):
+    """DCP unpickles a checkpoint's .metadata and its non-tensor entries (the optimizer's
+    param_groups) with plain pickle: a crafted checkpoint ran code on resume. Both are now
+    read by allow-lists (weights_only, DCP's metadata classes), and the resume is refused
+    in one line before anything runs."""
+    import pickle
+    marker = tmp_path / "ran"
+    engine = engine_at()
+    train_steps(engine, 0, 1)
+    if where == "param_groups":
+        honest = engine.state_dict
+        engine.state_dict = lambda: {**(state := honest()), "optimizer": {
+            **state["optimizer"], "param_groups": [
+                {**group, "eps": _RunsCode(marker)} for group in state["optimizer"]["param_groups"]]}}
+    path = Checkpointer(tmp_path, CPU, every=1).save(1, {"actor": engine}, {"x": 1})
+    if where == "metadata":
+        metadata = pickle.loads((path / ".metadata").read_bytes())
+        metadata.planner_data = _RunsCode(marker)
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UserError, match=rf"checkpoint {path} cannot be loaded \(.*\): .*"
+                                        "delete it .* or pass resume=false") as error:
+        Checkpointer(tmp_path, CPU, every=1).load({"actor": engine_at()})
+    assert "\n" not in str(error.value)
+    assert not marker.exists()
+
+
 def test_only_complete_checkpoints_count_and_old_ones_go(tmp_path):
     engine = engine_at()
     ckpt = Checkpointer(tmp_path, CPU, every=1, keep=2)
