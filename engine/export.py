@@ -30,9 +30,16 @@ def atomic_directory(final: Path, write) -> Path:
     """Call `write(tmp_dir)`, then move tmp_dir to `final`, replacing what was there."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    # what a killed write left (a model's worth of disk each), whichever process it was
+    # what a killed write left (a model's worth of disk each), whichever process it was: an
+    # unfinished copy, or a replaced model it was deleting; killed between its two renames,
+    # the replaced model is whole and the only one: put back
     for stale in final.parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in sorted(final.parent.glob(f".{final.name}.old-*")):
+        if final.exists():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.rename(final)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
     try:

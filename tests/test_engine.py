@@ -3,6 +3,7 @@ gradient accumulation, and the masks of steps/ppo.make_experience on scripted ro
 
 import copy
 import json
+import shutil
 import time
 import warnings
 from typing import NamedTuple
@@ -275,6 +276,29 @@ def test_atomic_directory_replaces_an_existing_dir(tmp_path):
     atomic_directory(final, lambda tmp: (tmp / "weights.bin").write_text("new"))
     assert sorted(p.name for p in final.iterdir()) == ["weights.bin"]
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_directory_after_a_write_killed_between_or_after_its_renames(tmp_path):
+    """A write killed while deleting the model it replaced left a half-deleted
+    .model.old-<pid>: the next write under the same pid (containers reuse them) failed at
+    the end of training, its model stranded in a hidden directory. Killed between its two
+    renames, the replaced model is the only one: put back before the next write."""
+    import os
+    final, old = tmp_path / "model", tmp_path / f".model.old-{os.getpid()}"
+    final.mkdir()
+    old.mkdir()
+    (old / "half-deleted.bin").write_text("x")
+    atomic_directory(final, lambda tmp: (tmp / "weights.bin").write_text("new"))
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert (final / "weights.bin").read_text() == "new"
+
+    shutil.rmtree(final)
+    old.mkdir()   # killed between the renames: the previous model, whole
+    (old / "weights.bin").write_text("previous")
+    with pytest.raises(RuntimeError):
+        atomic_directory(final, lambda tmp: (_ for _ in ()).throw(RuntimeError("disk full")))
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert (final / "weights.bin").read_text() == "previous"
 
 
 # ---------------------------------------------------------------------------------------------
