@@ -39,6 +39,7 @@ import json
 import logging
 import re
 import tempfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -440,19 +441,31 @@ def _bad_json_line(path: Path) -> str | None:
 
 def _json_records(path: Path) -> list[dict] | None:
     """The records of a JSON file (maybe .gz): an array of objects, one object, or JSON
-    lines; None where it does not parse, or holds something other than objects."""
+    lines; None where it does not parse (`datasets` then says where). JSON that parses into
+    something other than objects, and a truncated or damaged .gz, raise DataError."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8-sig") as f:
             text = f.read()
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise DataError(f"cannot read data file {path}: a truncated or damaged gzip file "
+                        f"({_short(err)}); copy or download it again") from None
+    except (OSError, ValueError):
+        return None
+    try:
         try:
             whole = json.loads(text)
             records = whole if isinstance(whole, list) else [whole]
         except ValueError:   # JSON lines (or no JSON: None below)
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except (OSError, ValueError):
+    except ValueError:
         return None
-    return records if all(isinstance(r, dict) for r in records) else None
+    other = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if other is not None:
+        raise DataError(f"cannot read data file {path}: record {other + 1} is "
+                        f"{json.dumps(records[other])[:40]}, not an object; give one JSON "
+                        "object per record (an array of them, or one per line)")
+    return records
 
 
 def _read_hub(name: str, key: str) -> dict[str, list[Any]]:

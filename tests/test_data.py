@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -355,6 +356,31 @@ def test_malformed_json(tmp_path):
     with pytest.raises(DataError) as exc:
         load_pairs(str(path))
     assert f"cannot read data file {path}: " in one_line(exc)
+
+
+def test_a_truncated_gzip_file_is_refused_in_one_line(tmp_path):
+    """Half a .jsonl.gz (a copy cut short) stopped in gzip's EOFError traceback."""
+    import gzip
+    whole = gzip.compress("".join(json.dumps(r) + "\n" for r in PROMPT_RECORDS * 50).encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DataError, match=rf"^cannot read data file {path}: a truncated or "
+                                        r"damaged gzip file \(.*\); copy or download it again$"):
+        load_pairs(str(path))
+
+
+@pytest.mark.parametrize("text, record, said", [
+    ("null", 1, "null"), ("[1, 2]", 1, "1"), ('[{"prompt": "a"}, "b"]', 2, '"b"'),
+    ('{"prompt": "a"}\n[3]\n', 2, "[3]")])
+def test_json_that_is_not_records_is_refused_by_the_record_it_names(tmp_path, text, record,
+                                                                       said):
+    """JSON that parses but holds no objects went on to pyarrow, which crashed the process
+    on a file of `null` and said "Column() changed from object to number" otherwise."""
+    path = tmp_path / "odd.jsonl"
+    path.write_text(text)
+    with pytest.raises(DataError, match=rf"^cannot read data file {path}: record {record} is "
+                                        rf"{re.escape(said)}, not an object; give one JSON "):
+        load_pairs(str(path))
 
 
 def test_a_bad_json_line_is_named_by_its_line_number(tmp_path):
