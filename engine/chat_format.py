@@ -49,6 +49,28 @@ RENDER_NAMES = ("messages", "add_generation_prompt", "continue_final_message")
 # a turn opens after "\n\n", or at the start, after any whitespace: DeepSpeed-Chat style
 # prompts begin "Human:" or, as its get_prompt() writes them, " Human:"
 _TURN = re.compile(r"(?:^\s*|\n\n)(Human|Assistant):")
+# DeepSpeed-Chat's get_prompt() for some sets writes every turn after one space:
+# " Human: q Assistant: a Human: r Assistant:"; read so when a text opens so and holds no
+# "\n\n" turn at all
+_SPACED_TURN = re.compile(r"(?:^\s*| )(Human|Assistant):")
+_OPENS_SPACED = re.compile(r"\s*Human:")
+
+
+def _turns(text: str) -> list[str]:
+    """`text` split at its turns: [before the first, speaker, said, speaker, said, ...]."""
+    if HUMAN not in text and ASSISTANT not in text and _OPENS_SPACED.match(text):
+        return _SPACED_TURN.split(text)
+    return _TURN.split(text)
+
+
+def cue_appended(text: str) -> str:
+    """hh text that ends in a Human turn with the cue to reply after it, in the text's own
+    spacing (single spaces where its turns are so: DeepSpeed-Chat's); text ending in the
+    cue as it is."""
+    if text.rstrip().endswith("Assistant:"):
+        return text
+    spaced = HUMAN not in text and " Assistant:" in text and _OPENS_SPACED.match(text)
+    return text.rstrip() + (" Assistant:" if spaced else ASSISTANT)
 
 
 def uses_hh(tokenizer) -> bool:
@@ -135,9 +157,10 @@ def hh_messages(text: str) -> list[dict]:
     assistant message whose text (one space after the colon dropped) runs to the next; a
     final empty Assistant turn, the cue to reply, is not a message. A text that begins
     "Human:" (a prompt field "Human: ...\\n\\nAssistant:") opens with that turn, not with a
-    system message of the human's words. Text with no turns is one user message (a bare
-    instruction)."""
-    parts = _TURN.split(text)
+    system message of the human's words, and one that begins " Human:" with no "\n\n" turn
+    has its turns after single spaces (DeepSpeed-Chat's). Text with no turns is one user
+    message (a bare instruction)."""
+    parts = _turns(text)
     if len(parts) == 1:
         return [{"role": "user", "content": text.strip()}]
     messages = [{"role": "system", "content": parts[0]}] if parts[0] else []

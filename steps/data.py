@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.chat_format import ASSISTANT, HH_PREFIX, has_turns, hh_messages
+from engine.chat_format import ASSISTANT, HH_PREFIX, cue_appended, has_turns, hh_messages
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ def load_sft_records(source: str, prompt_key: str = "prompt", answer_key: str = 
     (examples as pairs with the answer as `chosen` and no `rejected`, the records skipped:
     empty prompts or answers, dialogues that do not end in an assistant message)."""
     return _records(source, "data.sft_path", lambda columns, where: _sft_from_columns(
-        columns, where, prompt_key, answer_key), "examples", "with an empty prompt or answer")
+        columns, where, prompt_key, answer_key), "examples", "with an empty prompt or answer, "
+        "or a prompt ending in an assistant message")
 
 
 def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
@@ -258,12 +259,17 @@ def _following_cue(answer: str) -> str:
     return answer if answer.startswith(" ") else " " + answer
 
 
-def _text_prompt(text: str) -> tuple[str, tuple[dict, ...] | None]:
-    """(prompt, its messages) of a prompt record's text: hh-rlhf turns as written; a bare
-    question (GSM8K's) is one user turn, as a chat template reads it too, so that a model
-    trained on hh text is asked in hh text."""
+def _text_prompt(text: str) -> tuple[str, tuple[dict, ...] | None] | None:
+    """(prompt, its messages) of a prompt record's text: hh-rlhf turns as written, the cue
+    to reply added where they end in a Human turn; None (skipped, as such a dialogue in
+    messages is) where they end in an assistant's reply: an hh-rlhf `chosen` given as a
+    prompt would hold its answer. A bare question (GSM8K's) is one user turn, as a chat
+    template reads it too, so that a model trained on hh text is asked in hh text."""
     if has_turns(text):
-        return text, None
+        dialogue = hh_messages(text)
+        if dialogue and dialogue[-1]["role"] == "assistant":
+            return None
+        return cue_appended(text), None
     asked = hh_messages(text)   # without turns: the one user turn
     return _render(asked) + ASSISTANT, tuple(asked)
 

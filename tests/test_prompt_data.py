@@ -56,6 +56,32 @@ def test_prompt_records_with_labels_text_and_messages(tmp_path):
     assert prompt.messages == tuple(chats[0]["prompt"])
 
 
+def test_hh_text_prompts_that_end_in_a_reply_are_skipped_like_such_messages(tmp_path):
+    """An hh-rlhf file's `chosen` given as prompts (ppo.prompt_key=chosen) held each answer
+    in its prompt, used as written with no count; hh text is read as messages are now: a
+    dialogue ending in a reply is skipped and counted, one ending in a Human turn gets the
+    cue to reply, in its own spacing (DeepSpeed-Chat's single spaces too)."""
+    records = [{"prompt": "\n\nHuman: hi\n\nAssistant: hello there"},          # a reply
+               {"prompt": "\n\nHuman: hi\n\nAssistant: yes\n\nHuman: and?"},     # no cue
+               {"prompt": "\n\nHuman: hi\n\nAssistant:"},                         # as is
+               {"prompt": " Human: hi Assistant: yes Human: and?"},                 # no cue
+               {"prompt": " Human: hi Assistant: hello there"}]                     # a reply
+    prompts, skipped = load_prompt_records(str(write_jsonl(tmp_path / "hh.jsonl", records)))
+    assert skipped == 2
+    assert [p.prompt for p in prompts] == [
+        "\n\nHuman: hi\n\nAssistant: yes\n\nHuman: and?\n\nAssistant:",
+        "\n\nHuman: hi\n\nAssistant:", " Human: hi Assistant: yes Human: and? Assistant:"]
+
+
+def test_deepspeed_chat_single_spaced_turns_read_as_messages():
+    """Under --apply-chat-template its " Assistant:" cue and later turns landed inside one
+    user message."""
+    from engine.chat_format import hh_messages
+    assert hh_messages(" Human: q Assistant: a Human: r Assistant:") == [
+        user("q"), {"role": "assistant", "content": "a"}, user("r")]
+    assert hh_messages("\n\nHuman: q Assistant: a") == [user("q Assistant: a")]  # hh's own
+
+
 def test_prompt_records_without_the_prompt_field_name_the_key(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 2+3?"}])
     with pytest.raises(DataError, match=r"records have no 'prompt' field \(columns: question\); "
