@@ -272,6 +272,10 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
     eval_prompts, eval_stats = tokenize_prompts(eval_pairs[:cfg.ppo.eval_prompts], tokenizer,
                                                 data.max_prompt_len)
     report_tokenized("step 3 eval prompts", eval_stats, data.max_prompt_len)
+    if len(eval_pairs) > cfg.ppo.eval_prompts:
+        log(f"step 3: {len(eval_pairs) - cfg.ppo.eval_prompts} held-out prompts past "
+            f"ppo.eval_prompts={cfg.ppo.eval_prompts} are neither trained on nor evaluated "
+            "(raise ppo.eval_prompts, or lower data.eval_fraction to train on them)")
     ptx = []
     if cfg.ppo.ptx.enabled:
         ptx, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,

@@ -288,3 +288,19 @@ def test_step_1_trains_on_sft_path_alone(tmp_path):
     assert "step 1 examples [" in log and "]: 20" in log and "data [" not in log
     assert "step 1 train: 19 examples" in log   # one held out (data.eval_fraction 0.05)
     assert (tmp_path / "out" / "actor" / "model.safetensors").exists()
+
+
+def test_held_out_prompts_past_eval_prompts_are_counted(capsys):
+    """Held out by data.eval_fraction, evaluated up to ppo.eval_prompts: the rest were left
+    out of both without a word."""
+    from omegaconf import OmegaConf
+
+    from steps.config import RunConfig
+    from steps.ppo import load_prompts
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "data": {"eval_fraction": 0.2}, "ppo": {"eval_prompts": 8}})
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " a", " b") for i in range(100)]
+    prompts = load_prompts(cfg, byte_tokenizer(), pairs, [])
+    assert len(prompts.eval) == 8 and len(prompts.train) == 80
+    assert ("step 3: 12 held-out prompts past ppo.eval_prompts=8 are neither trained on nor "
+            "evaluated") in capsys.readouterr().out
