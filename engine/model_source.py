@@ -70,9 +70,13 @@ def adapter_base(spec: str) -> str | None:
     if not config.exists() or (path / "config.json").exists():
         return None
     try:
-        base = json.loads(config.read_text()).get("base_model_name_or_path")
+        settings = json.loads(config.read_text())
     except (OSError, ValueError) as why:
         raise UserError(f"{spec}: cannot read {config.name} ({why})") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"{config}: holds a JSON {type(settings).__name__}, not peft's "
+                        "settings object; write the adapter again (ppo.export_weights=adapter)")
+    base = settings.get("base_model_name_or_path")
     if not base:
         raise UserError(f"{config}: names no base model (base_model_name_or_path); set it to "
                         "the directory or hub name the adapter was trained over")

@@ -130,6 +130,19 @@ def saving_chat_format(cfg: DictConfig, tokenizer):
     return tokenizer
 
 
+def require_trained_format(cfg: DictConfig, tokenizer, actor: str, what: str) -> None:
+    """Refuse `what` (step 2 or 3) in the hh-rlhf format for step 1's actor (`actor`, its
+    directory; `tokenizer`, its saved one) that step 1 trained in its chat template: the
+    reward model and PPO would train on text the actor never read, and step 3 would save
+    it with the hh template."""
+    if (cfg.data.apply_chat_template or uses_hh(tokenizer)
+            or Path(actor).resolve() != (Path(cfg.output_dir) / "actor").resolve()):
+        return
+    raise UserError(f"{what}: step 1 trained the actor {actor} in its chat template "
+                    "(data.apply_chat_template=true); pass --apply-chat-template to this run "
+                    "too, or run step 1 again without it")
+
+
 def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
                      max_answer_len: int | None = None) -> None:
     """Say how many examples were kept, dropped and truncated: nothing vanishes silently."""

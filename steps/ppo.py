@@ -81,6 +81,7 @@ from steps.common import (
     placement,
     report_tokenized,
     require_examples,
+    require_trained_format,
     saving_chat_format,
     start_step,
     to_device,
@@ -474,8 +475,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         rt: Runtime, resume: bool = False) -> dict:
     actor_path, reward_path = model_paths(cfg)  # before start_step touches a previous run's files
     dp, place = DataParallel(rt), placement(cfg, rt)
+    tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")
+    require_trained_format(cfg, tokenizer, actor_path, "step 3")
+    tokenizer = saving_chat_format(cfg, tokenizer)
     out = start_step(cfg, 3, dp, resume=resume)
-    tokenizer = saving_chat_format(cfg, model_tokenizer(cfg, actor_path, "ppo.actor_path"))
     owner = f"the step-3 actor {actor_path}"
     prompts = load_prompts(cfg, tokenizer, in_chat_format(cfg, "step 3", pairs, tokenizer, owner),
                            in_chat_format(cfg, "step 3 PTX", ptx_pairs, tokenizer, owner)

@@ -17,6 +17,7 @@ from steps.common import (
     batches,
     in_chat_format,
     placement,
+    require_trained_format,
     saving_chat_format,
     to_device,
     train_eval_examples,
@@ -83,6 +84,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                                trust_remote_code=cfg.trust_remote_code)
     if cfg.data.apply_chat_template:   # the actor's: the format the reward model will score
         pairs = in_chat_format(cfg, "step 2", pairs, *template_tokenizer(cfg))
+    elif (Path(cfg.output_dir) / "actor" / "config.json").exists():
+        actor = str(Path(cfg.output_dir) / "actor")
+        require_trained_format(cfg, load_tokenizer(actor, flag="ppo.actor_path"), actor,
+                               "step 2")
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,

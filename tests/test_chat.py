@@ -598,3 +598,13 @@ def test_a_system_message_opens_the_conversation_and_stays(opt_dir, monkeypatch,
     assert capsys.readouterr().err.strip() == (
         "chat.py: --system: the model's chat template refuses a system message (System role "
         "not supported); leave --system out")
+
+
+def test_an_adapter_config_that_is_not_an_object_is_refused_in_one_line(tmp_path):
+    """A JSON array there stopped in a raw AttributeError."""
+    from engine.errors import UserError
+    from engine.model_source import adapter_base
+    (tmp_path / "adapter_config.json").write_text("[1]")
+    with pytest.raises(UserError, match=r"adapter_config.json: holds a JSON list, not peft's "
+                                        r"settings object; write the adapter again"):
+        adapter_base(str(tmp_path))

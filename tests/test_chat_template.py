@@ -412,3 +412,28 @@ def test_step_2_renders_in_the_format_step_3s_actor_was_saved_with(tmp_path):
     saved.save_pretrained(tmp_path / "out" / "actor")
     tok, owner = reward.template_tokenizer(cfg)
     assert uses_hh(tok) and owner == f"the actor {tmp_path / 'out' / 'actor'}"
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_steps_2_and_3_refuse_the_hh_format_for_an_actor_trained_in_its_template(tmp_path,
+                                                                                  step):
+    """`--step 2 3` without --apply-chat-template after a step 1 with it trained the reward
+    model and PPO on hh text the actor never read, and saved it with the hh template."""
+    from engine.errors import UserError
+    from steps import ppo
+    out = tmp_path / "out"
+    saved = chatml()
+    load_causal_lm("tiny-llama", saved).save_pretrained(out / "actor")
+    saved.save_pretrained(out / "actor")
+    if step == 3:
+        load_reward_model("tiny-llama", saved).save_pretrained(out / "reward")
+        saved.save_pretrained(out / "reward")
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "reward_model": "tiny-llama", "output_dir": str(out),
+        "logging": {"progress": False}})
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes", " no") for i in range(40)]
+    cpu = Runtime(device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(UserError, match=rf"^step {step}: step 1 trained the actor .* in its chat "
+                                        r"template .*; pass --apply-chat-template to this run"):
+        reward.run(cfg, pairs, cpu) if step == 2 else ppo.run(cfg, pairs, [], cpu)
+    assert not (out / f"step{step}").exists() and (step == 3 or not (out / "reward").exists())
