@@ -30,9 +30,9 @@ from engine.models import (  # noqa: E402
     load_reward_model,
     load_tokenizer,
     packed_scores,
-    require_packing,
     sequence_scores,
 )
+from engine.packing import require_packing  # noqa: E402
 from steps import reward, sft  # noqa: E402
 from steps.data import load_pairs  # noqa: E402
 from steps.tokenize import (  # noqa: E402

@@ -571,30 +571,6 @@ def packed_scores(model: torch.nn.Module, input_ids: torch.Tensor, position_ids:
     return values.reshape(-1)[ends]
 
 
-# Model types whose transformers forward keeps a packed sequence's attention to itself when
-# given restarting position_ids and no attention_mask (transformers.masking_utils), with
-# rotary or per-position embeddings read from position_ids: tests/test_data.py checks each
-# against the sequences run apart. OPT derives positions from the attention mask, Bloom's
-# ALiBi and others build their own masks: those mix packed sequences, so they are refused.
-PACKABLE_MODEL_TYPES = frozenset({
-    "falcon", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3"})
-PACKABLE_ATTENTION = frozenset({"sdpa", "eager"})
-
-
-def require_packing(model: torch.nn.Module, flag: str, where: str) -> None:
-    """Refuse `flag` (e.g. sft.packing=true) for a model (`where`: its flag and path) whose
-    forward would let packed sequences attend to each other."""
-    config = hf_model(model).config
-    kind, attention = config.model_type, config._attn_implementation
-    if kind not in PACKABLE_MODEL_TYPES:
-        raise UserError(f"{flag}: {where} is a {kind} model, whose attention would mix packed "
-                        f"sequences (packing supports {', '.join(sorted(PACKABLE_MODEL_TYPES))}); "
-                        f"set {flag.split('=')[0]}=false")
-    if attention not in PACKABLE_ATTENTION:
-        raise UserError(f"{flag}: {where} runs {attention} attention; packing is checked with "
-                        f"sdpa and eager only; set {flag.split('=')[0]}=false")
-
-
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,
                     attention_mask: torch.Tensor, call=None) -> torch.Tensor:
     """[B] reward-model score at the last real token of each sequence (left or right padding)."""

@@ -11,7 +11,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.models import load_tokenizer, position_ids, require_packing, require_positions
+from engine.models import load_tokenizer, position_ids, require_positions
+from engine.packing import require_packing
 from engine.runtime import Runtime
 from steps import supervised
 from steps.common import (

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from engine.chat_format import hh_messages, render, written_reply
 from engine.models import prompt_ids
+from engine.packing import packed_layout, restarting_positions
 from steps.data import DataError, PreferencePair
 
 IGNORE_INDEX = -100
@@ -224,23 +225,6 @@ def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tens
     return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids)}
 
 
-def packed_layout(lengths: Sequence[int]) -> list[list[int]]:
-    """Rows of sequence indices for packing sequences of `lengths` (sft.packing, rm.packing):
-    first-fit decreasing into rows as wide as the longest sequence, so the packed batch has
-    at most as many rows as sequences and is no wider than its padded form: never more
-    tokens, nor more attention per row, than padding makes."""
-    width, rows, room = max(lengths), [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        fits = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
-        if fits is None:
-            rows.append([i])
-            room.append(width - lengths[i])
-        else:
-            rows[fits].append(i)
-            room[fits] -= lengths[i]
-    return rows
-
-
 def _packed(seqs: Sequence[Sequence[int]], fill: int) -> dict[str, Tensor]:
     """`seqs` packed by `packed_layout`: input_ids [R, W] (`fill` after a row's last
     sequence), position_ids [R, W] counting from 0 in every sequence and in the fill (so the
@@ -249,20 +233,16 @@ def _packed(seqs: Sequence[Sequence[int]], fill: int) -> dict[str, Tensor]:
     sequence's first and last token as a flat index (row * W + column), in `seqs`' order."""
     if not seqs:
         raise ValueError("cannot collate an empty batch")
-    layout = packed_layout([len(s) for s in seqs])
-    width = max(len(s) for s in seqs)
+    lengths = [len(s) for s in seqs]
+    layout = packed_layout(lengths)
+    width = max(lengths)
+    positions, starts = restarting_positions(layout, lengths, width)
     ids = torch.full((len(layout), width), fill, dtype=torch.long)
-    positions = torch.zeros((len(layout), width), dtype=torch.long)
-    starts = torch.zeros(len(seqs), dtype=torch.long)
     for r, row in enumerate(layout):
         column = 0
         for i in row:
-            n = len(seqs[i])
-            ids[r, column:column + n] = torch.tensor(seqs[i], dtype=torch.long)
-            positions[r, column:column + n] = torch.arange(n)
-            starts[i] = r * width + column
-            column += n
-        positions[r, column:] = torch.arange(width - column)
+            ids[r, column:column + lengths[i]] = torch.tensor(seqs[i], dtype=torch.long)
+            column += lengths[i]
     ends = starts + torch.tensor([len(s) - 1 for s in seqs])
     return {"input_ids": ids, "position_ids": positions, "starts": starts, "ends": ends}
 

@@ -11,13 +11,8 @@ import transformers
 from omegaconf import OmegaConf
 
 from engine.errors import UserError
-from engine.models import (
-    PACKABLE_MODEL_TYPES,
-    byte_tokenizer,
-    load_causal_lm,
-    load_reward_model,
-    require_packing,
-)
+from engine.models import byte_tokenizer, load_causal_lm, load_reward_model
+from engine.packing import PACKABLE_MODEL_TYPES, packed_layout, require_packing
 from steps import reward, sft
 from steps.config import RunConfig
 from steps.data import PreferencePair
@@ -29,7 +24,6 @@ from steps.tokenize import (
     collate_packed_sft,
     collate_pairs,
     collate_sft,
-    packed_layout,
     tokenize_pairs,
     tokenize_sft,
 )
