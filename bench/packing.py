@@ -1,11 +1,14 @@
-"""Steps 1 and 2 on real preference data, padded against packed (sft.packing, rm.packing).
+"""Steps 1, 2 and 3 on real preference data, padded against packed (sft.packing, rm.packing,
+ppo.packing).
 
 The hh-rlhf pairs in ../shared/data, tokenized as steps 1 and 2 tokenize them (OPT's
 tokenizer, prompts and answers up to 256 tokens), in seeded batches of --batch-size. For
 each batch, one forward and backward of the step's loss (steps/sft.py's batch_loss,
 steps/reward.py's pair_loss) on the batch padded (collate_sft, collate_pairs) and packed
 (collate_packed_sft, collate_packed_pairs), the two in alternating order on the same model
-and weights. Printed per step: the real tokens, the tokens each form puts through the model
+and weights. Step 3's rows are rollouts of the same prompts, left-padded, and the chosen
+answers standing in for sampled ones, right-padded: the update's forward and backward of
+the answer tokens' log-probs (steps/ppo.py's answer_logprobs), packed by ppo.packing. Printed per step: the real tokens, the tokens each form puts through the model
 (rows x width), the seconds of each, and the largest difference between their losses.
 
 Run:  python bench/packing.py [--batches 12] [--batch-size 8] [--model tiny-llama-4l]
@@ -32,10 +35,12 @@ from engine.models import (  # noqa: E402
     packed_scores,
     sequence_scores,
 )
-from engine.packing import require_packing  # noqa: E402
+from engine.packing import require_packing, unpadded  # noqa: E402
 from steps import reward, sft  # noqa: E402
 from steps.data import load_pairs  # noqa: E402
+from steps.ppo import answer_logprobs  # noqa: E402
 from steps.tokenize import (  # noqa: E402
+    IGNORE_INDEX,
     collate_packed_pairs,
     collate_packed_sft,
     collate_pairs,
@@ -64,7 +69,7 @@ class Scorer:
 def timed_step(model, loss_fn, batch: dict, examples: list, device: torch.device
                ) -> tuple[float, float]:
     """(seconds, loss) of one forward and backward of `loss_fn` on `batch`."""
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -97,10 +102,43 @@ def measure(name: str, model, loss_fn, collates, examples: list, args, device) -
                 row[f"{form}_s"] += seconds
         if b:
             row["real"] += _real_tokens(chunk)
-            row["padded"] += forms["padded"]["input_ids"].numel()
-            row["packed"] += forms["packed"]["input_ids"].numel()
+            for form in ("padded", "packed"):   # step 3's packing is in its forward
+                row[form] += forms[form].get("tokens", forms[form]["input_ids"].numel())
             row["loss_diff"] = max(row["loss_diff"], abs(losses["padded"] - losses["packed"]))
     return row
+
+
+def rollouts(chunk: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Step 3's rollout batch of SFT examples' prompts (left-padded) and answers (right-
+    padded; the dataset's chosen answers standing in for sampled ones): sequences [B, P + N],
+    attention_mask, P."""
+    split = [(ex.input_ids[:ex.labels.count(IGNORE_INDEX)],
+              ex.input_ids[ex.labels.count(IGNORE_INDEX):]) for ex in chunk]
+    prompt_len = max(len(p) for p, _ in split)
+    answer_len = max(len(a) for _, a in split)
+    ids = torch.zeros((len(chunk), prompt_len + answer_len), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, answer) in enumerate(split):
+        start = prompt_len - len(prompt)
+        ids[row, start:start + len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        mask[row, start:start + len(prompt) + len(answer)] = 1
+    return ids, mask, prompt_len
+
+
+def step3_update(model, batch: dict, chunk: list) -> tuple[torch.Tensor, None]:
+    """The update's forward (steps/ppo.py's answer_logprobs, as train_on takes it): a loss
+    of each answer token's log-prob, padded or packed (batch["packed"])."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logprobs = answer_logprobs(model, ids, mask, batch["prompt_len"], packed=batch["packed"])
+    answered = mask[:, batch["prompt_len"]:]
+    return -(logprobs * answered).sum() / answered.sum(), None
+
+
+def step3_batch(chunk: list, packed: bool) -> dict:
+    ids, mask, prompt_len = rollouts(chunk)
+    tokens = unpadded(ids, mask).input_ids.numel() if packed else ids.numel()
+    return {"input_ids": ids, "attention_mask": mask, "prompt_len": prompt_len,
+            "packed": packed, "tokens": tokens}
 
 
 def _real_tokens(chunk: list) -> int:
@@ -130,6 +168,9 @@ def main() -> None:
                     {"padded": lambda c: collate_sft(c, pad),
                      "packed": lambda c: collate_packed_sft(c, pad)},
                     sft_examples, args, device)]
+    rows.append(measure("3 update (answer log-probs)", lm, step3_update,
+                        {form: lambda c, form=form: step3_batch(c, form == "packed")
+                         for form in ("padded", "packed")}, sft_examples, args, device))
     del lm
     scorer = load_reward_model(args.model, tok, seed=args.seed)
     rows.append(measure("2 reward model", scorer,

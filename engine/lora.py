@@ -129,7 +129,8 @@ class BaseWithoutAdapters:
             self.model.train(training)
 
     def head_reduced(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
-                     reduce) -> torch.Tensor:
+                     reduce, packed: bool = False) -> torch.Tensor:
         """[B, keep] reduction of the base's last `keep` logits, made a few rows at a time
         (see engine.models.head_reduced)."""
-        return head_reduced(self.model, input_ids, attention_mask, keep, reduce, call=self)
+        return head_reduced(self.model, input_ids, attention_mask, keep, reduce, call=self,
+                            packed=packed)

@@ -49,6 +49,7 @@ from engine.model_source import (
     model_source,
     require_tokenizer_files,
 )
+from engine.packing import Unpadded, unpadded
 from engine.parallel import hf_model
 from engine.quantized_base import build_quantized
 
@@ -414,7 +415,7 @@ HEAD_CHUNK = 2**24
 
 def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
                  attention_mask: torch.Tensor, keep: int, reduce, *, call=None,
-                 chunk: int = HEAD_CHUNK) -> torch.Tensor:
+                 chunk: int = HEAD_CHUNK, packed: bool = False) -> torch.Tensor:
     """[B, keep, ...]: ``reduce(logits, rows)`` of a causal LM's logits [r, keep, V] at the
     last `keep` positions, r rows at a time (as many as fit in `chunk` logits elements),
     where ``reduce`` maps rows `rows` (a slice) of the logits to [r, keep] (e.g. the taken
@@ -425,16 +426,17 @@ def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
     LinearReduced (one weight gradient for all chunks), any other (peft's LoRA on the head)
     through torch.utils.checkpoint. The model is called as a whole (through `call`, e.g.
     its TrainEngine, when given). A model type not in PLAIN_HEAD_MODEL_TYPES gets its whole
-    logits reduced at once."""
-    inner = hf_model(model)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids(attention_mask), logits_to_keep=keep)
+    logits reduced at once. `packed`: the rows run packed (engine.packing.unpadded; each
+    row's real tokens one run), the head on the last `keep` positions of each."""
+    inner, layout = hf_model(model), unpadded(input_ids, attention_mask) if packed else None
+    kwargs = _forward_inputs(input_ids, attention_mask, layout)
     if inner.config.model_type not in PLAIN_HEAD_MODEL_TYPES:
-        return reduce((call or model)(**kwargs).logits, slice(None))
+        logits = (call or model)(**kwargs, logits_to_keep=0 if packed else keep).logits
+        return reduce(layout.padded(logits)[:, -keep:] if packed else logits, slice(None))
     head, hidden = inner.get_output_embeddings(), []
 
     def skip_head(module, args):   # the hidden states are kept, the head makes nothing
-        hidden.append(args[0])
+        hidden.append(layout.padded(args[0])[:, -keep:] if packed else args[0])
         return (args[0][:, :0], *args[1:])
 
     def reduce_instead(module, args, output):
@@ -446,10 +448,21 @@ def head_reduced(model: torch.nn.Module, input_ids: torch.Tensor,
     handles = [head.register_forward_pre_hook(skip_head),
                head.register_forward_hook(reduce_instead)]
     try:
-        return (call or model)(**kwargs).logits
+        return (call or model)(**kwargs, logits_to_keep=0 if packed else keep).logits
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _forward_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    layout: Unpadded | None) -> dict[str, torch.Tensor | bool]:
+    """A forward's inputs for padded rows, or for them packed by `layout`: no attention_mask
+    (position_ids restarting at each sequence keep its attention to itself) and no cache,
+    without which transformers would not read the sequences from the positions."""
+    if layout is None:
+        return dict(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids(attention_mask))
+    return dict(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False)
 
 
 def _reduced_by_rows(forward, hidden: torch.Tensor, reduce, rows: int) -> torch.Tensor:
@@ -542,13 +555,16 @@ def _score_head(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def token_values(model: torch.nn.Module, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, call=None) -> torch.Tensor:
+                 attention_mask: torch.Tensor, call=None, packed: bool = False) -> torch.Tensor:
     """Per-token outputs [B, T] (fp32) of a one-label sequence-classification model (the
     reward at every position, or the critic's values). The model is called as a whole
     (through `call`, e.g. its TrainEngine, when given), so wrappers (peft, FSDP) run their
-    hooks; the head's output is captured on the way out."""
-    return _score_outputs(model, call, input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids(attention_mask))
+    hooks; the head's output is captured on the way out. `packed`: the rows run packed
+    (engine.packing.unpadded), their outputs put back in place."""
+    if not packed:
+        return _score_outputs(model, call, **_forward_inputs(input_ids, attention_mask, None))
+    layout = unpadded(input_ids, attention_mask)
+    return layout.padded(_score_outputs(model, call, **_forward_inputs(None, None, layout)))
 
 
 def _score_outputs(model: torch.nn.Module, call, **inputs) -> torch.Tensor:
@@ -572,9 +588,11 @@ def packed_scores(model: torch.nn.Module, input_ids: torch.Tensor, position_ids:
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor,
-                    attention_mask: torch.Tensor, call=None) -> torch.Tensor:
-    """[B] reward-model score at the last real token of each sequence (left or right padding)."""
-    values = token_values(model, input_ids, attention_mask, call)
+                    attention_mask: torch.Tensor, call=None, packed: bool = False
+                    ) -> torch.Tensor:
+    """[B] reward-model score at the last real token of each sequence (left or right
+    padding; `packed`: run packed, as token_values)."""
+    values = token_values(model, input_ids, attention_mask, call, packed)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (positions * attention_mask.long()).argmax(-1)   # [B] the rightmost real token
     return values.gather(1, last[:, None]).squeeze(1)

@@ -280,20 +280,23 @@ class TrainEngine:
         # a DTensor (sharded) counts its local shard
         return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
 
-    def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def token_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     packed: bool = False) -> torch.Tensor:
         """[B, T] per-token outputs of a one-label scorer (see engine.models.token_values)."""
-        return token_values(self.module, input_ids, attention_mask, call=self)
+        return token_values(self.module, input_ids, attention_mask, call=self, packed=packed)
 
     def head_reduced(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int,
-                     reduce) -> torch.Tensor:
+                     reduce, packed: bool = False) -> torch.Tensor:
         """[B, keep] reduction of a causal LM's last `keep` logits, made a few rows at a time
         (see engine.models.head_reduced)."""
-        return head_reduced(self.module, input_ids, attention_mask, keep, reduce, call=self)
+        return head_reduced(self.module, input_ids, attention_mask, keep, reduce, call=self,
+                            packed=packed)
 
-    def sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                        ) -> torch.Tensor:
+    def sequence_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        packed: bool = False) -> torch.Tensor:
         """[B] a scorer's output at each sequence's last real token."""
-        return sequence_scores(self.module, input_ids, attention_mask, call=self)
+        return sequence_scores(self.module, input_ids, attention_mask, call=self,
+                               packed=packed)
 
     def packed_scores(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       ends: torch.Tensor) -> torch.Tensor:

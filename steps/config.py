@@ -132,6 +132,11 @@ class PPOConfig(OptimConfig):
     rollout_batch_size: int = val(8, "prompts per generation round", COUNT)
     ppo_epochs: int = val(1, "optimisation passes over each round's experience", COUNT)
     micro_batch_size: int = val(8, "answers per optimizer step", COUNT)
+    packing: bool = val(False, "the experience's and the update's forwards (actor, "
+                        "reference, critic, reward model) run each chunk's rollouts "
+                        "without their padding, packed into rows as wide as the longest, "
+                        "attention kept within each: fewer tokens through the models where "
+                        "prompt and answer lengths vary; the model types sft.packing takes")
     forward_batch_size: Optional[int] = val(None, "answers per forward pass, bounding "  # noqa: UP045
                                             "activation memory: the update accumulates "
                                             "gradients over them into one optimizer step, "

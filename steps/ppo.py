@@ -63,6 +63,7 @@ from engine.models import (
     prompt_ids,
     require_positions,
 )
+from engine.packing import require_packing
 from engine.placement import Placement
 from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
@@ -354,7 +355,8 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                                     trained_head=True)
         _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
         reward = place.frozen(reward, family="scorer")
-        scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device)
+        scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device,
+                              packed=ppo.packing)
         if scorer.same_vocabulary:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
             critic_tokenizer = reward_tokenizer
@@ -412,11 +414,14 @@ def _require_context(cfg: DictConfig, model, where: str, *, scored: bool = False
                      ptx: bool = False) -> None:
     """Refuse a step-3 model (`where`: its flag and path) whose learned position embeddings
     cannot read a whole rollout: prompt + answer (+ the EOS a cut-off answer gets, for the
-    reward model: `scored`), or a PTX example (`ptx`)."""
+    reward model: `scored`), or a PTX example (`ptx`); with ppo.packing, one whose attention
+    would mix packed sequences."""
     prompt, answer, new = cfg.data.max_prompt_len, cfg.data.max_answer_len, cfg.ppo.max_new_tokens
     settings = (f"data.max_prompt_len={prompt} + ppo.max_new_tokens={new} (data.max_answer_len "
                 "unless set)" + (" + the EOS the reward model reads" if scored else ""))
     require_positions(model, prompt + new + scored, settings, where)
+    if cfg.ppo.packing:
+        require_packing(model, "ppo.packing=true", where)
     if ptx:
         require_positions(model, prompt + answer, f"data.max_prompt_len={prompt} + "
                           f"data.max_answer_len={answer} (PTX examples)", where)
@@ -781,7 +786,8 @@ def experience_of(models: Models, sampled: Sampled, s: Settings, dp: DataParalle
     values = torch.zeros_like(logprobs)
     if critic is not None:
         critic.eval()
-        values = by_rows(lambda seq, mask: answer_values(critic, seq, mask, prompt_len))
+        values = by_rows(lambda seq, mask: answer_values(critic, seq, mask, prompt_len,
+                                                         s.ppo.packing))
         values = values * actions
         critic.train()
     scores, penalty = sampled.scores, sampled.penalty
@@ -958,17 +964,17 @@ def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.T
     sampled log-ratio of 32-64 answers has three times its spread, noise the controller
     would answer as if the policy had moved. Without it, neither model's logits for the
     whole batch are made (answer_logprobs)."""
-    temperature = s.sampling.temperature
+    temperature, packed = s.sampling.temperature, s.ppo.packing
     if s.kl_target is None:
         logprobs, entropy = answer_logprobs_and_entropy(models.actor, sequences, mask,
-                                                        prompt_len, temperature)
+                                                        prompt_len, temperature, packed=packed)
         ref_logprobs = answer_logprobs(models.reference, sequences, mask, prompt_len,
-                                       temperature)
+                                       temperature, packed=packed)
         return torch.stack([logprobs, ref_logprobs, torch.zeros_like(logprobs), entropy], 1)
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
-    logits = _answer_head(models.actor, sequences, mask, prompt_len)
+    logits = _answer_head(models.actor, sequences, mask, prompt_len, packed)
     logprobs = logprobs_of_tokens(logits, answers, temperature)[:, :-1]
-    ref_logits = _answer_head(models.reference, sequences, mask, prompt_len)
+    ref_logits = _answer_head(models.reference, sequences, mask, prompt_len, packed)
     ref_logprobs = logprobs_of_tokens(ref_logits, answers, temperature)[:, :-1]
     vocab_kl = token_kl(logits[:, :-1], ref_logits[:, :-1], temperature)
     entropy = token_entropy(logits[:, :-1], temperature)
@@ -1093,8 +1099,8 @@ def _policy_logprobs(actor: TrainEngine, exp: Experience, rows: slice, s: Settin
     args = (actor, exp.sequences[rows], exp.attention_mask[rows], exp.prompt_len,
             s.sampling.temperature)
     if s.ppo.entropy_coef:
-        return answer_logprobs_and_entropy(*args, entropy_grad=True)
-    return answer_logprobs(*args), None
+        return answer_logprobs_and_entropy(*args, entropy_grad=True, packed=s.ppo.packing)
+    return answer_logprobs(*args, packed=s.ppo.packing), None
 
 
 def _critic_step(critic: TrainEngine, exp: Experience, chunks: list[tuple[slice, bool]],
@@ -1105,7 +1111,7 @@ def _critic_step(critic: TrainEngine, exp: Experience, chunks: list[tuple[slice,
     action_weights, stat_weights = weights
     for rows, real in chunks:
         values = answer_values(critic, exp.sequences[rows], exp.attention_mask[rows],
-                               exp.prompt_len)
+                               exp.prompt_len, s.ppo.packing)
         critic_out = value_loss(values, exp.values[rows], exp.returns[rows],
                                 action_weights[rows] * real, s.ppo.value_clip_range, count,
                                 stat_weights[rows] * real)
@@ -1116,23 +1122,26 @@ def _critic_step(critic: TrainEngine, exp: Experience, chunks: list[tuple[slice,
 
 
 def answer_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                    prompt_len: int, temperature: float = 1.0) -> torch.Tensor:
+                    prompt_len: int, temperature: float = 1.0, *, packed: bool = False
+                    ) -> torch.Tensor:
     """[B, N] fp32 log-probability of each answer token under `model` (a causal LM, its
     TrainEngine, or a LoRA model's BaseWithoutAdapters) at the sampling `temperature`: the
     distribution the answers were drawn from, log_softmax(logits / T). The head runs on a
     few rows at a time and on the answer's positions only: neither the whole batch's logits
-    nor their gradient is ever made."""
+    nor their gradient is ever made. `packed` (ppo.packing): the rows run without their
+    padding, packed into fewer (engine.packing.unpadded)."""
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
 
     def taken(logits: torch.Tensor, rows: slice) -> torch.Tensor:
         return logprobs_of_tokens(logits, answers[rows], temperature)
 
-    return _answer_reduced(model, sequences, attention_mask, answers.shape[1], taken)
+    return _answer_reduced(model, sequences, attention_mask, answers.shape[1], taken,
+                           packed)[:, :-1]
 
 
 def answer_logprobs_and_entropy(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                                 prompt_len: int, temperature: float = 1.0, *,
-                                entropy_grad: bool = False
+                                entropy_grad: bool = False, packed: bool = False
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """answer_logprobs, and [B, N] fp32 the entropy of the distribution each answer token
     was drawn from (rlhf.token_entropy), from the same chunks of the head's logits.
@@ -1145,37 +1154,42 @@ def answer_logprobs_and_entropy(model, sequences: torch.Tensor, attention_mask: 
             entropy = token_entropy(logits, temperature)
         return torch.stack([logprobs_of_tokens(logits, answers[rows], temperature), entropy], -1)
 
-    reduced = _answer_reduced(model, sequences, attention_mask, answers.shape[1], both)
+    reduced = _answer_reduced(model, sequences, attention_mask, answers.shape[1], both,
+                              packed)[:, :-1]
     return reduced[..., 0], reduced[..., 1] if entropy_grad else reduced[..., 1].detach()
 
 
 def _answer_reduced(model, sequences: torch.Tensor, attention_mask: torch.Tensor, keep: int,
-                    reduce) -> torch.Tensor:
-    """`reduce` of the head's logits at the answer's positions and one past it, with that
-    last one dropped: position t's logits are answer token t's distribution, and the last
-    one's log-prob (of a stand-in token 0) is dropped after the head, since slicing the
-    logits instead would make the backward fill a zero gradient to copy into."""
+                    reduce, packed: bool) -> torch.Tensor:
+    """[B, keep, ...] `reduce` of the head's logits at the answer's positions and one past
+    it. Callers drop that last one after the head: position t's logits are answer token
+    t's distribution, and the last one's log-prob (of a stand-in token 0) is dropped after
+    the head, since slicing the logits instead would make the backward fill a zero
+    gradient to copy into."""
     args = (sequences, attention_mask, keep, reduce)
     if isinstance(model, torch.nn.Module):
-        return head_reduced(model, *args)[:, :-1]
-    return model.head_reduced(*args)[:, :-1]   # a TrainEngine, or a LoRA model's base
+        return head_reduced(model, *args, packed=packed)
+    return model.head_reduced(*args, packed=packed)   # a TrainEngine, or a LoRA model's base
 
 
 def _answer_head(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                 prompt_len: int) -> torch.Tensor:
+                 prompt_len: int, packed: bool = False) -> torch.Tensor:
     """[B, N + 1, V] logits at the answer's positions: position t is the distribution
     answer token t was drawn from, the last one what would follow the answer. The model's
-    head runs on these positions only (`logits_to_keep`): the prompt's logits are never
-    made."""
+    head runs on these positions only (`logits_to_keep`, or packed through head_reduced):
+    the prompt's logits are never made."""
+    keep = sequences.shape[1] - prompt_len + 1
+    if packed:
+        return _answer_reduced(model, sequences, attention_mask, keep,
+                               lambda logits, rows: logits, packed)
     return model(input_ids=sequences, attention_mask=attention_mask,
-                 position_ids=position_ids(attention_mask),
-                 logits_to_keep=sequences.shape[1] - prompt_len + 1).logits
+                 position_ids=position_ids(attention_mask), logits_to_keep=keep).logits
 
 
 def answer_values(critic: TrainEngine, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                  prompt_len: int) -> torch.Tensor:
-    """[B, N] critic value of the state before each answer token."""
-    return critic.token_values(sequences, attention_mask)[:, prompt_len - 1:-1]
+                  prompt_len: int, packed: bool = False) -> torch.Tensor:
+    """[B, N] critic value of the state before each answer token (`packed`: run packed)."""
+    return critic.token_values(sequences, attention_mask, packed)[:, prompt_len - 1:-1]
 
 
 class PtxRows(NamedTuple):
@@ -1248,7 +1262,8 @@ def _kl_to_reference(models: Models, answers: Rollout, s: Settings, dp: DataPara
     sampled log-ratio's spread, so that a budget is judged on the policy, not on which 64
     answers it happened to sample), `ppo.forward_batch_size` rows at a time."""
     def both(rows: slice) -> torch.Tensor:
-        args = (answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len)
+        args = (answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len,
+                s.ppo.packing)
         return token_kl(_answer_head(models.actor, *args)[:, :-1],
                         _answer_head(models.reference, *args)[:, :-1], s.sampling.temperature)
 

@@ -27,8 +27,8 @@ class RewardScorer:
 
     PROBE = "Human: Is 2 + 2 = 4?\n\nAssistant: Yes."
 
-    def __init__(self, model, actor_tokenizer, reward_tokenizer, device):
-        self.model, self.device = model, device
+    def __init__(self, model, actor_tokenizer, reward_tokenizer, device, packed: bool = False):
+        self.model, self.device, self.packed = model, device, packed   # packed: ppo.packing
         self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
         # a chat template's turn end that is the EOS is text the reward model was trained on
         self.eos_in_text = turn_ends_with_eos(actor_tokenizer)
@@ -49,7 +49,7 @@ class RewardScorer:
         if self.reads_actor_ids:
             sequences, attention_mask = ended_with(sequences, attention_mask,
                                                    self.reward_tokenizer.eos_token_id)
-            return sequence_scores(self.model, sequences, attention_mask)
+            return sequence_scores(self.model, sequences, attention_mask, packed=self.packed)
         rows = [(row[:prompt_len][mask[:prompt_len].bool()].tolist(),
                  row[prompt_len:][mask[prompt_len:].bool()].tolist())
                 for row, mask in zip(sequences, attention_mask, strict=True)]
@@ -59,7 +59,8 @@ class RewardScorer:
         examples, _ = tokenize_pairs(pairs, self.reward_tokenizer, unlimited, unlimited)
         batch = to_device(collate_prompts([example.chosen_ids for example in examples],
                                           self.reward_tokenizer.pad_token_id), self.device)
-        return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"])
+        return sequence_scores(self.model, batch["input_ids"], batch["attention_mask"],
+                               packed=self.packed)
 
     def _texts(self, prompt: list[int], answer: list[int]) -> tuple[str, str]:
         """(prompt text, answer text as it follows the prompt) of a rollout's ids, as step 2

@@ -253,7 +253,8 @@ def test_a_bos_the_template_writes_is_text_the_reward_model_reads(monkeypatch):
     actor_tok, reward_tok = llama3(), byte_tokenizer()   # <|begin_of_text|> is not its BOS
     read = []
     monkeypatch.setattr(scoring, "sequence_scores",
-                        lambda model, ids, mask: read.extend(ids.tolist()) or torch.zeros(len(ids)))
+                        lambda model, ids, mask, packed: read.extend(ids.tolist())
+                        or torch.zeros(len(ids)))
     scorer = RewardScorer(None, actor_tok, reward_tok, CPU.device)
     (pair, _), _ = apply_chat_template(PAIRS, actor_tok, OWNER)
     (sft,), _ = tokenize_sft([pair], actor_tok, 256, 16)
@@ -275,7 +276,8 @@ def test_the_reward_model_reads_prompt_and_answer_tokenized_as_in_step_2(monkeyp
     reward_tok = AutoTokenizer.from_pretrained(opt_tokenizer_path)
     read = []
     monkeypatch.setattr(scoring, "sequence_scores",
-                        lambda model, ids, mask: read.extend(ids.tolist()) or torch.zeros(len(ids)))
+                        lambda model, ids, mask, packed: read.extend(ids.tolist())
+                        or torch.zeros(len(ids)))
     scorer = RewardScorer(None, actor_tok, reward_tok, CPU.device)
     (pair, _), _ = apply_chat_template(PAIRS, actor_tok, OWNER)
     assert pair.prompt.endswith("<|end_header_id|>\n\n")

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from engine.errors import UserError
 from engine.models import byte_tokenizer, load_causal_lm, load_reward_model
-from engine.packing import PACKABLE_MODEL_TYPES, packed_layout, require_packing
+from engine.packing import PACKABLE_MODEL_TYPES, packed_layout, require_packing, unpadded
 from steps import reward, sft
 from steps.config import RunConfig
 from steps.data import PreferencePair
@@ -230,3 +230,95 @@ def test_steps_1_and_2_train_the_same_models_packed(tmp_path, monkeypatch):
     for name in ("train/loss", "eval/perplexity", "eval/chosen_score", "eval/rejected_score"):
         assert packed[name] == pytest.approx(padded[name], rel=1e-4), name
     assert padded["eval/perplexity"] < 100   # it trained (untrained: ~260)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 3 (ppo.packing): rollouts, left-padded prompts and right-padded answers, run packed
+
+
+def test_unpadded_layout_by_hand():
+    """Rows of 4, 4, 1 and 2 real tokens (left-padded prompts of 3 columns, right-padded
+    answers, one answer empty) pack into 3 rows 4 wide: [row 0], [row 1], [row 3, row 2];
+    each padded position maps back to its token, a pad to its row's nearest real one."""
+    P = 0
+    ids = torch.tensor([[P, 5, 6, 7, 8, P], [9, 1, 2, 3, P, P], [P, P, 4, P, P, P],
+                        [P, 2, 3, P, P, P]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0],
+                         [0, 1, 1, 0, 0, 0]])
+    layout = unpadded(ids, mask)
+    assert torch.equal(layout.input_ids, torch.tensor([[5, 6, 7, 8], [9, 1, 2, 3], [2, 3, 4, 0]]))
+    assert torch.equal(layout.position_ids, torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3],
+                                                          [0, 1, 0, 0]]))
+    assert torch.equal(layout.index, torch.tensor([[0, 0, 1, 2, 3, 3], [4, 5, 6, 7, 7, 7],
+                                                   [10] * 6, [8, 8, 9, 9, 9, 9]]))
+    back = layout.padded(layout.input_ids)
+    assert torch.equal(back[mask.bool()], ids[mask.bool()])
+    with pytest.raises(ValueError, match="one run of real tokens"):
+        unpadded(ids, torch.tensor([[1, 0, 1, 0, 0, 0]] * 4))
+
+
+def _rollouts(batch: int = 7, prompt_len: int = 9, answer_len: int = 11):
+    """Rollouts as step 3 makes them: prompts of 2 to 9 tokens left-padded, answers of 0 to
+    11 right-padded (mask [B, P + N])."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 250, (batch, prompt_len + answer_len), generator=g)
+    mask = torch.zeros_like(ids)
+    for row in range(batch):
+        prompt, answer = 2 + 7 * row // (batch - 1), (answer_len * row) // (batch - 1)
+        mask[row, prompt_len - prompt:prompt_len + answer] = 1
+    return ids.masked_fill(mask == 0, TOK.pad_token_id), mask, prompt_len
+
+
+@pytest.mark.parametrize("plain_head", [True, False])
+def test_packed_step3_logprobs_entropy_and_logits_equal_padded(plain_head, monkeypatch):
+    """The actor's log-probs and entropy of each answer token (with their gradients, as the
+    update takes them) and the answers' logits (the KL controller's), run packed, equal
+    the padded forward's to rounding; so does a head reduced whole (`plain_head` off)."""
+    from steps.ppo import _answer_head, answer_logprobs, answer_logprobs_and_entropy
+    if not plain_head:
+        monkeypatch.setattr("engine.models.PLAIN_HEAD_MODEL_TYPES", frozenset())
+    ids, mask, prompt_len = _rollouts()
+    real = mask[:, prompt_len:].bool()
+    model = load_causal_lm("tiny-llama", TOK, seed=0)
+    model.train()
+    weights = torch.randn(real.shape, generator=torch.Generator().manual_seed(1)) * real
+    results = []
+    for packed in (False, True):
+        logprobs, entropy = answer_logprobs_and_entropy(model, ids, mask, prompt_len, 0.7,
+                                                        entropy_grad=True, packed=packed)
+        ((logprobs + 0.1 * entropy) * weights).sum().backward()
+        results += [(logprobs[real], entropy[real]), _gradients(model)]
+        with torch.no_grad():
+            alone = answer_logprobs(model, ids, mask, prompt_len, 0.7, packed=packed)
+            torch.testing.assert_close(alone[real], logprobs[real].detach())
+            logits = _answer_head(model, ids, mask, prompt_len, packed)
+        results[-2] += (logits[mask[:, prompt_len - 1:].bool()],)
+    (padded, packed), (padded_grads, packed_grads) = results[::2], results[1::2]
+    for want, got in zip(padded, packed, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert padded_grads.keys() == packed_grads.keys() and "lm_head.weight" in padded_grads
+    for name in padded_grads:
+        torch.testing.assert_close(packed_grads[name], padded_grads[name], rtol=1e-4,
+                                   atol=1e-6, msg=name)
+
+
+def test_packed_step3_values_and_scores_equal_padded():
+    """The critic's values before each answer token (with gradients) and the reward
+    model's score at each rollout's last token, packed, equal the padded forward's."""
+    from engine.models import sequence_scores, token_values
+    ids, mask, prompt_len = _rollouts()
+    model = load_reward_model("tiny-llama", TOK, seed=0)
+    model.train()
+    results = []
+    for packed in (False, True):
+        values = token_values(model, ids, mask, packed=packed)
+        (values * mask).sum().backward()
+        with torch.no_grad():
+            scores = sequence_scores(model, ids, mask, packed=packed)
+        results += [values[mask.bool()].detach(), scores, _gradients(model)]
+    torch.testing.assert_close(results[3], results[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[4], results[1], rtol=1e-5, atol=1e-5)
+    for name in results[2]:
+        torch.testing.assert_close(results[5][name], results[2][name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    assert "score.weight" in results[2]

@@ -287,6 +287,50 @@ def test_step3_is_the_same_without_the_hybrid_engine(llama_run, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_step3_packed_trains_as_padded(llama_run, tmp_path, monkeypatch):
+    """ppo.packing runs the actor's, reference's, critic's and reward model's forwards
+    without the rollouts' padding: the same run to rounding (the same answers, losses,
+    scores, KL and evaluations) as the padded one; an OPT actor, whose attention would mix
+    the packed rollouts, is refused before step 3 starts."""
+    import engine.models
+    out, _ = llama_run
+    tokens = []   # (padded, packed) of each forward
+
+    def counted(input_ids, attention_mask, unpadded=engine.models.unpadded):
+        layout = unpadded(input_ids, attention_mask)
+        tokens.append((input_ids.numel(), layout.input_ids.numel()))
+        return layout
+
+    monkeypatch.setattr(engine.models, "unpadded", counted)
+    packed = tmp_path / "packed"
+    run_train("--actor-model", "tiny-llama", "--reward-model", "tiny-llama", "--step", "3",
+              "--output-dir", packed, **{"ppo.actor_path": out / "actor",
+                                         "ppo.reward_path": out / "reward",
+                                         "ppo.packing": True}).check()
+
+    def numbers(path: Path) -> list[dict]:
+        return [{k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))}
+                for row in metrics(path / "step3" / "metrics.jsonl")]
+
+    got, want = numbers(packed), numbers(out)
+    assert [row.keys() for row in got] == [row.keys() for row in want]
+    for row_got, row_want in zip(got, want, strict=True):
+        for key, value in row_want.items():
+            assert row_got[key] == pytest.approx(value, rel=1e-3, abs=1e-4), key
+    # the demo's rollouts are alike in length: its forwards pack little (bench/packing.py)
+    assert tokens and all(packed_tokens <= padded_tokens for padded_tokens, packed_tokens in tokens)
+    assert sum(p for _, p in tokens) < sum(p for p, _ in tokens)
+    refused = tmp_path / "opt"
+    run = run_train("--step", "3", "--output-dir", refused, settings=SMALL, **{
+        "ppo.actor_path": "tiny-opt", "ppo.reward_fn": "steps.demo:score",
+        "ppo.reward_model_weight": 0, "ppo.packing": True})
+    assert run.rc == 2 and run.stderr.strip().splitlines() == [
+        "train.py: ppo.packing=true: ppo.actor_path tiny-opt is a opt model, whose attention "
+        "would mix packed sequences (packing supports falcon, gemma, gpt2, gpt_neox, llama, "
+        "mistral, phi3, qwen2, qwen3); set ppo.packing=false"], run.stderr
+    assert not (refused / "step3").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. The exports are plain Hugging Face directories
 
