@@ -173,26 +173,34 @@ def grpo_two_ranks(single, tmp_path_factory) -> Path:
     return out
 
 
-def test_grpo_on_two_ranks_matches_one_process(single, grpo_two_ranks, tmp_path):
+@pytest.fixture(scope="module")
+def grpo_one(single, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("grpo_one")
+    _ok(_grpo(single, out))
+    return out
+
+
+def test_grpo_on_two_ranks_matches_one_process(grpo_one, grpo_two_ranks):
     """A prompt's group stays on one rank: advantages need no collective, and metrics,
     the adapted KL coefficient and the weights match one process's."""
-    _ok(_grpo(single, tmp_path))
-    _assert_same_run(grpo_two_ranks, tmp_path, rtol=1e-5, atol=1e-5, weight_max=2e-4,
+    _assert_same_run(grpo_two_ranks, grpo_one, rtol=1e-5, atol=1e-5, weight_max=2e-4,
                      weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"))
-    rows = [r for r in _rows(tmp_path, 3) if "kl_coef" in r]
+    rows = [r for r in _rows(grpo_one, 3) if "kl_coef" in r]
     coefs = [r["kl_coef"] for r in rows]
     assert len(set(coefs)) > 3                          # it adapted,
     assert min(coefs) >= 0.05 - 1e-9                    # never below ppo.kl_coef (its floor)
     assert "train/kl_loss" in rows[0] and "train/value_loss" not in rows[0]
-    assert not (tmp_path / "step3" / "critic").exists()
+    assert not (grpo_one / "step3" / "critic").exists()
 
 
-def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_two_ranks, tmp_path):
-    two = ["engine.procs=2", "--actor-zero-stage", "3"]
-    assert _grpo(single, tmp_path, *two, fault="kill:3:2").returncode != 0
-    resumed = _ok(_grpo(single, tmp_path, *two, "--resume"))
+def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_one, tmp_path):
+    """In one process (resuming on several ranks is test_killed_run_resumes_to_the_same_end's
+    and test_zeropp_killed_run_resumes_to_the_same_end's): the controller's coefficient,
+    the EMA and the sampling carry on from the checkpoint, to the uninterrupted run's end."""
+    assert _grpo(single, tmp_path, fault="kill:3:2").returncode != 0
+    resumed = _ok(_grpo(single, tmp_path, "--resume"))
     assert "step 3: resumed from" in resumed.stdout and "iteration 4" in resumed.stdout
-    _assert_same_run(tmp_path, grpo_two_ranks, rtol=1e-6, atol=1e-6, weight_max=1e-6,
+    _assert_same_run(tmp_path, grpo_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
