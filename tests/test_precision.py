@@ -448,18 +448,22 @@ def test_head_reduced_entropy_and_its_gradients_equal_the_full_logits(lora_on_he
     assert not logged.requires_grad
 
 
-def test_a_lora_models_base_gives_its_logprobs_a_few_rows_at_a_time():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_lora_models_base_gives_its_logprobs_a_few_rows_at_a_time(packed):
     """Step 3's reference under LoRA is the base with the adapters off (BaseWithoutAdapters):
-    its log-probs through the reduced head equal the whole logits' of the base with the
-    adapters off, and differ from the adapted model's (the adapters, LoRA on the head
-    too, really were off); the model is left in training mode with its adapters on."""
+    its log-probs through the reduced head (padded or packed: ppo.packing) equal the whole
+    logits' of the base with the adapters off, and differ from the adapted model's (the
+    adapters, LoRA on the head too, really were off); the model is left in training mode
+    with its adapters on."""
     ids, mask = head_batch()
     model = head_model(lora_on_head=True).train()
     with torch.no_grad(), model.disable_adapter():
         want = full_logprobs(model.eval(), ids, mask, 4, 0.7)
     model.train()
-    got = answer_logprobs(BaseWithoutAdapters(model), ids, mask, prompt_len=4, temperature=0.7)
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    got = answer_logprobs(BaseWithoutAdapters(model), ids, mask, prompt_len=4, temperature=0.7,
+                          packed=packed)
+    answered = mask[:, 4:].bool()
+    torch.testing.assert_close(got[answered], want[answered], rtol=0, atol=2e-6)
     assert model.training and not got.requires_grad
     with torch.no_grad():
         adapted = full_logprobs(model.eval(), ids, mask, 4, 0.7)
