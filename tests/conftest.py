@@ -34,6 +34,11 @@ def pytest_configure(config):
                                 "the suite: with them, the suite would see the GPU")
     if not any(harness):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # files handed out in LONGEST_FIRST's order: xdist 3.6+ reorders them by their number
+    # of tests (--loadscope-reorder, on by default), which started the demo's 4 tests, the
+    # longest file, 15 minutes into a 23-minute suite
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _in_harness(path: Path) -> bool:
