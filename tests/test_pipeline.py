@@ -167,10 +167,15 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+_FULL_RUNS: dict[str, tuple[Path, Run]] = {}   # one run per preset for the whole module
+
+
 def full_run(tmp_path_factory, arch: str) -> tuple[Path, Run]:
-    out = tmp_path_factory.mktemp(arch)
-    run = run_train("--actor-model", arch, "--reward-model", arch, "--output-dir", out).check()
-    return out, run
+    if arch not in _FULL_RUNS:
+        out = tmp_path_factory.mktemp(arch)
+        _FULL_RUNS[arch] = out, run_train("--actor-model", arch, "--reward-model", arch,
+                                          "--output-dir", out).check()
+    return _FULL_RUNS[arch]
 
 
 @pytest.fixture(scope="module")
@@ -381,14 +386,27 @@ def load_outside_project(tmp_path: Path, causal: list[Path], classifier: list[Pa
     return result
 
 
-def test_exports_load_with_transformers_alone(pipeline, tmp_path):
+EXPORT_TEXTS = ["\n\nHuman: Give me some even digits.\n\nAssistant: 2 4 6 8",
+                "\n\nHuman: Which digits are small?\n\nAssistant: 1",
+                "\n\nHuman: List a few big digits.\n\nAssistant:"]
+
+
+@pytest.fixture(scope="module")
+def loaded_exports(tmp_path_factory) -> dict:
+    """Every preset's four exports loaded in one fresh interpreter: its start-up (importing
+    torch and transformers, ~8 s here) once, not once a preset."""
+    outs = [full_run(tmp_path_factory, preset)[0] for preset in PRESET_TYPES]
+    causal = [out / name for out in outs for name in ("actor", "step3/actor")]
+    classifier = [out / name for out in outs for name in ("reward", "step3/critic")]
+    return load_outside_project(tmp_path_factory.mktemp("load"), causal, classifier,
+                                EXPORT_TEXTS)
+
+
+def test_exports_load_with_transformers_alone(pipeline, loaded_exports):
     _, out, _ = pipeline
-    texts = ["\n\nHuman: Give me some even digits.\n\nAssistant: 2 4 6 8",
-             "\n\nHuman: Which digits are small?\n\nAssistant: 1",
-             "\n\nHuman: List a few big digits.\n\nAssistant:"]
     causal = [out / "actor", out / "step3" / "actor"]
     classifier = [out / "reward", out / "step3" / "critic"]
-    result = load_outside_project(tmp_path, causal, classifier, texts)
+    result = loaded_exports
 
     for d in causal:
         got = result[str(d)]
@@ -400,10 +418,10 @@ def test_exports_load_with_transformers_alone(pipeline, tmp_path):
     got = result[str(out / "reward")]
     input_ids, mask = torch.tensor(got["input_ids"]), torch.tensor(got["attention_mask"])
     lengths = mask.sum(1)
-    assert len(set(lengths.tolist())) == len(texts), "the batch should need padding"
+    assert len(set(lengths.tolist())) == len(EXPORT_TEXTS), "the batch should need padding"
     assert (mask[:, :1] == 1).all(), "the batch should be right-padded"
     hf_logits = torch.tensor(got["logits"])
-    assert hf_logits.shape == (len(texts), 1)
+    assert hf_logits.shape == (len(EXPORT_TEXTS), 1)
     tokenizer = load_tokenizer(str(out / "reward"), flag="test")
     model = load_reward_model(str(out / "reward"), tokenizer).eval()
     with torch.no_grad():
