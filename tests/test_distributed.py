@@ -21,10 +21,12 @@ process); being deterministic, its kill-and-resume is still exact to 1e-6.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,16 @@ def _train(out: Path, *extra: str, fault: str = "",
     return subprocess.run([sys.executable, str(script), "--output-dir", str(out), *ARGS,
                            *extra], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _train_here(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A one-process run of train.py's main in this process, its output captured: the same
+    run as in a fresh interpreter (one thread either way), without that interpreter's
+    start-up (importing torch and transformers: ~8 s here)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        code = train.main(["--output-dir", str(out), *ARGS, *extra])
+    return subprocess.CompletedProcess([], code, stdout.getvalue(), stderr.getvalue())
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -122,7 +134,7 @@ def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
-    _ok(_train(out))
+    _ok(_train_here(out))
     return out
 
 
@@ -159,11 +171,14 @@ def test_four_ranks_match_one_process(single, four_ranks):
 
 # GRPO (critic-free, groups of 3 answers) with the adaptive KL controller and the
 # missing-EOS penalty, step 3 alone from the one-process run's step-1 and step-2 models
-def _grpo(single: Path, out: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
-    return _train(out, "--step", "3", f"ppo.actor_path={single / 'actor'}",
-                  f"ppo.reward_path={single / 'reward'}", "ppo.algorithm=grpo",
-                  "ppo.samples_per_prompt=3", "ppo.micro_batch_size=6", "ppo.kl_target=0.01",
-                  "ppo.kl_horizon=50", "ppo.missing_eos_penalty=0.5", *extra, fault=fault)
+def _grpo(single: Path, out: Path, *extra: str, fault: str = "",
+          here: bool = False) -> subprocess.CompletedProcess:
+    """here: in this process (_train_here), for a one-process run without a fault."""
+    args = ("--step", "3", f"ppo.actor_path={single / 'actor'}",
+            f"ppo.reward_path={single / 'reward'}", "ppo.algorithm=grpo",
+            "ppo.samples_per_prompt=3", "ppo.micro_batch_size=6", "ppo.kl_target=0.01",
+            "ppo.kl_horizon=50", "ppo.missing_eos_penalty=0.5", *extra)
+    return _train_here(out, *args) if here else _train(out, *args, fault=fault)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +191,7 @@ def grpo_two_ranks(single, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def grpo_one(single, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo_one")
-    _ok(_grpo(single, out))
+    _ok(_grpo(single, out, here=True))
     return out
 
 
@@ -198,7 +213,7 @@ def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_one, tmp_p
     and test_zeropp_killed_run_resumes_to_the_same_end's): the controller's coefficient,
     the EMA and the sampling carry on from the checkpoint, to the uninterrupted run's end."""
     assert _grpo(single, tmp_path, fault="kill:3:2").returncode != 0
-    resumed = _ok(_grpo(single, tmp_path, "--resume"))
+    resumed = _ok(_grpo(single, tmp_path, "--resume", here=True))
     assert "step 3: resumed from" in resumed.stdout and "iteration 4" in resumed.stdout
     _assert_same_run(tmp_path, grpo_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
@@ -212,7 +227,7 @@ DYNAMIC = ("ppo.dynamic_sampling=true", "ppo.reward_model_weight=0",
 def dynamic_one(single, tmp_path_factory) -> Path:
     """GRPO with DAPO's dynamic sampling over a two-valued rule reward, one process."""
     out = tmp_path_factory.mktemp("dynamic_one")
-    _ok(_grpo(single, out, *DYNAMIC))
+    _ok(_grpo(single, out, *DYNAMIC, here=True))
     return out
 
 
@@ -260,7 +275,7 @@ def test_dynamic_sampling_killed_run_resumes_at_the_batch_it_had_drawn(single, d
     first = [r["sampling/draws"] for r in _rows(dynamic_one, 3) if "sampling/draws" in r][:2]
     assert sum(first) > 2   # the first checkpoint (engine.checkpoint_every=2) comes after it
     assert _grpo(single, tmp_path, *DYNAMIC, fault="kill:3:1").returncode != 0
-    resumed = _ok(_grpo(single, tmp_path, *DYNAMIC, "--resume"))
+    resumed = _ok(_grpo(single, tmp_path, *DYNAMIC, "--resume", here=True))
     assert "step 3: resumed from" in resumed.stdout
     _assert_same_run(tmp_path, dynamic_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
