@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 import sys
-from contextlib import redirect_stderr, redirect_stdout
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,6 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 import chat
-import train
 from engine.chat_format import HH_TEMPLATE, turn_ends_with_eos, uses_hh, with_variables
 from engine.models import (
     byte_tokenizer,
@@ -32,6 +31,7 @@ from steps.config import RunConfig
 from steps.data import DataError, PreferencePair
 from steps.scoring import RewardScorer
 from steps.tokenize import apply_chat_template, tokenize_pairs, tokenize_sft
+from tests.harness.in_process import train_here
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
@@ -303,13 +303,9 @@ SMALL = {"recipe": "demo", "data.path": "[demo]", "data.demo_pairs": 80,
 
 
 def run_train(out: Path, **settings) -> str:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    args = ["--actor-model", "tiny-llama", "--reward-model", "tiny-llama", "--output-dir",
-            str(out)] + [f"{k}={v}" for k, v in {**SMALL, **settings}.items()]
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        rc = train.main(args)
-    assert rc == 0, f"{stdout.getvalue()}\n{stderr.getvalue()}"
-    return stdout.getvalue()
+    return train_here(["--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                       "--output-dir", out,
+                       *(f"{k}={v}" for k, v in {**SMALL, **settings}.items())]).check().stdout
 
 
 def chat_prompts(model_dir: Path, monkeypatch) -> list[tuple[list[int], str | None]]:

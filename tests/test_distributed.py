@@ -21,12 +21,10 @@ process); being deterministic, its kill-and-resume is still exact to 1e-6.
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,7 @@ from safetensors.torch import load_file
 import train
 from engine.models import byte_tokenizer, load_causal_lm
 from tests.harness.environment import child_env, free_port
+from tests.harness.in_process import TrainRun, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -76,17 +75,10 @@ def _train(out: Path, *extra: str, fault: str = "",
                           timeout=timeout)
 
 
-def _train_here(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """A one-process run of train.py's main in this process, its output captured: the same
-    run as in a fresh interpreter (one thread either way), without that interpreter's
-    start-up (importing torch and transformers: ~8 s here)."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        code = train.main(["--output-dir", str(out), *ARGS, *extra])
-    return subprocess.CompletedProcess([], code, stdout.getvalue(), stderr.getvalue())
+Finished = subprocess.CompletedProcess | TrainRun   # a run in a fresh process, or in this one
 
 
-def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+def _ok(result: Finished) -> Finished:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -134,7 +126,7 @@ def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
-    _ok(_train_here(out))
+    _ok(train_here(["--output-dir", out, *ARGS]))
     return out
 
 
@@ -172,13 +164,15 @@ def test_four_ranks_match_one_process(single, four_ranks):
 # GRPO (critic-free, groups of 3 answers) with the adaptive KL controller and the
 # missing-EOS penalty, step 3 alone from the one-process run's step-1 and step-2 models
 def _grpo(single: Path, out: Path, *extra: str, fault: str = "",
-          here: bool = False) -> subprocess.CompletedProcess:
-    """here: in this process (_train_here), for a one-process run without a fault."""
+          here: bool = False) -> Finished:
+    """here: in this process (tests.harness.in_process), for a one-process run without a fault."""
     args = ("--step", "3", f"ppo.actor_path={single / 'actor'}",
             f"ppo.reward_path={single / 'reward'}", "ppo.algorithm=grpo",
             "ppo.samples_per_prompt=3", "ppo.micro_batch_size=6", "ppo.kl_target=0.01",
             "ppo.kl_horizon=50", "ppo.missing_eos_penalty=0.5", *extra)
-    return _train_here(out, *args) if here else _train(out, *args, fault=fault)
+    if here:
+        return train_here(["--output-dir", out, *ARGS, *args])
+    return _train(out, *args, fault=fault)
 
 
 @pytest.fixture(scope="module")

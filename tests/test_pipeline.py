@@ -4,7 +4,6 @@ chat.py). Each full run is a module-scoped fixture shared by several tests."""
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import math
@@ -12,8 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import train
 from engine.errors import UserError
 from engine.model_source import model_source
 from engine.models import (
@@ -33,6 +29,7 @@ from engine.models import (
     sequence_scores,
 )
 from engine.tracking import read_metrics
+from tests.harness.in_process import TrainRun, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -77,27 +74,12 @@ STEP3_KEYS = ("reward/score", "reward/kl", "answer/length", "train/clip_fraction
 PHASES = ("gather", "generate", "experience", "train", "other")
 
 
-@dataclass
-class Run:
-    rc: int
-    stdout: str
-    stderr: str
-
-    def check(self) -> Run:
-        assert self.rc == 0, f"train.py exited {self.rc}\n{self.stdout}\n{self.stderr}"
-        return self
-
-
 def overrides(settings: dict, **extra) -> list[str]:
     return [f"{key}={value}" for key, value in {**settings, **extra}.items()]
 
 
-def run_train(*args, settings: dict = BASE, **extra) -> Run:
-    """train.main in this process, with its log lines (tqdm.write -> stdout) captured."""
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        rc = train.main([str(a) for a in args] + overrides(settings, **extra))
-    return Run(rc, out.getvalue(), err.getvalue())
+def run_train(*args, settings: dict = BASE, **extra) -> TrainRun:
+    return train_here([*args, *overrides(settings, **extra)])
 
 
 def metrics(path: Path) -> list[dict]:
@@ -167,10 +149,10 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-_FULL_RUNS: dict[str, tuple[Path, Run]] = {}   # one run per preset for the whole module
+_FULL_RUNS: dict[str, tuple[Path, TrainRun]] = {}   # one run per preset for the whole module
 
 
-def full_run(tmp_path_factory, arch: str) -> tuple[Path, Run]:
+def full_run(tmp_path_factory, arch: str) -> tuple[Path, TrainRun]:
     if arch not in _FULL_RUNS:
         out = tmp_path_factory.mktemp(arch)
         _FULL_RUNS[arch] = out, run_train("--actor-model", arch, "--reward-model", arch,
@@ -179,7 +161,7 @@ def full_run(tmp_path_factory, arch: str) -> tuple[Path, Run]:
 
 
 @pytest.fixture(scope="module")
-def llama_run(tmp_path_factory) -> tuple[Path, Run]:
+def llama_run(tmp_path_factory) -> tuple[Path, TrainRun]:
     return full_run(tmp_path_factory, "tiny-llama")
 
 
@@ -188,7 +170,7 @@ PRESET_TYPES = {"tiny-llama": "llama", "tiny-opt": "opt", "tiny-gpt2": "gpt2",
 
 
 @pytest.fixture(scope="module", params=list(PRESET_TYPES))
-def pipeline(request, tmp_path_factory) -> tuple[str, Path, Run]:
+def pipeline(request, tmp_path_factory) -> tuple[str, Path, TrainRun]:
     if request.param == "tiny-llama":
         return (request.param, *request.getfixturevalue("llama_run"))
     return (request.param, *full_run(tmp_path_factory, request.param))
@@ -200,7 +182,7 @@ def opt_tokenizer() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hh_run(tmp_path_factory, opt_tokenizer) -> tuple[Path, Run, Run]:
+def hh_run(tmp_path_factory, opt_tokenizer) -> tuple[Path, TrainRun, TrainRun]:
     """Steps 1 and 2 on real hh-rlhf data with the OPT tokenizer, then a short step 3.
 
     The file holds ~2300 pairs and the OPT vocabulary makes every token's logits 50k wide
@@ -329,9 +311,9 @@ def test_step3_packed_trains_as_padded(llama_run, tmp_path, monkeypatch):
     run = run_train("--step", "3", "--output-dir", refused, settings=SMALL, **{
         "ppo.actor_path": "tiny-opt", "ppo.reward_fn": "steps.demo:score",
         "ppo.reward_model_weight": 0, "ppo.packing": True})
-    assert run.rc == 2 and run.stderr.strip().splitlines() == [
-        "train.py: ppo.packing=true: ppo.actor_path tiny-opt is a opt model, whose attention "
-        "would mix packed sequences (packing supports falcon, gemma, gpt2, gpt_neox, llama, "
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "train.py: ppo.packing=true: ppo.actor_path tiny-opt is of model type opt, whose "
+        "attention would mix packed sequences (packing supports falcon, gemma, gpt2, gpt_neox, llama, "
         "mistral, phi3, qwen2, qwen3); set ppo.packing=false"], run.stderr
     assert not (refused / "step3").exists()
 
@@ -602,16 +584,16 @@ def test_step3_from_a_preset_over_a_quantized_base(tmp_path):
                             **{"ppo.actor_path": "tiny-llama", "ppo.critic_path": critic_path,
                                "ppo.reward_fn": "steps.demo:score",
                                "ppo.reward_model_weight": 0})
-        assert refused.rc == 2 and message in refused.stderr, refused.stderr
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
     refused = run_train("--step", "3", "--output-dir", tmp_path / "full", settings=SMALL, **{
         "ppo.actor_path": "llama-7b", "ppo.reward_fn": "steps.demo:score",
         "ppo.reward_model_weight": 0})
-    assert refused.rc == 2 and "llama-7b: a shape preset is built straight into a " \
+    assert refused.returncode == 2 and "llama-7b: a shape preset is built straight into a " \
         "quantized base" in refused.stderr
     refused = run_train("--step", "3", "--output-dir", tmp_path / "full", settings=SMALL, **{
         "ppo.actor_path": "tiny-llama", "ppo.reward_fn": "steps.demo:score",
         "ppo.reward_model_weight": 0, "ppo.export_weights": "adapter"})
-    assert refused.rc == 2 and "ppo.export_weights=adapter writes LoRA's weights alone" \
+    assert refused.returncode == 2 and "ppo.export_weights=adapter writes LoRA's weights alone" \
         in refused.stderr
 
 
@@ -737,13 +719,13 @@ def test_steps_1_2_then_step_3_in_same_dir(tmp_path):
     # a finished step 3 is not replaced by accident, and its files stay as they were
     before = (out / "step3" / "metrics.jsonl").read_text()
     again = run_train(*models, "--step", "3", "--output-dir", out, settings=SMALL)
-    assert again.rc == 2 and "overwrite=true" in again.stderr, again.stderr
+    assert again.returncode == 2 and "overwrite=true" in again.stderr, again.stderr
     assert (out / "step3" / "metrics.jsonl").read_text() == before
     # nor by a replacement run that is refused for a missing input
     config = (out / "step3" / "config.yaml").read_text()
     refused = run_train(*models, "--step", "3", "--output-dir", out, settings=SMALL,
                         overwrite="true", **{"ppo.actor_path": out / "missing"})
-    assert refused.rc == 2 and "ppo.actor_path" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "ppo.actor_path" in refused.stderr, refused.stderr
     assert (out / "step3" / "metrics.jsonl").read_text() == before
     assert (out / "step3" / "config.yaml").read_text() == config
     assert_model_dir(out / "step3" / "actor")
@@ -752,7 +734,7 @@ def test_steps_1_2_then_step_3_in_same_dir(tmp_path):
 def test_step3_alone_in_empty_dir_fails_cleanly(tmp_path):
     out = tmp_path / "empty"
     run = run_train("--step", "3", "--output-dir", out, settings=SMALL)
-    assert run.rc == 2
+    assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "ppo.actor_path" in lines[0], run.stderr
     assert lines[0].startswith("train.py: ")
@@ -980,7 +962,7 @@ def test_non_finite_updates_in_a_row_stop_the_run(llama_run, tmp_path, monkeypat
                  "ppo.rollout_batch_size": 8, "ppo.micro_batch_size": 4}   # 2 updates each
     result = run_train(*args, "--output-dir", tmp_path / "out", settings=SMALL,
                        **{**extra, "engine.max_skipped_steps": 3})
-    assert result.rc == 2
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     where = "step 1 epoch 1 batch 5: actor" if step == 1 else "step 3 iteration 3: actor"

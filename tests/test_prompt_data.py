@@ -4,11 +4,9 @@ taking (prompt, answer, label) checks answers against, as rule-reward RL on math
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from steps.data import DataError, PreferencePair, load_prompt_records
 from steps.ppo import prompt_labels, report_labels
 from steps.scoring import RewardFunction, decode_rollouts, takes_label
 from steps.tokenize import collate_prompts
+from tests.harness.in_process import train_here
 
 
 def write_jsonl(path: Path, records: list[dict]) -> Path:
@@ -148,20 +147,17 @@ def test_step3_on_prompt_data_with_a_checker_of_labels(tmp_path, monkeypatch):
                for a in range(6) for b in range(4)]
     data = write_jsonl(tmp_path / "sums.jsonl", records)
     out = tmp_path / "run"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        # a model flag: not the demo recipe, so data.path is its default, a hub dataset
-        rc = train.main(["--actor-model", "tiny-llama", "--step", "3", "--output-dir", str(out),
-                         "ppo.actor_path=tiny-llama",
-                         f"ppo.prompt_data=[{data}]", "ppo.prompt_key=question",
-                         "ppo.label_key=answer", "ppo.algorithm=grpo",
-                         "ppo.samples_per_prompt=2", "ppo.rollout_batch_size=4",
-                         "ppo.micro_batch_size=8", "ppo.max_new_tokens=4",
-                         "ppo.reward_fn=checker_of_labels:right", "ppo.reward_model_weight=0",
-                         "ppo.eval_reward_fn=checker_of_labels:right", "ppo.eval_prompts=2",
-                         "ppo.best_of_n=2", "data.eval_fraction=0.1", "logging.progress=false"])
-    log = stdout.getvalue()
-    assert rc == 0, f"{log}\n{stderr.getvalue()}"
+    # a model flag: not the demo recipe, so data.path is its default, a hub dataset
+    log = train_here(["--actor-model", "tiny-llama", "--step", "3", "--output-dir", out,
+                      "ppo.actor_path=tiny-llama",
+                      f"ppo.prompt_data=[{data}]", "ppo.prompt_key=question",
+                      "ppo.label_key=answer", "ppo.algorithm=grpo",
+                      "ppo.samples_per_prompt=2", "ppo.rollout_batch_size=4",
+                      "ppo.micro_batch_size=8", "ppo.max_new_tokens=4",
+                      "ppo.reward_fn=checker_of_labels:right", "ppo.reward_model_weight=0",
+                      "ppo.eval_reward_fn=checker_of_labels:right", "ppo.eval_prompts=2",
+                      "ppo.best_of_n=2", "data.eval_fraction=0.1",
+                      "logging.progress=false"]).check().stdout
     assert "step 3 prompts [" in log and "24, 24 with a 'answer' label" in log
     assert "data ['Dahoas/rm-static']" not in log
     calls = sys.modules["checker_of_labels"].CALLS
@@ -277,14 +273,10 @@ def test_step_1_trains_on_sft_path_alone(tmp_path):
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
         {"instruction": f"What is {a}+{b}?", "output": f"{a + b}"}
         for a in range(5) for b in range(4)])
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        rc = train.main(["--actor-model", "tiny-llama", "--step", "1", "--output-dir",
-                         str(tmp_path / "out"), f"data.sft_path=[{alpaca}]",
-                         "data.sft_prompt_key=instruction", "data.sft_answer_key=output",
-                         "sft.epochs=1", "sft.batch_size=4", "logging.progress=false"])
-    log = stdout.getvalue()
-    assert rc == 0, f"{log}\n{stderr.getvalue()}"
+    log = train_here(["--actor-model", "tiny-llama", "--step", "1", "--output-dir",
+                      tmp_path / "out", f"data.sft_path=[{alpaca}]",
+                      "data.sft_prompt_key=instruction", "data.sft_answer_key=output",
+                      "sft.epochs=1", "sft.batch_size=4", "logging.progress=false"]).check().stdout
     assert "step 1 examples [" in log and "]: 20" in log and "data [" not in log
     assert "step 1 train: 19 examples" in log   # one held out (data.eval_fraction 0.05)
     assert (tmp_path / "out" / "actor" / "model.safetensors").exists()
