@@ -103,8 +103,9 @@ def require_packing(model: torch.nn.Module, flag: str, where: str) -> None:
     config = hf_model(model).config
     kind, attention = config.model_type, config._attn_implementation
     if kind not in PACKABLE_MODEL_TYPES:
-        raise UserError(f"{flag}: {where} is a {kind} model, whose attention would mix packed "
-                        f"sequences (packing supports {', '.join(sorted(PACKABLE_MODEL_TYPES))}); "
+        supported = ", ".join(sorted(PACKABLE_MODEL_TYPES))
+        raise UserError(f"{flag}: {where} is of model type {kind}, whose attention would mix "
+                        f"packed sequences (packing supports {supported}); "
                         f"set {flag.split('=')[0]}=false")
     if attention not in PACKABLE_ATTENTION:
         raise UserError(f"{flag}: {where} runs {attention} attention; packing is checked with "

@@ -121,8 +121,9 @@ def test_packable_models_keep_packed_sequences_apart(model_type, attention):
 def test_models_that_mix_packed_sequences_are_refused(model_type):
     model = _tiny(model_type)
     assert _packed_error(model, "eager") > 1e-2   # what packing them would train on
-    with pytest.raises(UserError, match=rf"^sft.packing=true: --actor-model X is a {model_type} "
-                                        r"model, whose attention would mix .* set sft.packing=false$"):
+    with pytest.raises(UserError, match=rf"^sft.packing=true: --actor-model X is of model type "
+                                        rf"{model_type}, whose attention would mix .* "
+                                        r"set sft.packing=false$"):
         require_packing(model, "sft.packing=true", "--actor-model X")
 
 
@@ -132,7 +133,8 @@ def test_step1_refuses_packing_for_an_opt_actor_before_training(tmp_path):
         "actor_model": "tiny-opt", "reward_model": "tiny-opt", "output_dir": str(tmp_path),
         "sft": {"packing": True}, "logging": {"progress": False}})
     from engine.runtime import Runtime
-    with pytest.raises(UserError, match=r"^sft.packing=true: --actor-model tiny-opt is a opt "):
+    with pytest.raises(UserError,
+                       match=r"^sft.packing=true: --actor-model tiny-opt is of model type opt, "):
         sft.run(cfg, pairs, Runtime(device=torch.device("cpu"), dtype=torch.float32))
     assert not (tmp_path / "actor").exists()
 
