@@ -98,6 +98,11 @@ def hub_offline() -> bool:
         return True
 
 
+def _cached(spec: str, name: str) -> bool:
+    """`name` of hub repo `spec` is in the local cache (not merely known to be absent)."""
+    return isinstance(try_to_load_from_cache(spec, name), str)
+
+
 def hub_error(spec: str, flag: str, why: str) -> UserError:
     return UserError(f"{flag} {spec}: not a local directory or preset, and the Hugging Face hub "
                      f"could not provide it ({why}); download it and pass the local directory")
@@ -108,10 +113,24 @@ def hub_local_only(spec: str, flag: str) -> bool:
     raises when it is neither reachable nor cached."""
     if not hub_offline():
         return False
-    if all(try_to_load_from_cache(spec, name) is None
-           for name in ("config.json", "tokenizer_config.json")):
+    if not any(_cached(spec, name) for name in ("config.json", "tokenizer_config.json")):
         raise hub_error(spec, flag, "unreachable or offline, and not in the local cache")
     return True
+
+
+# what an offline run needs in the hub cache: any one of each
+HUB_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model.bin.index.json")
+HUB_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
+
+
+def require_cached(spec: str, flag: str, *needs: tuple[str, ...]) -> None:
+    """Offline: refuse a hub name whose cached snapshot lacks all of one of `needs`' file
+    sets (a download broken off after config.json), before the run reads its data."""
+    for names in needs:
+        if names and not any(_cached(spec, name) for name in names):
+            raise hub_error(spec, flag, "offline, and the local cache holds only part of it: "
+                            f"none of {', '.join(names)}")
 
 
 def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
@@ -121,7 +140,9 @@ def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
     model directory without the tokenizer it must bring (`own_tokenizer`)."""
     kind = model_source(spec, flag, tokenizer=tokenizer)
     if kind == "hub":
-        hub_local_only(spec, flag)
+        if hub_local_only(spec, flag):
+            require_cached(spec, flag, () if tokenizer else HUB_WEIGHTS,
+                           HUB_TOKENIZER if tokenizer or own_tokenizer else ())
     elif kind == "local" and own_tokenizer:
         require_tokenizer_files(spec, flag)
 

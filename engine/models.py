@@ -174,12 +174,18 @@ def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs)
     files (truncated or corrupt weights, a broken config.json, an unknown architecture) as
     one-line errors."""
     local_only = kind == "hub" and hub_local_only(spec, flag)
+    if local_only and what == "model":
+        # from_pretrained does not pass local_files_only on to its look for a LoRA adapter,
+        # which would retry the unreachable hub for half a minute (transformers 5)
+        kwargs["adapter_kwargs"] = {"local_files_only": True}
     try:
         return load(spec, local_files_only=local_only, **kwargs)
     except (OSError, ValueError, SafetensorError) as err:
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, SafetensorError):
             why = f"a weights file is truncated or not safetensors: {why}"
+        if local_only:
+            why = f"offline, and the local cache holds only part of it: {why}"
         if kind == "hub":
             raise hub_error(spec, flag, why) from None
         raise UserError(f"{flag} {spec}: cannot load the {what} ({why})") from None

@@ -174,6 +174,49 @@ def test_hub_name_offline_fails_fast_in_one_line():
     assert "no-such-org/no-such-model" in message and "offline" in message
 
 
+def _partial_hub_cache(cache, tok) -> str:
+    """A hub cache holding acme/tiny's config and tokenizer but not its weights: a download
+    broken off part way."""
+    repo = cache / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    preset_config("tiny-llama", tok).save_pretrained(snapshot)
+    tok.save_pretrained(snapshot)
+    return "acme/tiny"
+
+
+def test_partly_cached_hub_model_offline_fails_in_one_line_without_the_network(
+        tmp_path, tok, monkeypatch):
+    """Unreachable hub, cache without weights: train.py's up-front check names what is
+    missing, and a load (chat.py's path) fails in one line without one request to the hub
+    (transformers' adapter lookup ignores local_files_only and would retry for ~25 s)."""
+    import huggingface_hub.constants
+    import huggingface_hub.file_download
+
+    from engine.model_source import check_model_arg
+    requests = []
+
+    def no_network(url, *args, **kwargs):
+        requests.append(url)
+        raise AssertionError(f"requested {url}")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("engine.model_source.hub_offline", lambda: True)
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_network)
+    spec = _partial_hub_cache(tmp_path, tok)
+    check_model_arg(spec, "--actor-model", tokenizer=True)   # the tokenizer is there
+    with pytest.raises(UserError) as up_front:
+        check_model_arg(spec, "--actor-model", own_tokenizer=True)
+    assert str(up_front.value).startswith("--actor-model acme/tiny: ")
+    assert "only part of it: none of model.safetensors" in str(up_front.value)
+    with pytest.raises(UserError) as loading:
+        load_causal_lm(spec, tok)
+    assert "\n" not in str(loading.value) and "only part of it" in str(loading.value)
+    assert requests == []
+
+
 # ---------------------------------------------------------------------------------------------
 # positions and per-token values under padding
 
