@@ -157,6 +157,14 @@ class TrainEngine:
         self.steps += 1
         return grad_norm
 
+    def advance_schedule(self, steps: int) -> None:
+        """Move the learning-rate schedule `steps` updates on without updating the weights
+        (steps/ppo.py's rounds that made fewer updates than planned); none if `steps` <= 0."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*optimizer.step")
+            for _ in range(steps):
+                self.scheduler.step()
+
     def discard(self) -> None:
         """Drop the gradients accumulated since the last step (steps/ppo.py: parts of a
         micro-batch already backpropagated when target_kl stops it), leaving weights,

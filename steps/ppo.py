@@ -387,8 +387,7 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
         if critic is not None:
             disable_dropout(critic)
     # the actor's schedule runs over the updates after ppo.critic_warmup's iterations
-    warmup = ppo.critic_warmup * ppo.ppo_epochs * num_batches(
-        ppo.rollout_batch_size * ppo.samples_per_prompt, ppo.micro_batch_size)
+    warmup = ppo.critic_warmup * updates_per_round(ppo)
     actor = place.trainer(actor, ppo, max(updates - warmup, 1), family="policy",
                           generates=True, name="actor", lr=ppo.actor_lr,
                           lora_lr=ppo.actor_lora.learning_rate)
@@ -492,8 +491,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     s = with_evaluations(resolve(cfg, cfg.ppo.epochs * len(prompts.train)
                                  * cfg.ppo.samples_per_prompt, prompts.labels), len(prompts.eval))
     check_critic_warmup(s.ppo, s.ppo.epochs * rounds)
-    updates = s.ppo.epochs * rounds * s.ppo.ppo_epochs * num_batches(
-        s.ppo.rollout_batch_size * s.group, s.ppo.micro_batch_size)
+    updates = s.ppo.epochs * rounds * updates_per_round(s.ppo)
     reset_memory_peak(dp.device)
     models = build_models(cfg, place, tokenizer, actor_path, reward_path, updates, prompts.labels)
     report_labels(prompts.labels, [fn for fn in (models.rewards.fn, s.gold) if fn is not None],
@@ -523,6 +521,29 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         after = evaluate(models, prompts, s, dp)          # was of these very weights
         state = keep_if_best(state, after, s, kept, models.actor)
     return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
+
+
+def updates_per_round(ppo: PPOConfig) -> int:
+    """Optimizer steps planned for a round of ppo.rollout_batch_size prompts: the unit the
+    learning-rate schedules are laid out in (see catch_up_schedules)."""
+    return ppo.ppo_epochs * num_batches(ppo.rollout_batch_size * ppo.samples_per_prompt,
+                                        ppo.micro_batch_size)
+
+
+def catch_up_schedules(models: Models, steps_before: dict[str, int], rounds: int,
+                       actor_trained: bool, ppo: PPOConfig) -> None:
+    """Keep the learning-rate schedules on the data's clock: an iteration that drew
+    `rounds` prompt batches moves each schedule updates_per_round(ppo) * rounds steps,
+    whatever number of updates it made. Fewer are made when ppo.target_kl stops a round,
+    a micro-batch has no trained token, the epoch's last batch is short, or dynamic
+    sampling spends several batches on one iteration; counted by optimizer steps, the
+    schedule would then end the run before it had decayed. `steps_before`: each engine's
+    steps before the iteration's updates (fp16's loss-scale searches, which the schedule
+    does not count, stay uncounted)."""
+    for name, engine in (("actor", models.actor), ("critic", models.critic)):
+        if engine is not None and (actor_trained or name == "critic"):
+            engine.advance_schedule(updates_per_round(ppo) * rounds
+                                    - (engine.steps - steps_before[name]))
 
 
 def check_critic_warmup(ppo: PPOConfig, iterations: int) -> None:
@@ -600,8 +621,12 @@ def iterate(s: Settings, models: Models, prompts: Prompts, prompt_batch: list[li
     exp = experience_of(models, taken.sampled, s, dp, kl_coef=state.kl_coef)
     t1 = time.perf_counter()
     timing = sampling_times(models.actor.take_times(), t1 - t0)
+    steps_before = {"actor": models.actor.steps,
+                    "critic": models.critic.steps if models.critic is not None else 0}
     stats, ptx_batches = update(exp, taken.share, taken.size, models, s, dp, prompts.ptx,
                                 state.ptx_batches, kept.ema, state.iteration, state.kl_coef)
+    catch_up_schedules(models, steps_before, taken.counts.get("sampling/draws", 1),
+                       state.iteration >= s.ppo.critic_warmup, s.ppo)
     t2 = time.perf_counter()
     kl_stops = state.kl_stops + int(stats.pop("stopped"))
     trained_tokens = stats.pop("trained_tokens")

@@ -20,6 +20,7 @@ from engine.hybrid import HybridEngine
 from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
 from engine.parallel import frozen
 from engine.runtime import Runtime
+from engine.tracking import Tracker
 from steps import ppo
 from steps.algorithms import model_paths
 from steps.config import RunConfig
@@ -498,6 +499,34 @@ def test_dynamic_sampling_that_finds_nothing_to_learn_trains_nothing():
     assert stats["train/updates"] == 0 and models.actor.steps == 0
     # no answer kept: no score or length means logged as zeros
     assert ppo._rollout_metrics(exp, tok.eos_token_id, True, dp) == {"answer/tokens": 0.0}
+
+
+@pytest.mark.parametrize("target_kl", [None, 0.0])
+def test_the_learning_rate_schedule_moves_with_the_prompt_batches_drawn(tmp_path, target_kl):
+    """Linear decay planned over 2 rounds of 3 updates. One iteration draws both rounds
+    (dynamic sampling: the first batch teaches nothing) and makes 3 updates, or with
+    ppo.target_kl=0 one (it stops the round after its first): either way the schedule has
+    run out, as the data has. Counted by optimizer steps it would stand half-way or more,
+    and the run would end at a learning rate it never decayed from."""
+    tok, dp = byte_tokenizer(), DataParallel(CPU)
+    torch.manual_seed(0)
+    models, s = rule_models(tok), dynamic(target_kl=target_kl)
+    per_round = ppo.updates_per_round(s.ppo)
+    assert per_round == 3
+    actor = HybridEngine(load_causal_lm("tiny-llama", tok, seed=1),
+                         OptimConfig(lr_scheduler="linear", grad_clip=0), 2 * per_round, CPU,
+                         lr=1e-3)
+    models = models._replace(actor=actor)
+    batches = [[tok(t)["input_ids"] for t in texts]
+               for texts in (["same a:", "same b:", "same c:"], ["Q1:", "Q2:", "Q3:"])]
+    rest = iter(batches[1:])
+    prompts = ppo.Prompts([p for b in batches for p in b], [], [], [], {})
+    state, _ = ppo.iterate(s, models, prompts, batches[0], ppo.Kept(None, None), dp,
+                           Tracker(tmp_path, enabled=False), ppo.Progress(kl_coef=s.ppo.kl_coef),
+                           more=lambda: next(rest, None))
+    assert actor.steps == (3 if target_kl is None else 1)
+    assert actor.scheduler.last_epoch == 2 * per_round and actor.lr == 0.0
+    assert state.kl_stops == (target_kl is not None)
 
 
 @pytest.mark.parametrize("kl_target", [None, 0.5])   # the experience's two forward paths
