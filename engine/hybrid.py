@@ -66,11 +66,13 @@ from engine.trainer import TrainEngine
 class GenerationTimes:
     """Seconds spent since the last `take_times`: gathering weights, and generating; of the
     generating, the inference decoder's prefills and decode steps, and the decode steps run
-    (0 when the Hugging Face modules generate)."""
+    (0 when the Hugging Face modules generate). `calls` to generate, `gathers` of them
+    that filled the generation form (fewer in held_weights)."""
 
     gather: float = 0.0
     generate: float = 0.0
     calls: int = 0
+    gathers: int = 0
     prefill: float = 0.0
     decode: float = 0.0
     decode_steps: int = 0
@@ -162,6 +164,8 @@ class HybridEngine(TrainEngine):
                 tqdm.write(f"hybrid engine: {type(inner).__name__}: {reason}; "
                            "generating with the gathered Hugging Face modules")
         self._target: _Target | None = None
+        self._holding = False             # inside held_weights()
+        self._filled_at: int | None = None   # self.steps when the held form was filled
 
     @property
     def injected(self) -> bool:
@@ -182,8 +186,13 @@ class HybridEngine(TrainEngine):
         kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, row_seeds=row_seeds)
         start = gathered_at = self._now()
         if self.hybrid.enabled:
-            self.reclaim()   # the cache's and weights' memory, if it held gradients
-            target = self._gather()
+            if self._filled_at == self.steps and self._target is not None:
+                target = self._target   # held_weights: filled with these weights already
+            else:
+                self.reclaim()   # the cache's and weights' memory, if it held gradients
+                target = self._gather()
+                self.times.gathers += 1
+                self._filled_at = self.steps if self._holding else None
             gathered_at = self._now()
             device = self.runtime.device
             form = InferenceForm(target.model, device,
@@ -196,7 +205,8 @@ class HybridEngine(TrainEngine):
             finally:
                 self.decode_steps_built += getattr(target.model, "steps_built", 0) - built
                 self.times.add_decode(before, _decode_totals(target.model))
-                self._release()
+                if not self._holding:
+                    self._release()
         else:
             out = generate(self.module, input_ids, attention_mask, sampling, **kwargs)
         end = self._now()
@@ -204,6 +214,26 @@ class HybridEngine(TrainEngine):
         self.times.generate += end - gathered_at
         self.times.calls += 1
         return out
+
+    @contextmanager
+    def held_weights(self) -> Iterator[None]:
+        """Generate calls in the block share one gather: the generation form stays filled
+        (and its KV cache kept) from the first to the last, and is released at the end.
+        For several rollouts with no update in between (dynamic sampling's draws, an
+        evaluation's batches): at ZeRO-3 each gather all-gathers the whole model. An
+        optimizer step inside the block makes the next generate gather again. Collective
+        like generate: every rank enters it. Re-entrant. With pin_parameters=False each
+        call gathers and frees as it would outside the block (the memory is the point)."""
+        if self._holding or not (self.hybrid.enabled and self.hybrid.pin_parameters):
+            yield
+            return
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding, self._filled_at = False, None
+            if self._target is not None:
+                self._release()
 
     def take_times(self) -> GenerationTimes:
         times, self.times = self.times, GenerationTimes()

@@ -889,17 +889,18 @@ def sample_informative(models: Models, prompt_batch: list[list[int]],
     batch of that many is (DataParallel.redeal); a process left without one holds a
     stand-in."""
     group, parts, flags = s.group, [], []
-    while prompt_batch is not None:
-        part = sample_round(models, prompt_batch, s, dp, stream,
-                            first_row=sum(p.size for p in parts))
-        differ = informative_groups(part.sampled.scores, group, s.ppo.score_clip,
-                                    part.sampled.penalty)
-        flags.append(dp.batch_flags(part.share, differ, len(prompt_batch), group).cpu())
-        parts.append(part)
-        if int(torch.cat(flags).sum()) >= s.ppo.rollout_batch_size \
-                or len(parts) == s.ppo.dynamic_sampling_max_draws:
-            break
-        prompt_batch = more()
+    with models.actor.held_weights():   # one gather for all the draws
+        while prompt_batch is not None:
+            part = sample_round(models, prompt_batch, s, dp, stream,
+                                first_row=sum(p.size for p in parts))
+            differ = informative_groups(part.sampled.scores, group, s.ppo.score_clip,
+                                        part.sampled.penalty)
+            flags.append(dp.batch_flags(part.share, differ, len(prompt_batch), group).cpu())
+            parts.append(part)
+            if int(torch.cat(flags).sum()) >= s.ppo.rollout_batch_size \
+                    or len(parts) == s.ppo.dynamic_sampling_max_draws:
+                break
+            prompt_batch = more()
     places = kept_places(flags, s.ppo.rollout_batch_size)
     kept, kept_groups = [], []
     for part, place in zip(parts, places, strict=True):
@@ -1252,24 +1253,32 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
     if not prompts.eval:
         return {}
     totals = torch.zeros(5, dtype=torch.float64)
-    for batch_rows in batches(range(len(prompts.eval)), s.ppo.rollout_batch_size,
-                              shuffle=False, seed=0):
-        share = dp.share(batch_rows)
-        batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
-                                          models.tokenizer.pad_token_id), dp.device)
-        sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
-        greedy = rollout(models, batch, s.greedy, None)
-        kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
-        sums = [float(kl.sum())]
-        for answers in (sampled, greedy):
-            reward = _scores(models, answers, s, dp)
-            sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
-        totals += share.weight * torch.tensor(sums, dtype=torch.float64)
+    with models.actor.held_weights():   # one gather for the whole evaluation
+        for batch_rows in batches(range(len(prompts.eval)), s.ppo.rollout_batch_size,
+                                  shuffle=False, seed=0):
+            totals += _evaluated_batch(models, prompts, batch_rows, s, dp)
     kl, reward, gold, greedy_reward, greedy_gold = (
         total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
             "greedy_reward": greedy_reward,
             **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl}
+
+
+def _evaluated_batch(models: Models, prompts: Prompts, batch_rows: list[int], s: Settings,
+                     dp: DataParallel) -> torch.Tensor:
+    """[5] float64 evaluate's sums over this process's share of held-out prompts
+    `batch_rows`, weighted by the share: kl, reward, gold, greedy reward, greedy gold."""
+    share = dp.share(batch_rows)
+    batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
+                                      models.tokenizer.pad_token_id), dp.device)
+    sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
+    greedy = rollout(models, batch, s.greedy, None)
+    kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
+    sums = [float(kl.sum())]
+    for answers in (sampled, greedy):
+        reward = _scores(models, answers, s, dp)
+        sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
+    return share.weight * torch.tensor(sums, dtype=torch.float64)
 
 
 def _gold(s: Settings, tokenizer, answers: Rollout) -> torch.Tensor:
@@ -1318,23 +1327,24 @@ def best_of_n(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
         return {}
     totals = torch.zeros(2, dtype=torch.float64)   # reward, gold sums of the picks
     tilted = torch.zeros(len(KL_COEF_GRID), dtype=torch.float64)   # sums over prompts
-    for batch_rows in batches(range(len(prompts.eval)), max(1, s.ppo.rollout_batch_size // n),
-                              shuffle=False, seed=0):
-        share = dp.share(batch_rows, group=n)
-        batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
-                                          models.tokenizer.pad_token_id), dp.device)
-        seeds = row_seeds(s.seed, BEST_OF_N_STREAM,
-                          [batch_rows[0] * n + i for i in share.index])
-        answers = rollout(models, batch, s.sampling, seeds, n)
-        reward = _scores(models, answers, s, dp)
-        picks = reward.view(-1, n).argmax(1) + torch.arange(0, len(reward), n,
-                                                          device=reward.device)
-        gold = _gold(s, models.tokenizer, answers)
-        totals += share.weight * torch.tensor([float(reward[picks].sum()),
-                                               float(gold[picks.cpu()].sum())],
-                                              dtype=torch.float64)
-        clipped = reward.float().cpu().clamp(-s.ppo.score_clip, s.ppo.score_clip)
-        tilted += share.weight * tilted_kl(clipped.view(-1, n), KL_COEF_GRID).sum(0)
+    with models.actor.held_weights():   # one gather for all the batches
+        for batch_rows in batches(range(len(prompts.eval)), max(1, s.ppo.rollout_batch_size // n),
+                                  shuffle=False, seed=0):
+            share = dp.share(batch_rows, group=n)
+            batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
+                                              models.tokenizer.pad_token_id), dp.device)
+            seeds = row_seeds(s.seed, BEST_OF_N_STREAM,
+                              [batch_rows[0] * n + i for i in share.index])
+            answers = rollout(models, batch, s.sampling, seeds, n)
+            reward = _scores(models, answers, s, dp)
+            picks = reward.view(-1, n).argmax(1) + torch.arange(0, len(reward), n,
+                                                              device=reward.device)
+            gold = _gold(s, models.tokenizer, answers)
+            totals += share.weight * torch.tensor([float(reward[picks].sum()),
+                                                   float(gold[picks.cpu()].sum())],
+                                                  dtype=torch.float64)
+            clipped = reward.float().cpu().clamp(-s.ppo.score_clip, s.ppo.score_clip)
+            tilted += share.weight * tilted_kl(clipped.view(-1, n), KL_COEF_GRID).sum(0)
     reward, gold, *tilted = (total / len(prompts.eval)
                              for total in dp.sum(*totals.tolist(), *tilted.tolist()))
     coef = coef_for_kl(KL_COEF_GRID, torch.tensor(tilted), s.kl_target) if s.kl_target else None

@@ -385,6 +385,42 @@ def test_pinned_weights_and_cache_are_kept_or_freed_as_configured():
     assert unpinned.inference_bytes() == {"weights": 0, "kv_cache": 0}
 
 
+@pytest.mark.parametrize("settings", [{}, {"pin_parameters": False}])
+def test_rollouts_in_held_weights_share_one_gather_until_a_step(settings):
+    """held_weights (dynamic sampling's draws, an evaluation's batches): the rollouts in the
+    block fill the generation form once, and answer as an engine that gathers for each
+    does; an optimizer step in the block makes the next rollout gather the new weights;
+    the block's end releases the form as a rollout would (the KV cache lent for the
+    gradients again). With pin_parameters=False every rollout gathers and frees, as
+    outside the block."""
+    ids, mask = _batch()
+    sampling = SamplingSettings(max_new_tokens=8, do_sample=True, temperature=1.0)
+    seeds = torch.arange(len(ids))
+    held, each = (_engine(load_causal_lm("tiny-llama", TOK, seed=3), **settings)
+                  for _ in range(2))
+
+    def rollout(e):
+        return e.generate(ids, mask, sampling, eos_token_id=EOS, pad_token_id=PAD,
+                          row_seeds=seeds)
+
+    def update(e):
+        e.backward(e(input_ids=ids, attention_mask=mask).logits.float().square().mean())
+        e.step()
+
+    with held.held_weights():
+        firsts = rollout(held), rollout(held)
+        assert held._lent == [] and held.take_times().gathers == (2 if settings else 1)
+        update(held)
+        after_step = rollout(held)
+        assert held.take_times().gathers == 1
+    assert held._lent != [] if not settings else held.inference_bytes()["weights"] == 0
+    want = rollout(each), rollout(each)
+    update(each)
+    assert all(torch.equal(g, w) for g, w in zip(firsts, want, strict=True))
+    assert torch.equal(after_step, rollout(each)) and not torch.equal(after_step, firsts[0])
+    assert each.take_times().gathers == 3
+
+
 def test_inference_form_holds_fused_weights_with_lora_merged():
     """The gathered Llama layer: q, k, v stacked into one projection and gate, up into
     another, with LoRA's B @ A * scaling folded in; the HF model keeps its adapters."""

@@ -211,9 +211,11 @@ def test_evaluations_measure_the_kl_over_the_vocabulary_at_each_answer_token():
     tok = byte_tokenizer()
     models = tiny_models(tok)._replace(
         reference=frozen(load_causal_lm("tiny-llama", tok, seed=3), CPU))
-    s = settings(rollout_batch_size=4, max_new_tokens=8)
+    s = settings(rollout_batch_size=2, max_new_tokens=8)
     prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
     got = ppo.evaluate(models, ppo.Prompts([], prompt_ids, [], [], {}), s, DataParallel(CPU))
+    times = models.actor.take_times()   # sampled and greedy answers of 2 batches: one gather
+    assert (times.calls, times.gathers) == (4, 1)
 
     full, sampled = [], []
     for i, prompt in enumerate(prompt_ids):
@@ -449,8 +451,11 @@ def test_dynamic_sampling_draws_until_enough_prompts_differ_and_keeps_the_first(
     texts = [["same a:", "Q1:", "same b:"], ["Q2:", "Q3:", "Q4:"], ["Q5:", "Q6:", "Q7:"]]
     batches = [[tok(t)["input_ids"] for t in batch] for batch in texts]
     rest = iter(batches[1:])
+    models.actor.take_times()
     got = ppo.sample_informative(models, batches[0], lambda: next(rest, None), s, dp, stream=1)
     assert next(rest) == batches[2]   # not drawn
+    times = models.actor.take_times()
+    assert (times.calls, times.gathers) == (2, 1)   # the draws share one gather
     alone = [ppo.sample_round(models, batch, s, dp, stream=1, first_row=9 * i)
              for i, batch in enumerate(batches[:2])]
     everything = torch.cat([r.sampled.scores for r in alone])
