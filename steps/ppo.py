@@ -1256,29 +1256,22 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
     with models.actor.held_weights():   # one gather for the whole evaluation
         for batch_rows in batches(range(len(prompts.eval)), s.ppo.rollout_batch_size,
                                   shuffle=False, seed=0):
-            totals += _evaluated_batch(models, prompts, batch_rows, s, dp)
+            share = dp.share(batch_rows)
+            batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
+                                              models.tokenizer.pad_token_id), dp.device)
+            sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
+            greedy = rollout(models, batch, s.greedy, None)
+            kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
+            sums = [float(kl.sum())]
+            for answers in (sampled, greedy):
+                reward = _scores(models, answers, s, dp)
+                sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
+            totals += share.weight * torch.tensor(sums, dtype=torch.float64)
     kl, reward, gold, greedy_reward, greedy_gold = (
         total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
             "greedy_reward": greedy_reward,
             **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl}
-
-
-def _evaluated_batch(models: Models, prompts: Prompts, batch_rows: list[int], s: Settings,
-                     dp: DataParallel) -> torch.Tensor:
-    """[5] float64 evaluate's sums over this process's share of held-out prompts
-    `batch_rows`, weighted by the share: kl, reward, gold, greedy reward, greedy gold."""
-    share = dp.share(batch_rows)
-    batch = to_device(collate_prompts([prompts.eval[i] for i in share.rows],
-                                      models.tokenizer.pad_token_id), dp.device)
-    sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
-    greedy = rollout(models, batch, s.greedy, None)
-    kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
-    sums = [float(kl.sum())]
-    for answers in (sampled, greedy):
-        reward = _scores(models, answers, s, dp)
-        sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
-    return share.weight * torch.tensor(sums, dtype=torch.float64)
 
 
 def _gold(s: Settings, tokenizer, answers: Rollout) -> torch.Tensor:
