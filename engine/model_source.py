@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
-from huggingface_hub import try_to_load_from_cache
+from huggingface_hub import constants, try_to_load_from_cache
 
 from engine.errors import UserError
 
@@ -96,6 +98,21 @@ def hub_offline() -> bool:
         return False
     except OSError:
         return True
+
+
+@contextmanager
+def hub_libraries_offline() -> Iterator[None]:
+    """huggingface_hub and `datasets` in offline mode for the block, as HF_HUB_OFFLINE=1 would
+    have set them: both read it once, at import, and retry an unreachable hub for half a
+    minute before they fall back to a cache."""
+    import datasets
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _cached(spec: str, name: str) -> bool:

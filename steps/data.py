@@ -480,15 +480,19 @@ def _read_hub(name: str, key: str) -> dict[str, list[Any]]:
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
-    from engine.model_source import hub_offline
+    from engine.model_source import hub_libraries_offline, hub_offline
 
     unreachable = (f"cannot load dataset '{name}': not a local file and the Hugging Face hub is "
                    f"unreachable (offline?); download it and pass the local file path in {key}")
+    offline = hub_offline()
     # checked first: with no network and no cache, `datasets` retries for half a minute
-    if hub_offline() and not _hub_dataset_cached(name):
+    if offline and not _hub_dataset_cached(name):
         raise DataError(unreachable)
     try:
-        ds = datasets.load_dataset(name, split="train")
+        # offline mode for the load too, or `datasets` retries that half minute before it
+        # reads its prepared copy (or finds the copy unreadable)
+        with hub_libraries_offline() if offline else contextlib.nullcontext():
+            ds = datasets.load_dataset(name, split="train")
     except ConnectionError as exc:
         raise DataError(unreachable) from exc
     except DatasetNotFoundError as exc:
@@ -496,6 +500,11 @@ def _read_hub(name: str, key: str) -> dict[str, list[Any]]:
                         f"Hugging Face hub ({_short(exc)}); check the name or pass a local file "
                         f"path in {key}") from exc
     except FileNotFoundError as exc:
+        if offline:
+            raise DataError(f"cannot load dataset '{name}': the Hugging Face hub is unreachable "
+                            f"(offline?) and its copy in {datasets.config.HF_DATASETS_CACHE} "
+                            f"cannot be read ({_short(exc)}); download it again, or pass a local "
+                            f"file path in {key}") from exc
         raise DataError(f"cannot load dataset '{name}': no such local file and not a Hugging Face "
                         f"hub dataset name; check {key}") from exc
     except Exception as exc:
@@ -505,16 +514,16 @@ def _read_hub(name: str, key: str) -> dict[str, list[Any]]:
 
 
 def _hub_dataset_cached(name: str) -> bool:
-    """Whether hub dataset `name` may be in a local cache: the hub client's download or
-    `datasets`' prepared copy."""
+    """Whether hub dataset `name` has a prepared copy in `datasets`' cache
+    (namespace___snake_case_name/config/version/hash), the only form it loads offline: the
+    hub client's download (datasets--namespace--Name) alone is not read without the hub."""
     import datasets
     from datasets.naming import camelcase_to_snakecase
-    from huggingface_hub import constants
 
     namespace, _, short = name.rpartition("/")
     prepared = (f"{namespace}___" if namespace else "") + camelcase_to_snakecase(short)
-    return ((Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}").is_dir()
-            or (Path(datasets.config.HF_DATASETS_CACHE) / prepared).is_dir())
+    root = Path(datasets.config.HF_DATASETS_CACHE) / prepared
+    return any(path.is_dir() for path in root.glob("*/*/*"))
 
 
 def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[str]:

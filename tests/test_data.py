@@ -446,8 +446,9 @@ def test_non_string_field_parquet(tmp_path, bad, got):
 
 
 def test_a_hub_dataset_in_a_local_cache_is_found(tmp_path, monkeypatch):
-    """`datasets` names its prepared copy namespace___snake_case_name (stanfordnlp___shp),
-    the hub client its download datasets--namespace--Name: either lets an offline run try."""
+    """`datasets` reads offline only its prepared copy, namespace___snake_case_name/config/
+    version/hash (stanfordnlp___shp/...): the hub client's download alone, or a prepared
+    directory with nothing in it, is not a cache an offline run can use."""
     import datasets
     from huggingface_hub import constants
 
@@ -456,10 +457,63 @@ def test_a_hub_dataset_in_a_local_cache_is_found(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "prepared")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert not _hub_dataset_cached("stanfordnlp/SHP")
-    (tmp_path / "prepared" / "stanfordnlp___shp").mkdir(parents=True)
+    (tmp_path / "hub" / "datasets--stanfordnlp--SHP").mkdir(parents=True)
+    (tmp_path / "prepared" / "stanfordnlp___shp" / "default").mkdir(parents=True)
+    assert not _hub_dataset_cached("stanfordnlp/SHP")
+    (tmp_path / "prepared" / "stanfordnlp___shp" / "default" / "0.0.0" / "8a3f").mkdir(parents=True)
     assert _hub_dataset_cached("stanfordnlp/SHP")
-    (tmp_path / "hub" / "datasets--openbmb--UltraFeedback").mkdir(parents=True)
-    assert _hub_dataset_cached("openbmb/UltraFeedback")
+
+
+def _prepared_copy(cache: Path, name: str, records: list[dict], source: Path) -> None:
+    """Lay out `records` in `cache` as `datasets` prepares hub dataset `name` (one config,
+    'default'), by preparing them as a local JSON file and renaming what it wrote."""
+    import datasets
+
+    namespace, short = name.split("/")
+    datasets.load_dataset("json", data_files=str(write_jsonl(source, records)), split="train",
+                          cache_dir=str(cache))
+    (built,) = (cache / "json").glob("*/*/*/")
+    (built / "json-train.arrow").rename(built / f"{short}-train.arrow")
+    target = cache / f"{namespace}___{short}" / "default" / "0.0.0" / built.name
+    target.parent.mkdir(parents=True)
+    built.rename(target)
+
+
+def test_an_unreachable_hub_reads_the_prepared_copy_without_a_request(tmp_path, monkeypatch):
+    """No network and no offline mode set: `datasets` retried the hub for ~25 s before it
+    read its cache (and as long before it failed on a copy it could not read); the load runs
+    in offline mode now, and asks the hub nothing."""
+    import datasets
+    import huggingface_hub.constants
+    import huggingface_hub.file_download
+
+    requests = []
+
+    def no_network(url, *args, **kwargs):
+        requests.append(url)
+        raise AssertionError(f"requested {url}")
+
+    records = [{"prompt": f"Human: q{i}\n\nAssistant:", "chosen": f" yes {i}",
+                "rejected": f" no {i}"} for i in range(3)]
+    _prepared_copy(tmp_path / "prepared", "acme/pairs", records, tmp_path / "pairs.jsonl")
+    (tmp_path / "prepared" / "acme___broken" / "default" / "0.0.0" / "0a1b").mkdir(parents=True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "prepared")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("engine.model_source.hub_offline", lambda: True)
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_network)
+
+    pairs, skipped = load_pairs("acme/pairs")
+    assert [(p.prompt, p.chosen, p.rejected) for p in pairs] == [
+        (r["prompt"], r["chosen"], r["rejected"]) for r in records]
+    assert skipped == 0
+    with pytest.raises(DataError) as exc:
+        load_pairs("acme/broken")
+    assert one_line(exc).startswith("cannot load dataset 'acme/broken': the Hugging Face hub is "
+                                    f"unreachable (offline?) and its copy in {tmp_path / 'prepared'} ")
+    assert requests == []
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False   # as it was, after the load
+    assert datasets.config.HF_HUB_OFFLINE is False
 
 
 def test_offline_hub_name(monkeypatch):
