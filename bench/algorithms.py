@@ -25,9 +25,15 @@ reward-model score and ground truth of held-out answers before -> after, and ove
 last 10 iterations the KL per answer, the share of answers that ended with EOS, and the
 final kl_coef.
 
-Run:  python bench/algorithms.py [--part algorithms|hacking|all] [--seeds 1,2,3]
+--part dynamic: DAPO's dynamic sampling (GRPO, the ground truth as the reward alone, so
+that many groups score alike) beside plain GRPO, with the learning rate's linear schedule
+(on the data's clock), a constant rate (DAPO's recipe), and the linear one over 3 epochs.
+Per run: the ground truth before -> after and exported (its iteration and KL), the
+iterations, the final learning rate and step 3's time.
+
+Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|all] [--seeds 1,2,3]
       [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline,gspo] [--rewards rm,fn]
-      (algorithms ~25 min, hacking ~15 min on 2 cores, alone)
+      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min for 3 seeds on 2 cores, alone)
 """
 
 from __future__ import annotations
@@ -56,13 +62,17 @@ SETTINGS = {
              "ppo.clip_range_high=4e-4", "ppo.loss_aggregation=seq-mean"],
 }
 REWARDS = {"rm": [], "fn": ["ppo.reward_fn=steps.demo:score", "ppo.reward_model_weight=0"]}
+DYNAMIC = {"grpo": [], "dynamic": ["ppo.dynamic_sampling=true"],
+           "constant lr": ["ppo.dynamic_sampling=true", "ppo.lr_scheduler=constant"],
+           "dynamic, 3 ep": ["ppo.dynamic_sampling=true", "ppo.epochs=3"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
           "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "algorithms", "hacking"], default="all")
+    parser.add_argument("--part", choices=["all", "algorithms", "hacking", "dynamic"],
+                        default="all")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--algorithms", default=",".join(SETTINGS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
@@ -75,6 +85,8 @@ def main() -> None:
         hacking(root, seeds)
     if args.part in ("all", "algorithms"):
         algorithms(root, seeds, args.algorithms.split(","), args.rewards.split(","))
+    if args.part in ("all", "dynamic"):
+        dynamic_sampling(root, seeds)
 
 
 def hacking(root: Path, seeds: list[int]) -> None:
@@ -135,6 +147,39 @@ def algorithms(root: Path, seeds: list[int], names: list[str], rewards: list[str
         print(f"{algorithm:<22}{reward:<7}{statistics.fmean(gains):>+10.3f}{min(gains):>+10.3f}"
               f"{statistics.fmean(r[3] for r in runs):>8.1f}"
               f"{statistics.fmean(r[4] for r in runs):>15.0f}{runs[0][5]:>13.1f}")
+
+
+def dynamic_sampling(root: Path, seeds: list[int]) -> None:
+    lines, finals = [], {name: [] for name in DYNAMIC}
+    for seed in seeds:
+        base = root / f"steps12-{seed}"
+        if not (base / "reward" / "config.json").exists():
+            train(base, "--step", "1", "2", f"seed={seed}")
+        for name, flags in DYNAMIC.items():
+            out = root / f"dynamic-{name.replace(', ', '-').replace(' ', '-')}-{seed}"
+            train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
+                  f"ppo.reward_path={base / 'reward'}", *SETTINGS["grpo"], *REWARDS["fn"],
+                  *flags)
+            metrics = rows(out / "step3" / "metrics.jsonl")
+            final = metrics[-1]
+            lr = [r["lr/actor"] for r in metrics if "lr/actor" in r][-1]
+            finals[name].append((final["eval/ground_truth_after"],
+                                 final["eval/ground_truth_exported"]))
+            lines.append(
+                f"{seed:>5}  {name:<14}{final['iterations']:>6}"
+                f"{final['eval/ground_truth_before']:>9.3f} -> "
+                f"{final['eval/ground_truth_after']:.3f}"
+                f"{final['eval/ground_truth_exported']:>9.3f} (it. "
+                f"{final['eval/iteration_exported']}, KL {final['eval/kl_exported']:.3f})"
+                f"{lr:>10.1e}{final['time/seconds']:>8.1f}")
+            print(lines[-1], flush=True)
+    print(f"\n{'seed':>5}  {'run':<14}{'iters':>6}{'ground truth':>18}{'exported':>12}"
+          f"{'':>19}{'final lr':>10}{'s':>8}")
+    print("\n".join(lines))
+    print(f"\n{'run':<14}{'mean final':>11}{'mean exported':>15}")
+    for name, runs in finals.items():
+        print(f"{name:<14}{statistics.fmean(a for a, _ in runs):>11.3f}"
+              f"{statistics.fmean(e for _, e in runs):>15.3f}")
 
 
 def _row(result: tuple) -> str:

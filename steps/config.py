@@ -158,7 +158,8 @@ class PPOConfig(OptimConfig):
                                  "reinforce_pp_baseline): drop the prompts whose answers "
                                  "all score the same (no advantage) and sample further "
                                  "prompt batches until rollout_batch_size prompts have "
-                                 "answers that differ")
+                                 "answers that differ; it makes fewer updates, so pair it "
+                                 "with lr_scheduler=constant, as DAPO does")
     dynamic_sampling_max_draws: int = val(4, "dynamic_sampling: prompt batches an iteration "
                                           "samples at most; it then trains on the prompts "
                                           "found (the epoch's end stops it too)", COUNT)
