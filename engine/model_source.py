@@ -90,14 +90,20 @@ def hub_offline() -> bool:
     Checked up front because the hub client retries for most of a minute otherwise."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no"):
         return True
+    return not server_reachable(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+
+
+def server_reachable(url: str) -> bool:
+    """Whether a connection to `url`'s host opens within 3 s. Behind a proxy a direct probe
+    says nothing, so it is taken as reachable: the client's own request decides."""
     if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
-        return False   # a direct probe says nothing behind a proxy: let the download try
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-        return False
-    except OSError:
         return True
+    parsed = urlparse(url)
+    try:
+        socket.create_connection((parsed.hostname, parsed.port or 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextmanager

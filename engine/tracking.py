@@ -1,7 +1,8 @@
 """Metrics: one JSON object per logged step in <step dir>/metrics.jsonl, mirrored to
-wandb when enabled (offline when there is no API key). The file is strict JSON: a NaN or
-inf metric (a skipped update's gradient norm) is written as null, which `jq`, pandas and
-JSON parsers outside Python read; wandb gets the float itself."""
+wandb when enabled (offline when there is no API key or its server is unreachable). The
+file is strict JSON: a NaN or inf metric (a skipped update's gradient norm) is written as
+null, which `jq`, pandas and JSON parsers outside Python read; wandb gets the float
+itself."""
 
 from __future__ import annotations
 
@@ -12,21 +13,38 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+from tqdm import tqdm
 
 from engine.errors import UserError
+from engine.model_source import server_reachable
 
 
-def _wandb_mode(mode: str) -> str:
-    """"auto" is online only when a wandb API key is configured (env or ~/.netrc)."""
+def _wandb_mode(mode: str, base_url: str, run_dir: Path) -> str:
+    """"auto" is online when a wandb API key is configured (env or ~/.netrc) and its server
+    (`base_url`) can be reached; else offline, into `run_dir` (`wandb sync` uploads it).
+    Online with no network, wandb.init retries for 90 s and then fails the run."""
     if mode != "auto":
         return mode
+    if not _wandb_key_configured(base_url):
+        return "offline"
+    if not server_reachable(base_url):
+        tqdm.write(f"wandb: {urlparse(base_url).hostname} is unreachable, so the run is logged "
+                   f"offline under {run_dir / 'wandb'} (upload it later with `wandb sync`)")
+        return "offline"
+    return "online"
+
+
+def _wandb_key_configured(base_url: str) -> bool:
     if os.environ.get("WANDB_API_KEY"):
-        return "online"
+        return True
     try:
-        has_login = netrc.netrc().authenticators("api.wandb.ai") is not None
+        logins = netrc.netrc()
     except (OSError, netrc.NetrcParseError):
-        has_login = False
-    return "online" if has_login else "offline"
+        return False
+    return any(logins.authenticators(host) is not None
+               for host in (urlparse(base_url).hostname, "api.wandb.ai"))
 
 
 class Tracker:
@@ -57,10 +75,18 @@ class Tracker:
                 raise UserError("logging.wandb.enabled=true: the wandb package is not installed "
                                 "(pip install wandb, or logging.wandb.enabled=false)") from None
 
-            self._wandb = wandb.init(
-                project=ws.get("project"), name=ws.get("run_name"), group=ws.get("group"),
-                dir=str(self.path.parent), config=config, reinit="finish_previous",
-                mode=_wandb_mode(ws.get("mode", "auto")))
+            base_url = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
+            mode = _wandb_mode(ws.get("mode", "auto"), base_url, self.path.parent)
+            try:
+                self._wandb = wandb.init(
+                    project=ws.get("project"), name=ws.get("run_name"), group=ws.get("group"),
+                    dir=str(self.path.parent), config=config, reinit="finish_previous",
+                    mode=mode)
+            except wandb.errors.Error as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise UserError(f"logging.wandb (mode {mode}): wandb could not start the run "
+                                f"({reason}); set logging.wandb.mode=offline to log locally, "
+                                "or logging.wandb.enabled=false") from exc
 
     def read_sources(self) -> dict[str, Any]:
         """The row sources' metrics now (what they counted since the previous row), for a

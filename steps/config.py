@@ -279,7 +279,8 @@ class PPOConfig(OptimConfig):
 @dataclass
 class WandbConfig:
     enabled: bool = False
-    mode: str = val("auto", "auto (offline without an API key) | online | offline | disabled",
+    mode: str = val("auto", "auto (offline without an API key or when wandb's server does "
+                    "not answer) | online | offline | disabled",
                     one_of("auto", "online", "offline", "disabled"))
     project: str = "rlhf"
     group: Optional[str] = None  # noqa: UP045

@@ -40,13 +40,52 @@ def test_non_finite_metrics_are_strict_json_nulls_read_back_as_nan(tmp_path):
     assert math.isnan(row["train/grad_norm"]) and row["train/skipped_steps"] == 1
 
 
-def test_wandb_auto_mode_is_offline_without_a_key(monkeypatch, tmp_path):
+def test_wandb_auto_mode_is_online_only_with_a_key_and_a_server_that_answers(
+        monkeypatch, tmp_path, capsys):
+    """With a key but no network, "auto" went online and wandb.init failed the run after
+    retrying for 90 s; it logs offline now and says so."""
+    url = "https://api.wandb.example"
+    reachable = []
+    monkeypatch.setattr("engine.tracking.server_reachable",
+                        lambda u: reachable.append(u) or u == url)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert _wandb_mode("auto") == "offline"
+    assert _wandb_mode("auto", url, tmp_path) == "offline"
+    assert reachable == []   # no key: nothing to probe
+    (tmp_path / ".netrc").write_text("machine api.wandb.example login user password "
+                                     + "k" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert _wandb_mode("auto", url, tmp_path) == "online"   # the login for its host
+    (tmp_path / ".netrc").unlink()
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert _wandb_mode("auto") == "online"
-    assert _wandb_mode("disabled") == "disabled"
+    assert _wandb_mode("auto", url, tmp_path) == "online"
+    capsys.readouterr()
+    assert _wandb_mode("auto", "https://api.unreachable.example", tmp_path) == "offline"
+    assert capsys.readouterr().out == (
+        f"wandb: api.unreachable.example is unreachable, so the run is logged offline under "
+        f"{tmp_path / 'wandb'} (upload it later with `wandb sync`)\n")
+    assert _wandb_mode("disabled", url, tmp_path) == "disabled"
+    assert _wandb_mode("online", "https://api.unreachable.example", tmp_path) == "online"
+
+
+def test_wandb_that_cannot_start_the_run_is_one_clear_error(monkeypatch, tmp_path):
+    """logging.wandb.mode=online with no network: wandb's CommError and its traceback
+    became one line that says how to go on."""
+    wandb = pytest.importorskip("wandb")
+
+    def no_server(**kwargs):
+        raise wandb.errors.CommError('Timed out while retrying: Post "https://api.example/'
+                                     'graphql": no such host\nConsider increasing the '
+                                     'init_timeout setting')
+
+    monkeypatch.setattr(wandb, "init", no_server)
+    with pytest.raises(UserError) as exc:
+        Tracker(tmp_path / "step1", wandb_settings={"enabled": True, "mode": "online"},
+                config={})
+    assert str(exc.value) == (
+        'logging.wandb (mode online): wandb could not start the run (Timed out while retrying: '
+        'Post "https://api.example/graphql": no such host); set logging.wandb.mode=offline '
+        "to log locally, or logging.wandb.enabled=false")
 
 
 def test_wandb_offline_run_is_written_inside_the_step_dir(monkeypatch, tmp_path):
