@@ -119,9 +119,7 @@ def hacking(root: Path, seeds: list[int]) -> None:
 def algorithms(root: Path, seeds: list[int], names: list[str], rewards: list[str]) -> None:
     results: dict[tuple[str, str], list[tuple]] = {}
     for seed in seeds:
-        base = root / f"steps12-{seed}"
-        if not (base / "reward" / "config.json").exists():
-            train(base, "--step", "1", "2", f"seed={seed}")
+        base = demo_steps12(root, seed)
         for algorithm in names:
             for reward in rewards:
                 out = root / f"{algorithm}-{reward}-{seed}"
@@ -152,9 +150,7 @@ def algorithms(root: Path, seeds: list[int], names: list[str], rewards: list[str
 def dynamic_sampling(root: Path, seeds: list[int]) -> None:
     lines, finals = [], {name: [] for name in DYNAMIC}
     for seed in seeds:
-        base = root / f"steps12-{seed}"
-        if not (base / "reward" / "config.json").exists():
-            train(base, "--step", "1", "2", f"seed={seed}")
+        base = demo_steps12(root, seed)
         for name, flags in DYNAMIC.items():
             out = root / f"dynamic-{name.replace(', ', '-').replace(' ', '-')}-{seed}"
             train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
@@ -180,6 +176,15 @@ def dynamic_sampling(root: Path, seeds: list[int]) -> None:
     for name, runs in finals.items():
         print(f"{name:<14}{statistics.fmean(a for a, _ in runs):>11.3f}"
               f"{statistics.fmean(e for _, e in runs):>15.3f}")
+
+
+def demo_steps12(root: Path, seed: int) -> Path:
+    """The default demo's step-1/2 models of `seed`, trained once under `root` and shared by
+    the parts that start from them (algorithms, dynamic)."""
+    base = root / f"steps12-{seed}"
+    if not (base / "reward" / "config.json").exists():
+        train(base, "--step", "1", "2", f"seed={seed}")
+    return base
 
 
 def _row(result: tuple) -> str:
