@@ -242,7 +242,10 @@ def check_config(cfg: DictConfig) -> None:
         from steps.algorithms import check_settings, model_paths
 
         check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
-        model_paths(cfg, made=tuple(s for s in steps if s < 3))   # not after hours of 1-2
+        from steps.ppo import check_rollout_fits
+
+        made = tuple(s for s in steps if s < 3)   # checked now, not after hours of steps 1-2
+        check_rollout_fits(cfg, *model_paths(cfg, made=made), made)
     plan_steps(cfg)
 
 

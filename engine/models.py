@@ -387,6 +387,28 @@ def require_positions(model: torch.nn.Module, tokens: int, settings: str, where:
                         f"learned position embeddings) reads at most {limit}; lower them to fit")
 
 
+def stored_positions(spec: str, trust_remote_code: bool = False) -> tuple[int, str] | None:
+    """(positions, model type) of a preset or local model directory with learned absolute
+    position embeddings, read from its config alone (the model built on the meta device,
+    no weights); None for one without them, or one this cannot tell (a hub name, custom
+    code): the check when the model loads still catches those."""
+    try:
+        if is_preset(spec):
+            build = PRESETS[spec] if spec in PRESETS else partial(_shape_preset, spec)
+            config = build(256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        elif (Path(spec).expanduser() / "config.json").exists():
+            config = AutoConfig.from_pretrained(Path(spec).expanduser(),
+                                                trust_remote_code=trust_remote_code)
+        else:
+            return None
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    limit = learned_positions(model)
+    return None if limit is None else (limit, config.model_type)
+
+
 def _require_vocabulary(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spec: str,
                         flag: str) -> None:
     """Refuse a tokenizer with more tokens than the model has embeddings (tokenizer=DIR of

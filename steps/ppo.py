@@ -62,6 +62,7 @@ from engine.models import (
     position_ids,
     prompt_ids,
     require_positions,
+    stored_positions,
 )
 from engine.packing import require_packing
 from engine.placement import Placement
@@ -415,15 +416,48 @@ def _require_context(cfg: DictConfig, model, where: str, *, scored: bool = False
     cannot read a whole rollout: prompt + answer (+ the EOS a cut-off answer gets, for the
     reward model: `scored`), or a PTX example (`ptx`); with ppo.packing, one whose attention
     would mix packed sequences."""
-    prompt, answer, new = cfg.data.max_prompt_len, cfg.data.max_answer_len, cfg.ppo.max_new_tokens
-    settings = (f"data.max_prompt_len={prompt} + ppo.max_new_tokens={new} (data.max_answer_len "
-                "unless set)" + (" + the EOS the reward model reads" if scored else ""))
-    require_positions(model, prompt + new + scored, settings, where)
+    prompt, answer = cfg.data.max_prompt_len, cfg.data.max_answer_len
+    require_positions(model, *_rollout_length(cfg, scored), where)
     if cfg.ppo.packing:
         require_packing(model, "ppo.packing=true", where)
     if ptx:
         require_positions(model, prompt + answer, f"data.max_prompt_len={prompt} + "
                           f"data.max_answer_len={answer} (PTX examples)", where)
+
+
+def _rollout_length(cfg: DictConfig, scored: bool) -> tuple[int, str]:
+    """The longest rollout a step-3 model reads (+ the EOS a cut-off answer gets, for the
+    reward model: `scored`) and the settings that make it."""
+    prompt, new = cfg.data.max_prompt_len, cfg.ppo.max_new_tokens
+    return prompt + new + scored, (
+        f"data.max_prompt_len={prompt} + ppo.max_new_tokens={new} (data.max_answer_len "
+        "unless set)" + (" + the EOS the reward model reads" if scored else ""))
+
+
+def check_rollout_fits(cfg: DictConfig, actor_path: str, reward_path: str | None,
+                       made: tuple[int, ...]) -> None:
+    """train.py, before step 1: refuse now, from the models' configs alone, a rollout longer
+    than the learned position table of the actor or reward model that step 3 will load
+    (the outputs of steps 1-2 in `made` have their starting models' shapes), not after
+    those steps have trained."""
+    out = Path(cfg.output_dir)
+
+    def source(path: str, step: int, name: str, flag: str, key: str) -> tuple[str, str, bool]:
+        made_here = step in made and Path(path).expanduser().resolve() == (out / name).resolve()
+        scored = step == 2
+        return (cfg.actor_model if step == 1 else cfg.reward_model, flag, scored) if made_here \
+            else (path, key, scored)
+
+    models = [source(actor_path, 1, "actor", "--actor-model", "ppo.actor_path")]
+    if reward_path is not None:
+        models.append(source(reward_path, 2, "reward", "--reward-model", "ppo.reward_path"))
+    for spec, flag, scored in models:
+        found = stored_positions(spec, trust_remote_code=cfg.trust_remote_code)
+        tokens, settings = _rollout_length(cfg, scored)
+        if found is not None and tokens > found[0]:
+            raise UserError(f"{settings}: step 3 reads up to {tokens} tokens, but {flag} {spec} "
+                            f"({found[1]}, learned position embeddings) reads at most "
+                            f"{found[0]}; lower them to fit")
 
 
 def check_merged_exports(models: Models, ema: bool, output_dir: Path, adapter: bool) -> None:

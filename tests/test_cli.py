@@ -518,6 +518,34 @@ def test_step_3_models_are_checked_before_steps_1_and_2_train(tmp_path, argv, sa
                               f"{tmp_path / 'out' / 'actor'}", f"ppo.actor_path={out / 'actor'}"))
 
 
+def test_a_rollout_longer_than_a_learned_position_table_is_refused_before_step_1(tmp_path):
+    """A GPT-2 reads at most n_positions tokens: found when step 3 loaded it, that cost the
+    whole of steps 1 and 2; read from the configs alone, it is refused up front."""
+    line = refusal("--output-dir", str(tmp_path / "out"), "--actor-model", "tiny-gpt2",
+                   "--reward-model", "tiny-llama", "ppo.max_new_tokens=5000")
+    assert line.startswith("data.max_prompt_len=256 + ppo.max_new_tokens=5000"), line
+    assert "reads up to 5256 tokens, but --actor-model tiny-gpt2 (gpt2" in line
+    assert "at most 1024" in line
+    # the reward model reads one token more (the EOS a cut-off answer gets)
+    line = refusal("--output-dir", str(tmp_path / "out"), "--actor-model", "tiny-llama",
+                   "--reward-model", "tiny-gpt2", "data.max_prompt_len=768",
+                   "ppo.max_new_tokens=256")
+    assert "reads up to 1025 tokens, but --reward-model tiny-gpt2" in line, line
+    train.check_config(config("--output-dir", str(tmp_path / "out"), "--actor-model",
+                              "tiny-llama", "--reward-model", "tiny-gpt2",
+                              "data.max_prompt_len=767", "ppo.max_new_tokens=256"))
+    # a model step 3 loads as it is, by its key: read from its config.json
+    from transformers import GPT2Config
+
+    short = tmp_path / "short-gpt2"
+    GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(short)
+    line = refusal("--output-dir", str(tmp_path / "out"), "--step", "2", "3",
+                   f"ppo.actor_path={short}", "--reward-model", "tiny-llama",
+                   "data.max_prompt_len=32", "ppo.max_new_tokens=33")
+    assert f"reads up to 65 tokens, but ppo.actor_path {short} (gpt2" in line, line
+    assert "at most 64" in line
+
+
 def test_the_steps_key_runs_each_step_once_in_order():
     assert list(config("steps=[3,1,1]").steps) == [1, 3]
 
