@@ -209,6 +209,9 @@ def check_config(cfg: DictConfig) -> None:
                      if row[1] == err.key), "")
         raise UserError(f"{err.key}={err.value}{flag}: {err.allowed}") from None
     steps = list(cfg.steps)
+    if not str(cfg.output_dir).strip():   # Path("") is the working directory
+        raise UserError(f"--output-dir '{cfg.output_dir}': empty; give a directory for the "
+                        "run's models (e.g. --output-dir output)")
     check_output_dir(Path(cfg.output_dir))
     # the weights of steps with data of their own are ignored: all 0 if no step reads data.path
     if sum(cfg.data.split) <= 0 and not set(steps) <= set(own_data(cfg)):
@@ -365,6 +368,8 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
         if first is not None and step < first and _finished(cfg, step):
             plan.append((step, "skip"))
         elif step == first:
+            if step in resumable:
+                check_resume_settings(cfg, step)
             plan.append((step, "resume" if step in resumable else "restart"))
         else:
             for name in MODEL_DIRS[step]:
@@ -374,6 +379,43 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
                                     "--output-dir")
             plan.append((step, "run"))
     return plan
+
+
+# The keys that shape a step's run, beyond seed and data.*: a checkpoint's data position,
+# schedule and weights mean nothing under others. Keys that only report or bound memory
+# (log_every, eval_batch_size, profile, forward_batch_size) may change on resume.
+RUN_SHAPING = {1: ("actor_model", "tokenizer", "sft"), 2: ("reward_model", "tokenizer", "rm"),
+               3: ("tokenizer", "ppo")}
+FREE_ON_RESUME = {"log_every", "eval_batch_size", "profile", "forward_batch_size"}
+
+
+def check_resume_settings(cfg: DictConfig, step: int) -> None:
+    """Refuse to resume `step` under settings that shape it differently from those it started
+    with (its snapshot step<N>/config.yaml): a changed batch size, data or model would go on
+    from the checkpoint's position silently wrong, e.g. skipping examples it never saw."""
+    snapshot = step_dir(cfg, step) / "config.yaml"
+    if not snapshot.exists():   # (a checkpoint from before the snapshot was written)
+        return
+    old = _leaves(OmegaConf.to_container(OmegaConf.load(snapshot)))
+    new = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    shaping = ("seed", "data", *RUN_SHAPING[step])
+    changed = [key for key, value in new.items()
+               if key.split(".")[0] in shaping and key.rpartition(".")[2] not in FREE_ON_RESUME
+               and key in old and old[key] != value]
+    if changed:
+        raise UserError(f"resuming step {step} with settings that differ from those it started "
+                        "with (" + ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)
+                        + f"); set them back, or pass resume=false to start step {step} afresh")
+
+
+def _leaves(tree: object, prefix: str = "") -> dict[str, object]:
+    """{"sft.lora.dim": 0, ...}: a nested config's values by dotted key."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    leaves: dict[str, object] = {}
+    for name, sub in tree.items():
+        leaves.update(_leaves(sub, f"{prefix}.{name}" if prefix else str(name)))
+    return leaves
 
 
 def _finished(cfg: DictConfig, step: int) -> bool:

@@ -33,6 +33,11 @@ SHAPES = {"llama-7b": (4096, 32, 32, 32, 11008, 1e4), "llama-13b": (5120, 40, 40
           "llama-34b": (8192, 48, 64, 8, 22016, 1e6), "llama-70b": (8192, 80, 64, 8, 28672, 1e4)}
 
 
+def named(flag: str, value: str) -> str:
+    """How an error names an argument: `--actor-model DIR`, or `tokenizer=DIR` for a key."""
+    return f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
+
+
 def is_preset(spec: str) -> bool:
     return spec in PRESET_NAMES or spec in SHAPES
 
@@ -49,16 +54,16 @@ def model_source(spec: str, flag: str, tokenizer: bool = False, missing: str | N
         files = ("tokenizer_config.json", "tokenizer.json") if tokenizer else ("config.json",)
         base = None if tokenizer else adapter_base(spec)
         if base is not None:
-            raise UserError(f"{flag} {spec}: a LoRA adapter over {base} (ppo.export_weights="
+            raise UserError(f"{named(flag, spec)}: a LoRA adapter over {base} (ppo.export_weights="
                             "adapter), not a whole model; chat.py --path takes it, or load it "
                             "with peft's PeftModel.from_pretrained over its base")
         if not any((path / name).exists() for name in files):
             what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
-            raise UserError(f"{flag} {spec}: directory has no {' or '.join(files)}; pass a "
+            raise UserError(f"{named(flag, spec)}: directory has no {' or '.join(files)}; pass a "
                             f"Hugging Face {what}")
         return "local"
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise UserError(f"{flag} {spec}: no such directory; " + (
+        raise UserError(f"{named(flag, spec)}: no such directory; " + (
             missing or "pass a Hugging Face model directory (e.g. output/step3/actor), a hub "
             f"name or a preset ({', '.join([*PRESET_NAMES, *SHAPES])})"))
     return "hub"
@@ -127,7 +132,7 @@ def _cached(spec: str, name: str) -> bool:
 
 
 def hub_error(spec: str, flag: str, why: str) -> UserError:
-    return UserError(f"{flag} {spec}: not a local directory or preset, and the Hugging Face hub "
+    return UserError(f"{named(flag, spec)}: not a local directory or preset, and the Hugging Face hub "
                      f"could not provide it ({why}); download it and pass the local directory")
 
 
@@ -176,5 +181,5 @@ def require_tokenizer_files(directory: str, flag: str,
     """Refuse a local directory that holds none of the files a tokenizer loads from;
     `remedy` is what to do, in the words of the entry point (train.py's by default)."""
     if not any((Path(directory) / name).exists() for name in TOKENIZER_FILES):
-        raise UserError(f"{flag} {directory}: the directory has no tokenizer files (one of "
+        raise UserError(f"{named(flag, directory)}: the directory has no tokenizer files (one of "
                         f"{', '.join(TOKENIZER_FILES)}); {remedy}")

@@ -47,6 +47,7 @@ from engine.model_source import (
     hub_local_only,
     is_preset,
     model_source,
+    named,
     require_tokenizer_files,
 )
 from engine.packing import Unpadded, unpadded
@@ -188,7 +189,7 @@ def _from_hub_or_dir(load, spec: str, kind: str, flag: str, what: str, **kwargs)
             why = f"offline, and the local cache holds only part of it: {why}"
         if kind == "hub":
             raise hub_error(spec, flag, why) from None
-        raise UserError(f"{flag} {spec}: cannot load the {what} ({why})") from None
+        raise UserError(f"{named(flag, spec)}: cannot load the {what} ({why})") from None
 
 
 def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--actor-model",
@@ -206,7 +207,7 @@ def load_tokenizer(spec: str, *, tokenizer: str | None = None, flag: str = "--ac
         tok = _from_hub_or_dir(AutoTokenizer.from_pretrained, source, kind, flag, "tokenizer",
                                trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
-        raise UserError(f"{flag} {source}: the tokenizer has no EOS token; answers need one")
+        raise UserError(f"{named(flag, source)}: the tokenizer has no EOS token; answers need one")
     if tok.pad_token_id is None:
         # Prefer a token that never ends a real sequence, so HF's sequence-classification
         # pooling (rightmost non-pad token) still sees the final EOS.
@@ -250,7 +251,7 @@ def require_head(auto_cls, architectures: list[str] | None, spec: str, flag: str
     if not kinds or auto_cls in kinds:
         return
     found, wanted = _KINDS[kinds.pop()][0], _KINDS[auto_cls]
-    raise UserError(f"{flag} {spec}: {found} ({', '.join(architectures)}), not {wanted[0]}: "
+    raise UserError(f"{named(flag, spec)}: {found} ({', '.join(architectures)}), not {wanted[0]}: "
                     f"its head would start random; pass {wanted[1]}")
 
 
@@ -266,7 +267,7 @@ def _load(auto_cls, spec: str, tok: PreTrainedTokenizerBase, *, flag: str, dtype
           **kwargs) -> PreTrainedModel:
     kind = model_source(spec, flag)
     if spec in SHAPES:
-        raise UserError(f"{flag} {spec}: a shape preset is built straight into a quantized "
+        raise UserError(f"{named(flag, spec)}: a shape preset is built straight into a quantized "
                         "base (--zero-quantized-nontrainable-weights, with LoRA); in full "
                         "precision pass a checkpoint directory instead")
     if kind == "preset":
@@ -336,13 +337,13 @@ def load_adapter(directory: str, base: str, tok: PreTrainedTokenizerBase, *, fla
     """A LoRA adapter directory (ppo.export_weights=adapter) merged into its base `base`,
     a checkpoint directory or hub name (a preset's weights are random: refused)."""
     if model_source(base, flag) == "preset":
-        raise UserError(f"{flag} {directory}: an adapter over the preset {base}, whose "
+        raise UserError(f"{named(flag, directory)}: an adapter over the preset {base}, whose "
                         "weights are random (a shape probe): there is no model to load")
     from peft import PeftModel  # chat.py's path alone needs it
 
     from engine.lora import peft_quietly
 
-    model = load_causal_lm(base, tok, flag=f"{flag} {directory}'s base", dtype=dtype,
+    model = load_causal_lm(base, tok, flag=f"{named(flag, directory)}'s base", dtype=dtype,
                            trust_remote_code=trust_remote_code, trained_head=True)
     with peft_quietly():
         return PeftModel.from_pretrained(model, directory).merge_and_unload()
@@ -417,7 +418,7 @@ def _require_vocabulary(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sp
     rows = getattr(table, "num_embeddings", None) or model.config.get_text_config().vocab_size
     if len(tok) > rows:
         name = f" {tok.name_or_path}" if tok.name_or_path else ""
-        raise UserError(f"{flag} {spec}: the model embeds {rows} tokens, the tokenizer{name} "
+        raise UserError(f"{named(flag, spec)}: the model embeds {rows} tokens, the tokenizer{name} "
                         f"has {len(tok)}: ids past the model's table; use the tokenizer the "
                         "model was trained with")
 

@@ -54,6 +54,7 @@ from engine.data_parallel import DataParallel, Share
 from engine.errors import NonFiniteError, UserError
 from engine.generation import SamplingSettings
 from engine.hybrid import GenerationTimes, HybridEngine
+from engine.model_source import named
 from engine.models import (
     disable_dropout,
     head_reduced,
@@ -448,14 +449,14 @@ def check_rollout_fits(cfg: DictConfig, actor_path: str, reward_path: str | None
         return (cfg.actor_model if step == 1 else cfg.reward_model, flag, scored) if made_here \
             else (path, key, scored)
 
-    models = [source(actor_path, 1, "actor", "--actor-model", "ppo.actor_path")]
+    models = [source(actor_path, 1, "actor", "--actor-model", "ppo.actor_path=")]
     if reward_path is not None:
-        models.append(source(reward_path, 2, "reward", "--reward-model", "ppo.reward_path"))
+        models.append(source(reward_path, 2, "reward", "--reward-model", "ppo.reward_path="))
     for spec, flag, scored in models:
         found = stored_positions(spec, trust_remote_code=cfg.trust_remote_code)
         tokens, settings = _rollout_length(cfg, scored)
         if found is not None and tokens > found[0]:
-            raise UserError(f"{settings}: step 3 reads up to {tokens} tokens, but {flag} {spec} "
+            raise UserError(f"{settings}: step 3 reads up to {tokens} tokens, but {named(flag, spec)} "
                             f"({found[1]}, learned position embeddings) reads at most "
                             f"{found[0]}; lower them to fit")
 

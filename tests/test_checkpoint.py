@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import train
 from engine.checkpoint import Checkpointer
@@ -171,6 +172,28 @@ def test_plan_fresh_interrupted_and_refused_runs(tmp_path):
                                                                (3, "run")]
     with pytest.raises(UserError, match="holds no interrupted run"):
         plan(tmp_path / "elsewhere", "--resume")
+
+
+def test_a_resume_under_settings_that_shape_the_step_differently_is_refused(tmp_path):
+    """Resumed with sft.batch_size 8 -> 16, step 1 read its checkpoint's data position in
+    batches of the new size: it skipped 240 examples it never saw, and said nothing."""
+    started = ["--output-dir", str(tmp_path), "--step", "1", "sft.batch_size=8"]
+    fake_checkpoint(tmp_path, 1)
+    snapshot = train.build_config(train.parse_args(started))   # as start_step writes it
+    (tmp_path / "step1" / "config.yaml").write_text(OmegaConf.to_yaml(snapshot, resolve=True))
+    assert plan(tmp_path, *started[2:]) == [(1, "resume")]
+    # what only reports, bounds memory, or shapes another step may change
+    assert plan(tmp_path, *started[2:], "sft.log_every=1", "sft.eval_batch_size=2",
+                "rm.lr=1e-3", "ppo.kl_coef=0.5", "logging.progress=false") == [(1, "resume")]
+    with pytest.raises(UserError) as refused:
+        plan(tmp_path, "--step", "1", "sft.batch_size=16", "seed=7", "data.demo_pairs=50")
+    assert str(refused.value) == (
+        "resuming step 1 with settings that differ from those it started with (seed: 1234 -> "
+        "7, data.demo_pairs: 6000 -> 50, sft.batch_size: 8 -> 16); set them back, or pass "
+        "resume=false to start step 1 afresh")
+    with pytest.raises(UserError, match=r"\(sft.lora.dim: 0 -> 4\)"):
+        plan(tmp_path, *started[2:], "sft.lora.dim=4")
+    assert plan(tmp_path, "--step", "1", "sft.batch_size=16", "resume=false") == [(1, "run")]
 
 
 def test_a_step_interrupted_before_its_first_checkpoint_runs_again(tmp_path):

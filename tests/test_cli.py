@@ -197,6 +197,22 @@ def test_missing_model_path(capsys, tmp_path):
     assert "./no/such/dir" in line and "--actor-model" in line
 
 
+def test_a_missing_tokenizer_dir_is_named_as_its_key(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", "tiny-llama",
+                   f"tokenizer={tmp_path / 'no-tok'}")
+    assert line.startswith(f"train.py: tokenizer={tmp_path / 'no-tok'}: no such directory"), line
+
+
+@pytest.mark.parametrize("argv", [("--output-dir", ""), ("--output-dir", "  "), ("output_dir=",)])
+def test_an_empty_output_dir_is_refused_and_nothing_lands_in_the_working_dir(
+        capsys, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(capsys, "--step", "1", "--actor-model", "tiny-llama", *argv, *SMALL)
+    assert code == 2
+    assert "--output-dir" in one_line(err) and "empty" in err
+    assert tree(tmp_path) == set()
+
+
 def test_unknown_preset_name_offline(capsys, tmp_path):
     line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", "tiny-nonexistent",
                    "data.path=[demo]")
@@ -542,7 +558,7 @@ def test_a_rollout_longer_than_a_learned_position_table_is_refused_before_step_1
     line = refusal("--output-dir", str(tmp_path / "out"), "--step", "2", "3",
                    f"ppo.actor_path={short}", "--reward-model", "tiny-llama",
                    "data.max_prompt_len=32", "ppo.max_new_tokens=33")
-    assert f"reads up to 65 tokens, but ppo.actor_path {short} (gpt2" in line, line
+    assert f"reads up to 65 tokens, but ppo.actor_path={short} (gpt2" in line, line
     assert "at most 64" in line
 
 
