@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -26,7 +27,12 @@ from typing import NoReturn
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from engine.errors import UserError
 from steps.config import (
@@ -115,8 +121,15 @@ def _flag_help(key: str, options: dict, text: str) -> str:
     return f"{text} [{key}{const}{default}]".lstrip()
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, like every other refusal, not the 16-line usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="RLHF in three steps: 1 SFT, 2 reward model, 3 PPO. With no model flags "
                     "it runs the built-in demo (tiny models, generated data, CPU-friendly).",
@@ -186,17 +199,44 @@ def _compose(overrides: list[str], given: list[str]) -> DictConfig:
         except ValueError as err:  # hydra lets some malformed overrides (`=3`) through raw
             raise UserError(f"bad override in {' '.join(given)}: "
                             f"{str(err).splitlines()[0]}") from None
+        except OverrideParseException:
+            bare = next((o for o in given if "=" not in o and not o.startswith("~")), None)
+            if bare is not None:   # Hydra: "missing EQUAL at '<EOF>'"
+                raise UserError(f"bad override '{bare}': write key=value, e.g. "
+                                "ppo.kl_coef=0.05 (train.py --help lists every key)") from None
+            raise
         except ConfigCompositionException as err:
             # Hydra's advice for an unknown key is `+key=value`, which adds a key nothing reads
-            missing = err.__cause__
-            if isinstance(missing, ConfigAttributeError | ConfigKeyError) \
-                    and missing.full_key and missing.full_key not in DEFAULTS:
-                raise UserError(unknown_key(missing.full_key)) from None
+            cause = err.__cause__
+            if isinstance(cause, ConfigAttributeError | ConfigKeyError) \
+                    and cause.full_key and cause.full_key not in DEFAULTS:
+                raise UserError(unknown_key(cause.full_key)) from None
+            if isinstance(cause, ValidationError) and cause.full_key:
+                raise UserError(_wrong_type(cause, given)) from None
             raise
     unknown = unknown_keys(cfg)   # `+key=` and `++key=` add keys Hydra does not check
     if unknown:
         raise UserError(unknown_key(unknown[0]))
     return cfg
+
+
+KINDS = {"Float": "a number", "Integer": "a whole number", "Boolean": "true or false"}
+
+
+def _wrong_type(err: ValidationError, given: list[str]) -> str:
+    """`ppo.kl_coef=abc: not a number`, `ppo=3: ppo is a section ...`, for OmegaConf's
+    "Value 'abc' of type 'str' could not be converted to Float"."""
+    key = err.full_key.split("[")[0]   # data.split[0] -> data.split
+    override = next((o.lstrip("+") for o in given if o.lstrip("+").partition("=")[0] == key),
+                    f"{key}={err.value}")
+    kind = re.search(r"could not be converted to (\w+)", str(err))
+    if kind and kind[1] in KINDS:
+        return f"{override}: {key} takes {KINDS[kind[1]]}" + (
+            "" if err.full_key == key else " for each item")
+    if "is not a subclass of" in str(err):
+        return (f"{override}: {key} is a section, not a value; set its keys, e.g. "
+                f"{key}.<name>=value (train.py --help lists them)")
+    return f"{override}: {str(err).splitlines()[0]}"
 
 
 def check_config(cfg: DictConfig) -> None:

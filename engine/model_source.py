@@ -5,6 +5,7 @@ otherwise fails in one line. engine/models.py loads from what this decides."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import socket
@@ -62,7 +63,10 @@ def model_source(spec: str, flag: str, tokenizer: bool = False, missing: str | N
             raise UserError(f"{named(flag, spec)}: directory has no {' or '.join(files)}; pass a "
                             f"Hugging Face {what}")
         return "local"
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if path.exists():
+        raise UserError(f"{named(flag, spec)}: a file, not a directory; pass the directory that "
+                        "holds the " + ("tokenizer" if tokenizer else "model (its config.json)"))
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise UserError(f"{named(flag, spec)}: no such directory; " + (
             missing or "pass a Hugging Face model directory (e.g. output/step3/actor), a hub "
             f"name or a preset ({', '.join([*PRESET_NAMES, *SHAPES])})"))
@@ -132,8 +136,10 @@ def _cached(spec: str, name: str) -> bool:
 
 
 def hub_error(spec: str, flag: str, why: str) -> UserError:
-    return UserError(f"{named(flag, spec)}: not a local directory or preset, and the Hugging Face hub "
-                     f"could not provide it ({why}); download it and pass the local directory")
+    near = difflib.get_close_matches(spec, [*PRESET_NAMES, *SHAPES], n=1, cutoff=0.8)
+    fix = f"did you mean the preset {near[0]}? Or download it" if near else "download it"
+    return UserError(f"{named(flag, spec)}: not a local directory or preset, and the Hugging "
+                     f"Face hub could not provide it ({why}); {fix} and pass the local directory")
 
 
 def hub_local_only(spec: str, flag: str) -> bool:

@@ -168,14 +168,49 @@ def test_malformed_override_is_one_line(capsys, override):
     assert override in one_line(err)
 
 
-@pytest.mark.parametrize("override, key", [("ppo.kl_coef=abc", "ppo.kl_coef"),
-                                           ("sft.epochs=true", "sft.epochs"),
-                                           ("data.split=[a,b,c]", "data.split")])
-def test_wrongly_typed_value_is_refused_up_front(capsys, tmp_path, override, key):
+@pytest.mark.parametrize("override, said", [
+    ("ppo.kl_coef=abc", "ppo.kl_coef=abc: ppo.kl_coef takes a number"),
+    ("sft.epochs=true", "sft.epochs=true: sft.epochs takes a whole number"),
+    ("sft.epochs=1.5", "sft.epochs=1.5: sft.epochs takes a whole number"),
+    ("data.split=[a,b,c]", "data.split=[a,b,c]: data.split takes a number for each item"),
+    ("sft.lora={dim: x}", "sft.lora.dim=x: sft.lora.dim takes a whole number"),
+    ("ppo=3", "ppo=3: ppo is a section, not a value; set its keys, e.g. ppo.<name>=value"),
+])
+def test_wrongly_typed_value_is_refused_up_front(capsys, tmp_path, override, said):
     code, err = run_main(capsys, "--output-dir", str(tmp_path / "out"), override)
     assert code == 2
-    assert key in one_line(err)
+    assert one_line(err).startswith(f"train.py: {said}"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_override_without_equals_says_to_write_key_value(capsys):
+    code, err = run_main(capsys, "ppo.kl_coef")
+    assert code == 2
+    assert one_line(err).startswith("train.py: bad override 'ppo.kl_coef': write key=value")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--step", "4"], "argument --step: invalid choice: 4 (choose from 1, 2, 3)"),
+])
+def test_a_bad_flag_is_one_line_not_the_usage(capsys, argv, said):
+    with pytest.raises(SystemExit) as exited:
+        train.parse_args(argv)
+    assert exited.value.code == 2
+    assert one_line(capsys.readouterr().err) == f"train.py: {said}; see train.py --help"
+
+
+def test_a_misspelt_preset_gets_a_suggestion(capsys, tmp_path):
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", "tiny-lama")
+    assert "did you mean the preset tiny-llama?" in line, line
+
+
+def test_a_model_path_that_is_a_file_says_so(capsys, tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", str(weights))
+    assert line == (f"train.py: --actor-model {weights}: a file, not a directory; pass the "
+                    "directory that holds the model (its config.json)")
 
 
 # ---------------------------------------------------------------------------------------------
