@@ -530,10 +530,11 @@ def _text_column(columns: dict[str, list[Any]], field: str, label: str) -> list[
     """columns[field], checked to be all strings (record numbers in errors are 1-based)."""
     values = columns[field]
     for i, value in enumerate(values):
-        if not isinstance(value, str):
-            got = "null" if value is None else type(value).__name__
-            raise DataError(f"{label} record {i + 1}: field '{field}' is not text (got {got}); fix "
-                            "or remove that record")
+        if not isinstance(value, str):   # (a record without the field reads as null)
+            what = "is missing or null" if value is None \
+                else f"is not text (got {type(value).__name__})"
+            raise DataError(f"{label} record {i + 1}: field '{field}' {what}; fix or remove "
+                            "that record")
     return values
 
 

@@ -418,15 +418,17 @@ def test_missing_rejected(tmp_path):
 
 @pytest.mark.parametrize("name", ["a.json", "a.jsonl.gz"])
 @pytest.mark.parametrize(
-    "bad, got", [(None, "null"), (3, "int"), (["x"], "list"), ({"k": 1}, "dict")]
+    "bad, said", [(None, "is missing or null"), (3, "is not text (got int)"),
+                  (["x"], "is not text (got list)"), ({"k": 1}, "is not text (got dict)"),
+                  ("absent", "is missing or null")]
 )
-def test_non_string_field(tmp_path, name, bad, got):
-    records = PROMPT_RECORDS + [{"prompt": "p", "chosen": bad, "rejected": "r"}]
-    path = WRITERS[name](tmp_path / name, records)
+def test_non_string_field(tmp_path, name, bad, said):
+    record = {"prompt": "p", "rejected": "r"} | ({} if bad == "absent" else {"chosen": bad})
+    path = WRITERS[name](tmp_path / name, PROMPT_RECORDS + [record])
     with pytest.raises(DataError) as exc:
         load_pairs(str(path))
     message = one_line(exc)
-    assert f"data file {path} record 3: field 'chosen' is not text (got {got})" in message
+    assert f"data file {path} record 3: field 'chosen' {said}; fix or remove" in message
 
 
 @pytest.mark.parametrize("bad, got", [(None, "null"), (3, "int")])
@@ -440,8 +442,8 @@ def test_non_string_field_parquet(tmp_path, bad, got):
     path = write_parquet(tmp_path / "a.parquet", records)
     with pytest.raises(DataError) as exc:
         load_pairs(str(path))
-    record = 2 if got == "null" else 1
-    expected = f"data file {path} record {record}: field 'rejected' is not text (got {got})"
+    record, said = (2, "is missing or null") if got == "null" else (1, "is not text (got int)")
+    expected = f"data file {path} record {record}: field 'rejected' {said}"
     assert expected in one_line(exc)
 
 
