@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 # torch, transformers and the engine are imported once the arguments and the model path are
 # checked: a mistyped flag or path fails at once, not after seconds of imports
 from engine.chat_format import HUMAN
-from engine.errors import UserError
+from engine.errors import OneLineParser, UserError
 from engine.model_source import adapter_base, model_source, require_tokenizer_files
 
 if TYPE_CHECKING:
@@ -183,7 +183,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
+        prog="chat.py",
         description="Chat with a trained causal LM, in the format it was trained in.")
     p.add_argument("--path", required=True, help="model directory, e.g. output/step3/actor")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -34,7 +34,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from engine.errors import UserError
+from engine.errors import OneLineParser, UserError
 from steps.config import (
     DEFAULTS,
     FINISHED,
@@ -119,13 +119,6 @@ def _flag_help(key: str, options: dict, text: str) -> str:
     const = f"={as_yaml(options['const'])}" if "const" in options else ""
     default = "" if DEFAULTS[key] is None else f"; default {as_yaml(DEFAULTS[key])}"
     return f"{text} [{key}{const}{default}]".lstrip()
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A bad flag is one line, like every other refusal, not the 16-line usage."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

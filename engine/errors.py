@@ -1,5 +1,15 @@
 """Errors a user can cause: train.py prints them as one line and exits non-zero."""
 
+import argparse
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, like every other refusal, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
 
 class UserError(Exception):
     """Bad input (a flag, a path, a config value). The message says what to do."""

@@ -440,6 +440,28 @@ def test_error_missing_path_cli(tmp_path):
     assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr
 
 
+def test_error_a_path_that_is_a_file(tmp_path, capsys):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    assert chat.main(["--path", str(weights)]) == 2
+    assert capsys.readouterr().err == (f"chat.py: --path {weights}: a file, not a directory; "
+                                       "pass the directory that holds the model (its "
+                                       "config.json)\n")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--path", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--path", "x", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+])
+def test_error_an_unknown_flag_is_one_line(argv, said, capsys):
+    with pytest.raises(SystemExit) as exited:
+        chat.parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"chat.py: {said}") and err.endswith("; see chat.py --help\n"), err
+    assert err.count("\n") == 1
+
+
 def test_error_dir_without_config(tmp_path, capsys):
     assert chat.main(["--path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
