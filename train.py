@@ -278,10 +278,12 @@ def check_config(cfg: DictConfig) -> None:
         from steps.algorithms import check_settings, model_paths
 
         check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
-        from steps.ppo import check_rollout_fits
-
         made = tuple(s for s in steps if s < 3)   # checked now, not after hours of steps 1-2
-        check_rollout_fits(cfg, *model_paths(cfg, made=made), made)
+        paths = model_paths(cfg, made=made)
+        if not needs_launcher(cfg):   # needs transformers: torchrun's ranks check it at start
+            from steps.ppo import check_rollout_fits
+
+            check_rollout_fits(cfg, *paths, made)
     plan_steps(cfg)
 
 

@@ -597,6 +597,16 @@ def test_a_rollout_longer_than_a_learned_position_table_is_refused_before_step_1
     assert "at most 64" in line
 
 
+def test_under_torchrun_each_rank_checks_the_rollout_length(tmp_path, monkeypatch):
+    """The launcher's process stays without transformers (tests/test_launch.py): there the
+    check waits for the ranks, which make it before step 1 as one process does."""
+    argv = ("--output-dir", str(tmp_path / "out"), "--actor-model", "tiny-gpt2",
+            "--reward-model", "tiny-llama", "ppo.max_new_tokens=5000", "engine.procs=2")
+    train.check_config(config(*argv))   # the launcher: torchrun's ranks will check
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")   # a rank
+    assert "reads up to 5256 tokens, but --actor-model tiny-gpt2" in refusal(*argv)
+
+
 def test_the_steps_key_runs_each_step_once_in_order():
     assert list(config("steps=[3,1,1]").steps) == [1, 3]
 
