@@ -614,6 +614,7 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     from steps.data import DataError
 
     rank = int(os.environ.get("RANK", 0)) if launched_by_torchrun() else None
+    cfg = None
     try:
         cfg = build_config(args)
         check_config(cfg)
@@ -636,7 +637,29 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     except (UserError, DataError) as err:
         _user_error(err, rank)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C: what is kept and what the same command does next
+        print(f"train.py: {_interrupted(cfg)}", file=sys.stderr, flush=True)
+        return 130
     return 0
+
+
+PLANNED = {"skip": "is kept", "resume": "resumes from its last checkpoint",
+           "restart": "runs again (stopped before its first checkpoint)", "run": "runs"}
+
+
+def _interrupted(cfg: DictConfig | None) -> str:
+    """'interrupted; ...: step 1 is kept, step 2 resumes from its last checkpoint, ...'."""
+    if cfg is None:
+        return "interrupted"
+    again = cfg.copy()
+    again.resume = "auto"
+    try:
+        plan = plan_steps(again)
+    except UserError:
+        return "interrupted"
+    how = "run the same command" + (" with resume=auto" if cfg.resume == "false" else "")
+    return f"interrupted; {how} to go on: " + ", ".join(f"step {step} {PLANNED[mode]}"
+                                                         for step, mode in plan)
 
 
 def _user_error(err: Exception, rank: int | None) -> None:

@@ -659,3 +659,44 @@ def test_a_selected_step_without_data_is_refused_naming_the_split(argv, said):
     train.check_config(config("--step", "3", "data.split=[0,1,1]",   # step 3 alone: fine
                               "ppo.actor_path=tiny-llama", "ppo.reward_model_weight=0",
                               "ppo.reward_fn=steps.demo:score"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: one line that says what the same command does next, not a traceback
+
+
+@pytest.mark.parametrize("checkpointed, resume, said", [
+    (True, "auto", "run the same command to go on: step 1 is kept, step 2 resumes from its "
+                   "last checkpoint, step 3 runs"),
+    (False, "auto", "run the same command to go on: step 1 is kept, step 2 runs again "
+                    "(stopped before its first checkpoint), step 3 runs"),
+    (True, "false", "run the same command with resume=auto to go on: step 1 is kept, step 2 "
+                    "resumes from its last checkpoint, step 3 runs"),
+], ids=["checkpointed", "before-the-first-checkpoint", "resume-false"])
+def test_ctrl_c_says_what_the_same_command_does_next(capsys, tmp_path, monkeypatch,
+                                                     checkpointed, resume, said):
+    import steps.reward
+    import steps.sft
+
+    out = tmp_path / "out"
+
+    def sft(cfg, *_):
+        (out / "actor").mkdir(parents=True)
+        steps.config.step_dir(cfg, 1).mkdir()
+
+    def interrupted_reward(cfg, *_):
+        steps.config.step_dir(cfg, 2).mkdir()
+        if checkpointed:
+            (steps.config.step_dir(cfg, 2) / "checkpoints" / "step-00000004").mkdir(parents=True)
+            (steps.config.step_dir(cfg, 2) / "checkpoints" / "step-00000004" / "state.json"
+             ).write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(steps.sft, "run", sft)
+    monkeypatch.setattr(steps.reward, "run", interrupted_reward)
+    try:
+        code, err = run_main(capsys, "--output-dir", str(out), f"resume={resume}", *SMALL)
+    except KeyboardInterrupt:   # (escaping, it would stop pytest itself)
+        pytest.fail("Ctrl-C escaped train.main as a traceback")
+    assert code == 130
+    assert one_line(err) == f"train.py: interrupted; {said}"
