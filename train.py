@@ -492,7 +492,8 @@ def launch(cfg: DictConfig, argv: list[str], script: str) -> int:
     else:
         where = Launch(nproc_per_node=procs, nnodes=lc.nnodes, node_rank=lc.node_rank or 0,
                        master_addr=lc.master_addr, master_port=lc.master_port, standalone=False)
-    print(f"launching {where.nproc_per_node} processes on this node"
+    procs = where.nproc_per_node
+    print(f"launching {procs} process{'es' if procs > 1 else ''} on this node"
           + (f" (node {where.node_rank} of {where.nnodes}, master {where.master_addr}:"
              f"{where.master_port})" if not where.standalone else "") + " through torchrun",
           flush=True)

@@ -6,6 +6,7 @@ its own rendezvous flags. No launcher of our own: a user with a cluster can equa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -137,6 +138,10 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
     args = get_args_parser().parse_args(torchrun_args(launch, script, script_args))
+    # its "failed (exitcode: 2) local_rank: 0 ..." log lines say less than the one line below
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    elastic.setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as err:
@@ -151,8 +156,11 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
         if "timestamp" in failure.error_file_data and rank != 0 and \
                 failure.error_file_data.get("error") != said_by_0:
             print(failure.message, file=sys.stderr)
+        ranks = launch.nproc_per_node * launch.nnodes
         print(f"{Path(script).name}: rank {rank} failed ({how})"
-              f"{'; its error is printed above' if failure.exitcode > 0 else ''}; all "
-              f"{launch.nproc_per_node * launch.nnodes} ranks stopped", file=sys.stderr)
+              f"{'; its error is printed above' if failure.exitcode > 0 else ''}"
+              + (f"; all {ranks} ranks stopped" if ranks > 1 else ""), file=sys.stderr)
         return 2 if failure.exitcode == 2 else 1
+    finally:
+        elastic.setLevel(level)
     return 0

@@ -399,6 +399,7 @@ def test_a_user_error_on_another_rank_than_0_is_printed_once_with_its_exit_code(
     assert result.stderr.count("injected refusal on rank 1") == 1, result.stderr
     assert "train.py: rank 1: injected refusal on rank 1" in result.stderr
     assert "faulty_train.py: rank 1 failed (exit code 2)" in result.stderr
+    assert "exitcode" not in result.stderr, result.stderr   # torchrun's own log lines: quiet
 
 
 def test_the_datas_warnings_are_printed_once_not_by_every_rank(tmp_path):
