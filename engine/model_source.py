@@ -61,7 +61,8 @@ def model_source(spec: str, flag: str, tokenizer: bool = False, missing: str | N
         if not any((path / name).exists() for name in files):
             what = "tokenizer directory" if tokenizer else "model directory (e.g. output/actor)"
             raise UserError(f"{named(flag, spec)}: directory has no {' or '.join(files)}; pass a "
-                            f"Hugging Face {what}")
+                            f"Hugging Face {what}"
+                            + models_inside(spec, files, "tokenizers" if tokenizer else "models"))
         return "local"
     if path.exists():
         raise UserError(f"{named(flag, spec)}: a file, not a directory; pass the directory that "
@@ -71,6 +72,18 @@ def model_source(spec: str, flag: str, tokenizer: bool = False, missing: str | N
             missing or "pass a Hugging Face model directory (e.g. output/step3/actor), a hub "
             f"name or a preset ({', '.join([*PRESET_NAMES, *SHAPES])})"))
     return "hub"
+
+
+def models_inside(spec: str, files: tuple[str, ...] = ("config.json",), what: str = "models"
+                  ) -> str:
+    """A hint naming the directories right under `spec` that hold one of `files`, for a
+    path one level too high (output/step3 for output/step3/actor); '' when there are none."""
+    try:   # an unknown ~user, an unreadable directory: no hint
+        found = sorted(str(Path(spec) / sub.name) for sub in Path(spec).expanduser().iterdir()
+                       if sub.is_dir() and any((sub / name).exists() for name in files))
+    except (OSError, RuntimeError):
+        return ""
+    return f"; the {what} in it: {', '.join(found)}" if found else ""
 
 
 def adapter_base(spec: str) -> str | None:

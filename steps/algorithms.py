@@ -56,7 +56,7 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
     shape probe, e.g. llama-70b). `made`: the steps this run trains first (train.py checks
     before step 1), whose outputs (<output_dir>/actor, /reward) count as there, however a
     key spells them (the critic may start from the step-1 actor)."""
-    from engine.model_source import is_preset
+    from engine.model_source import is_preset, models_inside
 
     out, ppo = Path(cfg.output_dir), cfg.ppo
     actor_path = ppo.actor_path or str(out / "actor")
@@ -73,7 +73,7 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
             continue
         if OmegaConf.select(cfg, key):   # the user's own path: no such model
             raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "
-                            "model directory; check the path")
+                            f"model directory; check the path{models_inside(path)}")
         alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
                  if key == "ppo.reward_path" else "")
         raise UserError(f"step 3 needs the {what} at {path}: run its step first "

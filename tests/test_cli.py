@@ -213,6 +213,24 @@ def test_a_model_path_that_is_a_file_says_so(capsys, tmp_path):
                     "directory that holds the model (its config.json)")
 
 
+def test_a_model_path_one_level_too_high_names_the_models_in_it(capsys, tmp_path):
+    """output/step3 for output/step3/actor: the refusal names the directories that would do."""
+    step3 = tmp_path / "step3"
+    for name, files in (("actor", ["config.json"]), ("critic", ["config.json"]),
+                        ("profile", ["ops.txt"])):
+        (step3 / name).mkdir(parents=True)
+        for file in files:
+            (step3 / name / file).write_text("{}")
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", str(step3))
+    assert line.endswith(f"; the models in it: {step3 / 'actor'}, {step3 / 'critic'}"), line
+    line = refusal("--output-dir", str(tmp_path / "out"), f"ppo.critic_path={step3}")
+    assert line.startswith(f"ppo.critic_path={step3}: no config.json there"), line
+    assert line.endswith(f"; the models in it: {step3 / 'actor'}, {step3 / 'critic'}"), line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = refused(capsys, tmp_path / "out", "--step", "1", "--actor-model", str(empty))
+    assert line.endswith("pass a Hugging Face model directory (e.g. output/actor)"), line
+
 # ---------------------------------------------------------------------------------------------
 # bad input: exit 2, one line that names the problem, nothing written
 
