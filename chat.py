@@ -209,6 +209,8 @@ def parse_args(argv=None):
         raise UserError("--top-p must be in (0, 1]")
     if args.top_k < 0:
         raise UserError("--top-k must be >= 0 (0 = off)")
+    if args.seed is not None and not 0 <= args.seed < 2**32:   # numpy's seeds, in set_seed
+        raise UserError(f"--seed {args.seed}: give a whole number from 0 to 2**32 - 1")
     return args
 
 

@@ -566,13 +566,15 @@ def test_error_hub_name_offline(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--temperature", "0"], ["--top-p", "0"], ["--max-new-tokens", "0"], ["--device", "cuda"]],
+    [["--temperature", "0"], ["--top-p", "0"], ["--max-new-tokens", "0"], ["--device", "cuda"],
+     ["--top-k", "-1"], ["--seed", "-1"], ["--seed", str(2**32)]],
 )
-def test_error_bad_flags(flags, tmp_path, capsys):
+def test_error_bad_flags(flags, opt_dir, capsys):
     if flags == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    assert chat.main(["--path", str(tmp_path), *flags]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
+    assert chat.main(["--path", str(opt_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flags[0] in err, err
 
 
 def test_error_context_too_small(opt_dir, capsys):
