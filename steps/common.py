@@ -155,6 +155,9 @@ def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
     if stats.truncated_answer:
         parts.append(f"{stats.truncated_answer} answers cut to data.max_answer_len="
                      f"{max_answer_len} tokens")
+    if stats.dropped_tied:
+        parts.append(f"{stats.dropped_tied} dropped (chosen and rejected the same tokens, up to "
+                     f"data.max_answer_len={max_answer_len}: no preference to learn)")
     log(", ".join(parts))
 
 
@@ -162,7 +165,7 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
                      or_else: str = "") -> None:
     """Stop a step that filtering left with nothing to train on, saying why (`or_else`: a
     further way out, e.g. turning off what needs the examples)."""
-    total = stats.dropped_long_prompt + stats.dropped_empty_prompt
+    total = stats.dropped_long_prompt + stats.dropped_empty_prompt + stats.dropped_tied
     if stats.kept == 0 and total == 0:   # train.py's require_shares says more, up front
         raise DataError(f"step {step} has no {what}: its share of data.split holds no pairs; "
                         "add data or raise its weight in data.split")
@@ -171,8 +174,12 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
                f"data.max_prompt_len={max_prompt_len} tokens"] if stats.dropped_long_prompt else []
         if stats.dropped_empty_prompt:
             why.append(f"{stats.dropped_empty_prompt} of {total} prompts are empty (0 tokens)")
+        if stats.dropped_tied:
+            why.append(f"{stats.dropped_tied} of {total} pairs have the same chosen and rejected "
+                       f"tokens up to data.max_answer_len")
         fixes = ["add data", *(["raise data.max_prompt_len"] if stats.dropped_long_prompt
-                               else []), *([or_else] if or_else else [])]
+                               else []), *(["raise data.max_answer_len where answers part past it"] if stats.dropped_tied
+                                           else []), *([or_else] if or_else else [])]
         said = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
         raise DataError(f"step {step} has no {what} after filtering: {', '.join(why)}; {said}")
 

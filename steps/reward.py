@@ -25,7 +25,12 @@ from steps.common import (
 )
 from steps.data import PreferencePair
 from steps.rlhf import pairwise_reward_loss
-from steps.tokenize import PairExample, collate_packed_pairs, collate_pairs, tokenize_pairs
+from steps.tokenize import (
+    PairExample,
+    collate_packed_pairs,
+    collate_pairs,
+    tokenize_preferences,
+)
 
 
 def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample]
@@ -89,7 +94,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         actor = str(Path(cfg.output_dir) / "actor")
         require_trained_format(cfg, load_tokenizer(actor, flag="ppo.actor_path"), actor,
                                "step 2")
-    train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer, tokenize_pairs)
+    train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer,
+                                       tokenize_preferences)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
                                lora=rm.lora, lora_key="rm.lora",

@@ -40,6 +40,7 @@ class TokenizeStats(NamedTuple):
     dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
     truncated_answer: int      # answers of kept examples cut to max_answer_len (a pair: 0-2)
     dropped_empty_prompt: int = 0   # step-3 prompts dropped: 0 tokens, nothing to generate from
+    dropped_tied: int = 0      # step-2 pairs dropped: chosen and rejected the same tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,13 +134,15 @@ def _answer_ids(following: list[list[int]], eos_id: int, max_answer_len: int,
 
 def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
               max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any],
-              keep_eos: bool = False, drop_empty: bool = False) -> tuple[list, TokenizeStats]:
+              keep_eos: bool = False, drop_empty: bool = False, drop_tied: bool = False
+              ) -> tuple[list, TokenizeStats]:
     """`make(prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
     tokens, e.g. BOS) fits in max_prompt_len tokens, the answers being its `sides` ("chosen",
     "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts the answers
     cut). `drop_empty`: prompts of 0 tokens (an empty prompt with a tokenizer that
-    adds no BOS) are dropped and counted too. The tokenizer needs an EOS even with no sides:
-    generation stops on it."""
+    adds no BOS) are dropped and counted too; `drop_tied`: so are pairs whose answers are
+    the same ids once cut. The tokenizer needs an EOS even with no sides: generation stops
+    on it."""
     if max_prompt_len < 1 or max_answer_len < 1:
         raise ValueError(f"max_prompt_len and max_answer_len must be >= 1, got {max_prompt_len}, "
                          f"{max_answer_len}")
@@ -155,9 +158,11 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
     long = sum(len(prompt) > max_prompt_len for prompt in prompts)
     kept = [i for i, prompt in enumerate(prompts)
             if len(prompt) <= max_prompt_len and (prompt or not drop_empty)]
+    tied = {i for i in kept if drop_tied and len({tuple(ids[i]) for ids, _ in answers}) == 1}
+    kept = [i for i in kept if i not in tied]
     examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
     truncated = sum(was_cut[i] for _, was_cut in answers for i in kept)
-    return examples, TokenizeStats(len(kept), long, truncated, empty)
+    return examples, TokenizeStats(len(kept), long, truncated, empty, len(tied))
 
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
@@ -170,14 +175,23 @@ def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
-                   max_answer_len: int) -> tuple[list[PairExample], TokenizeStats]:
+                   max_answer_len: int, drop_tied: bool = False
+                   ) -> tuple[list[PairExample], TokenizeStats]:
     """Reward-model examples: chosen_ids = prompt ids + chosen answer ids + EOS, rejected_ids
     likewise; a cut answer keeps its EOS, so the model always reads a score at EOS (where
-    step 3 reads it: steps/scoring.py)."""
+    step 3 reads it: steps/scoring.py). `drop_tied`: drop (and count) pairs whose answers
+    are the same ids, e.g. answers that differ only past max_answer_len: they teach no
+    preference, and a tie counts as wrong in the accuracy."""
     return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen", "rejected"),
                      lambda prompt, chosen, rejected: PairExample(prompt + chosen,
                                                                   prompt + rejected),
-                     keep_eos=True)
+                     keep_eos=True, drop_tied=drop_tied)
+
+
+def tokenize_preferences(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
+                         max_answer_len: int) -> tuple[list[PairExample], TokenizeStats]:
+    """Step 2's training and evaluation pairs: tokenize_pairs without the tied ones."""
+    return tokenize_pairs(pairs, tokenizer, max_prompt_len, max_answer_len, drop_tied=True)
 
 
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int

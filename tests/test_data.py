@@ -44,6 +44,7 @@ from steps.tokenize import (
     collate_prompts,
     collate_sft,
     tokenize_pairs,
+    tokenize_preferences,
     tokenize_prompts,
     tokenize_sft,
 )
@@ -751,6 +752,33 @@ def test_the_answers_cut_are_counted_as_answers(opt_tokenizer, capsys):
     report_tokenized("step 2 train", stats, 4, 3)
     assert capsys.readouterr().out == ("step 2 train: 1 examples, 2 answers cut to "
                                        "data.max_answer_len=3 tokens\n")
+
+
+def test_step_2_drops_and_counts_pairs_whose_answers_are_the_same_tokens(opt_tokenizer, capsys):
+    """A tie (the same answer twice, or two that part only past max_answer_len) has a zero
+    gradient in the pairwise loss and counted as a wrong answer in step 2's accuracy."""
+    pairs = [PreferencePair("Hello", " world", " world"),                # the same text
+             PreferencePair("Hello", " a b c d e", " a b c x y"),         # the same once cut
+             PreferencePair("Hello", " world", " there")]
+    examples, stats = tokenize_preferences(pairs, opt_tokenizer, max_prompt_len=8,
+                                           max_answer_len=4)
+    assert stats == TokenizeStats(kept=1, dropped_long_prompt=0, truncated_answer=0,
+                                  dropped_tied=2)
+    assert examples == tokenize_pairs(pairs[2:], opt_tokenizer, 8, 4)[0]
+    # step 3 scores an answer as a pair of it with itself: nothing is dropped there
+    assert tokenize_pairs(pairs, opt_tokenizer, 8, 4)[1].kept == 3
+    assert tokenize_preferences(pairs, opt_tokenizer, 8, 5)[1].dropped_tied == 1
+    report_tokenized("step 2 train", stats, 8, 4)
+    assert capsys.readouterr().out == (
+        "step 2 train: 1 examples, 2 dropped "
+        "(chosen and rejected the same tokens, up to data.max_answer_len=4: no preference to "
+        "learn)\n")
+    _, stats = tokenize_preferences(pairs[:2], opt_tokenizer, 8, 4)
+    with pytest.raises(DataError) as exc:
+        require_examples(2, "training pairs", stats, 8)
+    assert one_line(exc) == ("step 2 has no training pairs after filtering: 2 of 2 pairs have "
+                             "the same chosen and rejected tokens up to data.max_answer_len; add "
+                             "data or raise data.max_answer_len where answers part past it")
 
 
 def test_tokenizer_without_eos(opt_tokenizer):
