@@ -13,10 +13,12 @@ key of steps/config.py (see --help for all keys).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -611,23 +613,24 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     (this file; a test harness passes its own wrapper)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from engine.launch import launched_by_torchrun
+    from engine.launch import Stopped, launched_by_torchrun, signals_stop_the_run
     from steps.data import DataError
 
     rank = int(os.environ.get("RANK", 0)) if launched_by_torchrun() else None
     cfg = None
-    try:
-        cfg = build_config(args)
-        check_config(cfg)
-        if needs_launcher(cfg):
-            return launch(cfg, argv, str(Path(script).resolve()))
-        import transformers
+    try:   # a rank is stopped by its launcher, which says what happened
+        with signals_stop_the_run() if rank is None else contextlib.nullcontext():
+            cfg = build_config(args)
+            check_config(cfg)
+            if needs_launcher(cfg):
+                return launch(cfg, argv, str(Path(script).resolve()))
+            import transformers
 
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        if rank is not None:
-            return _run_rank(cfg, rank)
-        run(cfg)
+            transformers.logging.set_verbosity_error()
+            transformers.logging.disable_progress_bar()
+            if rank is not None:
+                return _run_rank(cfg, rank)
+            run(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         reason = " ".join(str(err).split("\n")[:2]).strip()
         cause = str(err.__cause__).split("\n")[0] if err.__cause__ else ""
@@ -638,9 +641,10 @@ def main(argv: list[str] | None = None, script: str = __file__) -> int:
     except (UserError, DataError) as err:
         _user_error(err, rank)
         return 2
-    except KeyboardInterrupt:   # Ctrl-C: what is kept and what the same command does next
-        print(f"train.py: {_interrupted(cfg)}", file=sys.stderr, flush=True)
-        return 130
+    except (KeyboardInterrupt, Stopped) as err:   # what is kept, what the same command does
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"train.py: {_interrupted(cfg, signum)}", file=sys.stderr, flush=True)
+        return 128 + signum
     return 0
 
 
@@ -648,19 +652,22 @@ PLANNED = {"skip": "is kept", "resume": "resumes from its last checkpoint",
            "restart": "runs again (stopped before its first checkpoint)", "run": "runs"}
 
 
-def _interrupted(cfg: DictConfig | None) -> str:
-    """'interrupted; ...: step 1 is kept, step 2 resumes from its last checkpoint, ...'."""
+def _interrupted(cfg: DictConfig | None, signum: int = signal.SIGINT) -> str:
+    """'interrupted; ...: step 1 is kept, step 2 resumes from its last checkpoint, ...' (for
+    Ctrl-C; 'stopped by SIGTERM; ...' for a kill)."""
+    what = "interrupted" if signum == signal.SIGINT else \
+        f"stopped by {signal.Signals(signum).name}"
     if cfg is None:
-        return "interrupted"
+        return what
     again = cfg.copy()
     again.resume = "auto"
     try:
         plan = plan_steps(again)
     except UserError:
-        return "interrupted"
+        return what
     how = "run the same command" + (" with resume=auto" if cfg.resume == "false" else "")
-    return f"interrupted; {how} to go on: " + ", ".join(f"step {step} {PLANNED[mode]}"
-                                                         for step, mode in plan)
+    return f"{what}; {how} to go on: " + ", ".join(f"step {step} {PLANNED[mode]}"
+                                                   for step, mode in plan)
 
 
 def _user_error(err: Exception, rank: int | None) -> None:
@@ -693,6 +700,8 @@ def _run_rank(cfg: DictConfig, rank: int) -> NoReturn:
     except (UserError, DataError) as err:
         _user_error(err, rank)
         os._exit(2)
+    except KeyboardInterrupt:   # torchrun passes on a Ctrl-C; the launcher says what it kept
+        os._exit(128 + signal.SIGINT)
     except BaseException as err:  # noqa: BLE001 - any failure must stop the whole job
         if lost_peer(err):
             print(f"train.py: rank {rank} stopped: another rank failed or hung "

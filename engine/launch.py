@@ -8,9 +8,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +25,37 @@ from engine.errors import UserError
 PEER_LOST_EXIT = 3
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
               "timed out", "Broken pipe")
+
+
+class Stopped(BaseException):
+    """A signal stopped the run: a kill or a scheduler's preemption (SIGTERM), a closed
+    terminal (SIGHUP), or, from torchrun, Ctrl-C too. A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def signals_stop_the_run() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Stopped in the block, as SIGINT raises KeyboardInterrupt, so
+    that a killed or preempted run can say what it keeps instead of vanishing mid-line; the
+    handlers before are restored after. Outside the main thread (where signal.signal cannot
+    be called) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def launched_by_torchrun() -> bool:
@@ -131,6 +166,7 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
     """Run `script` on every process of this node; returns 0, or the exit code of the rank
     that failed first (2: a user error, else 1) after saying which one it was and, if that
     rank did not print it (only rank 0 prints a user error), its error."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -138,10 +174,13 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // launch.nproc_per_node)))
     args = get_args_parser().parse_args(torchrun_args(launch, script, script_args))
-    # its "failed (exitcode: 2) local_rank: 0 ..." log lines say less than the one line below
-    elastic = logging.getLogger("torch.distributed.elastic")
-    level = elastic.level
-    elastic.setLevel(logging.CRITICAL)
+    # its "failed (exitcode: 2) local_rank: 0 ..." and "Received 2 death signal" log lines
+    # say less than our one line; several of its loggers set a level of their own
+    elastic = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.split(".")[:3] == ["torch", "distributed", "elastic"]]
+    levels = [logger.level for logger in elastic]
+    for logger in elastic:
+        logger.setLevel(logging.CRITICAL)
     try:
         run(args)
     except ChildFailedError as err:
@@ -161,6 +200,9 @@ def run_torchrun(launch: Launch, script: str, script_args: list[str]) -> int:
               f"{'; its error is printed above' if failure.exitcode > 0 else ''}"
               + (f"; all {ranks} ranks stopped" if ranks > 1 else ""), file=sys.stderr)
         return 2 if failure.exitcode == 2 else 1
+    except SignalException as err:   # Ctrl-C or a kill of the launcher; torchrun stopped the ranks
+        raise Stopped(err.sigval) from None
     finally:
-        elastic.setLevel(level)
+        for logger, level in zip(elastic, levels, strict=True):
+            logger.setLevel(level)
     return 0

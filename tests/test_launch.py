@@ -202,6 +202,51 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("procs, signum, said", [
+    (2, signal.SIGINT, "interrupted"),
+    (1, signal.SIGTERM, "stopped by SIGTERM"),
+], ids=["ctrl-c-of-torchrun", "kill-of-one-process"])
+def test_a_stopped_run_says_in_one_line_what_the_same_command_does_next(
+        tmp_path, procs, signum, said):
+    """Ctrl-C of a torchrun job printed torchrun's SignalException traceback under each
+    rank's KeyboardInterrupt traceback, exit 1; a kill (a scheduler's preemption) of one
+    process ended it mid-line. Both now say what the same command does next, exit 128 +
+    the signal, and leave no rank behind."""
+    psutil = pytest.importorskip("psutil")
+    launcher = subprocess.Popen(
+        [sys.executable, "train.py", "--step", "1", "--output-dir", str(tmp_path),
+         f"engine.procs={procs}", "engine.device=cpu", "sft.epochs=100",
+         "logging.progress=false"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "step1").exists():   # training has started
+            assert launcher.poll() is None and time.monotonic() < deadline, "no run started"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                 if "train.py" in " ".join(p.cmdline())]
+        assert len(ranks) == (procs if procs > 1 else 0)
+        launcher.send_signal(signum)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 128 + signum, err
+        assert err.splitlines()[-1:] == [
+            f"train.py: {said}; run the same command to go on: step 1 resumes from its last "
+            "checkpoint"] or err.splitlines()[-1:] == [
+            f"train.py: {said}; run the same command to go on: step 1 runs again (stopped "
+            "before its first checkpoint)"], err
+        assert "Traceback" not in err and "death signal" not in err, err
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks still running: {alive}"
+    finally:
+        for process in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
 def _failure(tmp_path: Path, rank: int, exitcode: int, message: str, error: str,
              timestamp: int):
     """torchrun's record of a rank that ended with `exitcode`, its error file as
