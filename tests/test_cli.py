@@ -718,3 +718,19 @@ def test_ctrl_c_says_what_the_same_command_does_next(capsys, tmp_path, monkeypat
         pytest.fail("Ctrl-C escaped train.main as a traceback")
     assert code == 130
     assert one_line(err) == f"train.py: interrupted; {said}"
+
+
+@pytest.mark.parametrize("dtype, warned", [("float16", True), ("bfloat16", False)])
+def test_float16_on_the_cpu_is_said_to_be_slow(capsys, tmp_path, monkeypatch, dtype, warned):
+    """The demo's step 1 took 90 s in float16 on the CPU against 4.7 s in float32."""
+    import steps.sft
+
+    def sft(cfg, *_):
+        steps.config.step_dir(cfg, 1).mkdir(parents=True)
+
+    monkeypatch.setattr(steps.sft, "run", sft)
+    code = train.main(["--step", "1", "--output-dir", str(tmp_path / "out"), "engine.device=cpu",
+                       f"engine.dtype={dtype}", *SMALL])
+    assert code == 0
+    said = "engine.dtype=float16 on the CPU: most CPUs have no float16 arithmetic"
+    assert (said in capsys.readouterr().out) == warned
