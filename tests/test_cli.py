@@ -670,11 +670,12 @@ def test_a_yaml_inf_is_refused():
     (("--step", "3", "data.split=[0,1,1]", "ppo.ptx.enabled=true"),
      "ppo.ptx trains on step 1's share, and its weight (entry 1) is 0"),
 ], ids=["step2", "step1", "step3-reward-fn", "ptx"])
-def test_a_selected_step_without_data_is_refused_naming_the_split(argv, said):
+def test_a_selected_step_without_data_is_refused_naming_the_split(tmp_path, argv, said):
     """Before step 1 runs, not blamed on data.max_prompt_len once step 2 finds no pairs."""
-    line = refusal(*argv)
+    out = ("--output-dir", str(tmp_path / "out"))   # not ./output: the demo may have run there
+    line = refusal(*out, *argv)
     assert line.startswith("data.split=[") and said in line, line
-    train.check_config(config("--step", "3", "data.split=[0,1,1]",   # step 3 alone: fine
+    train.check_config(config(*out, "--step", "3", "data.split=[0,1,1]",   # step 3 alone: fine
                               "ppo.actor_path=tiny-llama", "ppo.reward_model_weight=0",
                               "ppo.reward_fn=steps.demo:score"))
 
