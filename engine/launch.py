@@ -41,8 +41,9 @@ class Stopped(BaseException):
 def signals_stop_the_run() -> Iterator[None]:
     """SIGTERM and SIGHUP raise Stopped in the block, as SIGINT raises KeyboardInterrupt, so
     that a killed or preempted run can say what it keeps instead of vanishing mid-line; the
-    handlers before are restored after. Outside the main thread (where signal.signal cannot
-    be called) nothing changes."""
+    handlers before are restored after. Only where a signal has its default action: one
+    ignored (SIGHUP under nohup) or handled by the caller stays so. Outside the main thread
+    (where signal.signal cannot be called) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -50,7 +51,8 @@ def signals_stop_the_run() -> Iterator[None]:
     def stop(signum, frame):
         raise Stopped(signum)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(signum) is signal.SIG_DFL}
     try:
         yield
     finally:

@@ -247,6 +247,28 @@ def test_a_stopped_run_says_in_one_line_what_the_same_command_does_next(
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+def test_signals_stop_the_run_where_they_have_their_default_action():
+    """SIGTERM raises Stopped in the block and has its handler back after; a SIGHUP that
+    nohup ignores stays ignored (raising on it would stop a run when its terminal closed)."""
+    from engine.launch import Stopped, signals_stop_the_run
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with pytest.raises(Stopped) as stopped, signals_stop_the_run():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)   # ignored, as under nohup
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)   # the handler raises at the next bytecode, well before this ends
+        assert stopped.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def _failure(tmp_path: Path, rank: int, exitcode: int, message: str, error: str,
              timestamp: int):
     """torchrun's record of a rank that ended with `exitcode`, its error file as
