@@ -573,8 +573,7 @@ def run(cfg: DictConfig) -> dict[int, float]:
         + (f", {rt.world_size} ranks" if rt.distributed else ""))
     if rt.device.type == "cpu" and str(rt.dtype) == "torch.float16":
         log("engine.dtype=float16 on the CPU: most CPUs have no float16 arithmetic, so it "
-            "runs many times slower than float32 (19x in the demo's step 1 on a 2-core AMD "
-            "EPYC); use float32, or bfloat16")
+            "runs many times slower than float32 (see the README); use float32, or bfloat16")
     seconds = {}
     out = Path(cfg.output_dir)
     out_existed = out.exists()

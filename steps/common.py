@@ -177,9 +177,11 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
         if stats.dropped_tied:
             why.append(f"{stats.dropped_tied} of {total} pairs have the same chosen and rejected "
                        f"tokens up to data.max_answer_len")
-        fixes = ["add data", *(["raise data.max_prompt_len"] if stats.dropped_long_prompt
-                               else []), *(["raise data.max_answer_len where answers part past it"] if stats.dropped_tied
-                                           else []), *([or_else] if or_else else [])]
+        fixes = ["add data",
+                 *(["raise data.max_prompt_len"] if stats.dropped_long_prompt else []),
+                 *(["raise data.max_answer_len where answers part past it"]
+                   if stats.dropped_tied else []),
+                 *([or_else] if or_else else [])]
         said = f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0]
         raise DataError(f"step {step} has no {what} after filtering: {', '.join(why)}; {said}")
 
