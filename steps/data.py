@@ -162,6 +162,8 @@ def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int
     results = [parse(columns, where) for where, columns in tables]
     records = [record for found, _ in results for record in found]
     skipped = sum(count for _, count in results)
+    if not records and not skipped:
+        raise DataError(f"{label}: no records; check {key}")
     if not records:
         raise DataError(f"{label}: no usable {what} ({skipped} records, all {why}); "
                         f"check {key}")

@@ -89,6 +89,11 @@ def test_prompt_records_without_the_prompt_field_name_the_key(tmp_path):
     with pytest.raises(DataError, match=r"data file not found: .*missing.jsonl; check "
                                         r"ppo.prompt_data"):
         load_prompt_records(str(tmp_path / "missing.jsonl"))
+    empty = tmp_path / "empty.jsonl"   # said to be "0 records, all empty or ending in ..."
+    empty.write_text("")
+    with pytest.raises(DataError, match=rf"^data file {empty}: no records; check "
+                                        r"ppo.prompt_data$"):
+        load_prompt_records(str(empty))
 
 
 def test_a_reward_function_gets_the_label_of_its_prompt():
