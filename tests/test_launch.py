@@ -171,35 +171,46 @@ def test_a_single_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
         setup_runtime("cuda:2", "float32")
 
 
-def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
-    """torchrun starts the ranks in sessions of their own: with the launcher killed outright
-    (SIGKILL, the OOM killer) they trained on, racing a rerun for the output directory.
-    Each rank now has the kernel stop it when its launcher dies."""
+@contextlib.contextmanager
+def training_run(tmp_path: Path, procs: int, stderr=subprocess.DEVNULL):
+    """A long step 1 started as a user would (train.py in a session of its own), yielded
+    with its ranks' processes once training has started; whatever is left of it is killed
+    after (the ranks have sessions of their own)."""
     psutil = pytest.importorskip("psutil")
-    ranks = []
     launcher = subprocess.Popen(
         [sys.executable, "train.py", "--step", "1", "--output-dir", str(tmp_path),
-         "engine.procs=2", "engine.device=cpu", "sft.epochs=100", "logging.progress=false"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         f"engine.procs={procs}", "engine.device=cpu", "sft.epochs=100",
+         "logging.progress=false"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
         start_new_session=True)
+    ranks = []
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "step1").exists():   # the ranks are past their start
+        while not (tmp_path / "step1").exists():   # training has started
             assert launcher.poll() is None and time.monotonic() < deadline, "no run started"
             time.sleep(0.5)
         ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
                  if "train.py" in " ".join(p.cmdline())]
-        assert len(ranks) == 2
-        launcher.kill()
-        launcher.wait(timeout=10)
-        gone, alive = psutil.wait_procs(ranks, timeout=30)
-        assert not alive, f"ranks still running after their launcher died: {alive}"
-    finally:   # whatever is left of the run (the ranks have sessions of their own)
+        yield launcher, ranks
+    finally:
         for process in ranks:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
+    """torchrun starts the ranks in sessions of their own: with the launcher killed outright
+    (SIGKILL, the OOM killer) they trained on, racing a rerun for the output directory.
+    Each rank now has the kernel stop it when its launcher dies."""
+    psutil = pytest.importorskip("psutil")
+    with training_run(tmp_path, procs=2) as (launcher, ranks):
+        assert len(ranks) == 2
+        launcher.kill()
+        launcher.wait(timeout=10)
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks still running after their launcher died: {alive}"
 
 
 @pytest.mark.parametrize("procs, signum, said", [
@@ -213,20 +224,7 @@ def test_a_stopped_run_says_in_one_line_what_the_same_command_does_next(
     process ended it mid-line. Both now say what the same command does next, exit 128 +
     the signal, and leave no rank behind."""
     psutil = pytest.importorskip("psutil")
-    launcher = subprocess.Popen(
-        [sys.executable, "train.py", "--step", "1", "--output-dir", str(tmp_path),
-         f"engine.procs={procs}", "engine.device=cpu", "sft.epochs=100",
-         "logging.progress=false"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
-    ranks = []
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "step1").exists():   # training has started
-            assert launcher.poll() is None and time.monotonic() < deadline, "no run started"
-            time.sleep(0.5)
-        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                 if "train.py" in " ".join(p.cmdline())]
+    with training_run(tmp_path, procs, stderr=subprocess.PIPE) as (launcher, ranks):
         assert len(ranks) == (procs if procs > 1 else 0)
         launcher.send_signal(signum)
         _, err = launcher.communicate(timeout=60)
@@ -239,12 +237,6 @@ def test_a_stopped_run_says_in_one_line_what_the_same_command_does_next(
         assert "Traceback" not in err and "death signal" not in err, err
         _, alive = psutil.wait_procs(ranks, timeout=30)
         assert not alive, f"ranks still running: {alive}"
-    finally:
-        for process in ranks:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)
 
 
 def test_signals_stop_the_run_where_they_have_their_default_action():
