@@ -261,7 +261,6 @@ ESTIMATORS = {
 class Prompts(NamedTuple):
     train: list[list[int]]      # token ids of the rollout prompts
     eval: list[list[int]]       # held-out prompts (before/after evaluation)
-    eval_texts: list[str]
     ptx: list[SFTExample]       # step-1 examples for the PTX loss ([] when off)
     labels: dict[str, Any]      # a prompt's label (ppo.prompt_data), by its decoded text
 
@@ -288,9 +287,7 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
         # ppo.ptx asked for: not trained without it unsaid
         require_examples(3, "PTX examples (step 1's share)", ptx_stats, data.max_prompt_len,
                          or_else="set ppo.ptx.enabled=false")
-    return Prompts(prompts, eval_prompts,
-                   tokenizer.batch_decode(eval_prompts, skip_special_tokens=True), ptx,
-                   prompt_labels(pairs, tokenizer))
+    return Prompts(prompts, eval_prompts, ptx, prompt_labels(pairs, tokenizer))
 
 
 def prompt_labels(pairs: list[PreferencePair], tokenizer) -> dict[str, Any]:

@@ -169,7 +169,7 @@ def test_best_of_n_equals_a_direct_computation():
                           "ppo.eval_reward_fn")
     s = settings(best_of_n=n, rollout_batch_size=4, max_new_tokens=8)._replace(gold=gold)
     prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
-    prompts = ppo.Prompts([], prompt_ids, [], [], {})
+    prompts = ppo.Prompts([], prompt_ids, [], {})
     got = ppo.best_of_n(models, prompts, s, DataParallel(CPU))
 
     picked_rewards, picked_gold, all_rewards = [], [], []
@@ -213,7 +213,7 @@ def test_evaluations_measure_the_kl_over_the_vocabulary_at_each_answer_token():
         reference=frozen(load_causal_lm("tiny-llama", tok, seed=3), CPU))
     s = settings(rollout_batch_size=2, max_new_tokens=8)
     prompt_ids = [tok(f"Say {w}:")["input_ids"] for w in ("a", "bb", "ccc")]
-    got = ppo.evaluate(models, ppo.Prompts([], prompt_ids, [], [], {}), s, DataParallel(CPU))
+    got = ppo.evaluate(models, ppo.Prompts([], prompt_ids, [], {}), s, DataParallel(CPU))
     times = models.actor.take_times()   # sampled and greedy answers of 2 batches: one gather
     assert (times.calls, times.gathers) == (4, 1)
 
@@ -525,7 +525,7 @@ def test_the_learning_rate_schedule_moves_with_the_prompt_batches_drawn(tmp_path
     batches = [[tok(t)["input_ids"] for t in texts]
                for texts in (["same a:", "same b:", "same c:"], ["Q1:", "Q2:", "Q3:"])]
     rest = iter(batches[1:])
-    prompts = ppo.Prompts([p for b in batches for p in b], [], [], [], {})
+    prompts = ppo.Prompts([p for b in batches for p in b], [], [], {})
     state, _ = ppo.iterate(s, models, prompts, batches[0], ppo.Kept(None, None), dp,
                            Tracker(tmp_path, enabled=False), ppo.Progress(kl_coef=s.ppo.kl_coef),
                            more=lambda: next(rest, None))
