@@ -236,6 +236,27 @@ def test_labels_that_no_function_takes_are_reported(capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_a_reward_function_and_labels_that_do_not_meet_are_reported(capsys):
+    """A function without a `label` parameter never sees the prompts' labels, and one with
+    it gets None when no prompt has a label: each is said, and a match says nothing."""
+    def plain(prompt, answer):
+        return 0.0
+
+    def checked(prompt, answer, label=None):
+        return 0.0
+
+    labels = {"What is 2+3?": 5}
+    report_labels(labels, [RewardFunction(plain, "t:plain", labels=labels)], "answer")
+    assert ("step 3: ppo.reward_fn=t:plain has no `label` parameter: the prompts' labels are "
+            "not passed to it") in capsys.readouterr().out
+    report_labels({}, [RewardFunction(checked, "t:checked", "ppo.eval_reward_fn")], "answer")
+    assert ("step 3: ppo.eval_reward_fn=t:checked takes a label, and no step-3 prompt has one "
+            "(ppo.prompt_data records' 'answer' field): it gets None") in capsys.readouterr().out
+    report_labels(labels, [RewardFunction(checked, "t:checked", labels=labels)], "answer")
+    report_labels({}, [RewardFunction(plain, "t:plain")], "answer")
+    assert capsys.readouterr().out == ""
+
+
 # ---------------------------------------------------------------------------------------------
 # step 1's examples of their own (data.sft_path)
 
