@@ -602,6 +602,35 @@ def test_mask_truncated_leaves_cut_off_answers_out_of_the_losses(tok, monkeypatc
         torch.testing.assert_close(p, q, rtol=0, atol=2e-6)
 
 
+def test_a_micro_batch_of_cut_off_answers_alone_makes_no_update(tok, monkeypatch):
+    """ppo.mask_truncated on a micro-batch whose every answer was cut off: no loss weight is
+    left, and no optimizer step is taken (Adam's momentum would still move the weights)."""
+    models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
+    monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, answers=answers,
+                        **__: torch.cat([input_ids, answers], dim=1))
+    settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
+        max_new_tokens=N, rollout_batch_size=3, micro_batch_size=1, target_kl=None,
+        mask_truncated=True)}))
+    dp = DataParallel(CPU)
+    exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
+                                          "attention_mask": prompt_mask}, settings, dp,
+                                 kl_coef=0.1)
+    # one update on an answer that ended moves the actor: the model can train here
+    before = [p.detach().clone() for p in models.actor.parameters()]
+    stats, _ = ppo.update(exp.rows(torch.tensor([0])), Share([], [0], 1.0), 1, models,
+                          settings, dp, [], 0, None, 0, 0.1)
+    assert stats["train/updates"] == 1 and stats["trained_tokens"] == 3
+    moved = [p.detach().clone() for p in models.actor.parameters()]
+    assert any(not torch.equal(p, q) for p, q in zip(before, moved, strict=True))
+    # row 1 was cut off (no EOS): its rows alone give nothing to train on
+    assert exp.action_mask[1].sum() == N and exp.loss_mask[1].sum() == 0
+    stats, _ = ppo.update(exp.rows(torch.tensor([1])), Share([], [0], 1.0), 1, models,
+                          settings, dp, [], 0, None, 0, 0.1)
+    assert stats["train/updates"] == 0 and stats["trained_tokens"] == 0
+    assert all(torch.equal(p, q) for p, q in zip(models.actor.parameters(), moved,
+                                                 strict=True))
+
+
 def test_forward_batches_equal_one_pass(tok, monkeypatch):
     """ppo.forward_batch_size=1: the experience (log-probs, reference log-probs, values,
     scores) and one update of actor and critic (KL in the loss) equal one pass over the
