@@ -303,6 +303,21 @@ def test_main_in_process_history_and_clear(opt_dir, monkeypatch, capsys):
     assert replies(out)[0] == replies(out)[2]
 
 
+def test_the_same_seed_samples_the_same_replies(opt_dir, monkeypatch, capsys):
+    """--seed makes a sampled conversation reproducible: the same seed, the same replies;
+    another seed, other replies (the tiny model's sampling is near uniform over 50k tokens)."""
+    def sampled(seed: int) -> list[str]:
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nhow are you\n"))
+        assert chat.main(["--path", str(opt_dir), "--seed", str(seed),
+                          "--max-new-tokens", "12"]) == 0
+        return replies(capsys.readouterr().out)
+
+    first = sampled(7)
+    assert len(first) == 2 and all(first), first
+    assert sampled(7) == first
+    assert sampled(8) != first
+
+
 def test_main_truncates_history_to_context(opt_dir, monkeypatch, capsys):
     prompts = []
 
