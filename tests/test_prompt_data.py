@@ -96,6 +96,30 @@ def test_prompt_records_without_the_prompt_field_name_the_key(tmp_path):
         load_prompt_records(str(empty))
 
 
+def test_skipped_prompt_records_are_counted_and_a_file_of_only_those_is_refused(tmp_path,
+                                                                               caplog):
+    """Empty prompts and dialogues that end in the assistant's turn are dropped, never
+    unsaid: the count is a warning naming the file, and a file with nothing else is refused
+    with it."""
+    from steps.data import load_prompt_data
+
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "What is 2+3?"}, {"prompt": "  "},
+                                                  {"prompt": ""}, {"prompt": "What is 4+4?"}])
+    dialogues = write_jsonl(tmp_path / "dialogues.jsonl", [
+        {"prompt": [user("hi"), {"role": "assistant", "content": "hello"}]},
+        {"prompt": [user("What is 1+1?")]}])
+    with caplog.at_level("WARNING", logger="steps.data"):
+        pairs = load_prompt_data([str(text), str(dialogues)], "prompt", "label")
+    assert len(pairs) == 3
+    said = "empty prompts or dialogues ending in an assistant message"
+    assert f"{text}: skipped 2 {said}" in caplog.text
+    assert f"{dialogues}: skipped 1 {said}" in caplog.text
+    unusable = write_jsonl(tmp_path / "unusable.jsonl", [{"prompt": ""}, {"prompt": " "}])
+    with pytest.raises(DataError, match=rf"^data file {unusable}: no usable prompts \(2 "
+                                        r"records, all .*\); check ppo.prompt_data$"):
+        load_prompt_data([str(unusable)], "prompt", "label")
+
+
 def test_a_reward_function_gets_the_label_of_its_prompt():
     """By the prompt's text as decode_rollouts gives it from left-padded rows; a function
     taking (prompt, answer) is called as before."""
