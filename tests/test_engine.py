@@ -6,6 +6,7 @@ import json
 import shutil
 import time
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -342,6 +343,40 @@ def test_atomic_directory_after_a_write_killed_between_or_after_its_renames(tmp_
         atomic_directory(final, lambda tmp: (_ for _ in ()).throw(RuntimeError("disk full")))
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
     assert (final / "weights.bin").read_text() == "previous"
+
+
+def test_atomic_directory_removes_an_unfinished_copy_a_killed_write_left(tmp_path):
+    """A write killed mid-copy (any process's) left .model.tmp-<pid>, a model's worth of disk:
+    the next write removes it, and the finished model it did not reach stays as it was
+    until replaced."""
+    final, unfinished = tmp_path / "model", tmp_path / ".model.tmp-4194304"
+    final.mkdir()
+    (final / "weights.bin").write_text("old")
+    unfinished.mkdir()
+    (unfinished / "half.bin").write_text("partial")
+    with pytest.raises(RuntimeError):
+        atomic_directory(final, lambda tmp: (_ for _ in ()).throw(RuntimeError("disk full")))
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert (final / "weights.bin").read_text() == "old"
+
+
+def test_atomic_directory_puts_the_replaced_model_back_when_the_new_one_cannot_move_in(
+        tmp_path, monkeypatch):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "weights.bin").write_text("old")
+    rename = Path.rename
+
+    def failing_rename(self, target):
+        if self.name.startswith(".model.tmp-"):   # the finished copy moving into place
+            raise OSError("device busy")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match="device busy"):
+        atomic_directory(final, lambda tmp: (tmp / "weights.bin").write_text("new"))
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert (final / "weights.bin").read_text() == "old"
 
 
 # ---------------------------------------------------------------------------------------------
