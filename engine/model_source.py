@@ -96,7 +96,8 @@ def adapter_base(spec: str) -> str | None:
     try:
         settings = json.loads(config.read_text())
     except (OSError, ValueError) as why:
-        raise UserError(f"{spec}: cannot read {config.name} ({why})") from None
+        raise UserError(f"{config}: cannot read it ({why}); write the adapter again "
+                        "(ppo.export_weights=adapter)") from None
     if not isinstance(settings, dict):
         raise UserError(f"{config}: holds a JSON {type(settings).__name__}, not peft's "
                         "settings object; write the adapter again (ppo.export_weights=adapter)")

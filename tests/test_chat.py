@@ -4,6 +4,7 @@ import ast
 import io
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -647,3 +648,16 @@ def test_an_adapter_config_that_is_not_an_object_is_refused_in_one_line(tmp_path
     with pytest.raises(UserError, match=r"adapter_config.json: holds a JSON list, not peft's "
                                         r"settings object; write the adapter again"):
         adapter_base(str(tmp_path))
+
+
+@pytest.mark.parametrize("written, said", [
+    ('{"base_model_name_or_path": ', r"adapter_config.json: cannot read it \(Expecting value: .*\); write the "
+                                    r"adapter again \(ppo.export_weights=adapter\)$"),
+    ('{"r": 8}', r"adapter_config.json: names no base model \(base_model_name_or_path\); set "
+                 r"it to the directory or hub name the adapter was trained over$")])
+def test_an_adapter_config_that_is_unreadable_or_names_no_base_says_so(written, said,
+                                                                         tmp_path, capsys):
+    (tmp_path / "adapter_config.json").write_text(written)
+    assert chat.main(["--path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(said, err.strip()) and len(err.strip().splitlines()) == 1, err
