@@ -651,8 +651,9 @@ def test_an_adapter_config_that_is_not_an_object_is_refused_in_one_line(tmp_path
 
 
 @pytest.mark.parametrize("written, said", [
-    ('{"base_model_name_or_path": ', r"adapter_config.json: cannot read it \(Expecting value: .*\); write the "
-                                    r"adapter again \(ppo.export_weights=adapter\)$"),
+    ('{"base_model_name_or_path": ', r"adapter_config.json: cannot read it \(Expecting "
+                                    r"value: .*\); write the adapter again "
+                                    r"\(ppo.export_weights=adapter\)$"),
     ('{"r": 8}', r"adapter_config.json: names no base model \(base_model_name_or_path\); set "
                  r"it to the directory or hub name the adapter was trained over$")])
 def test_an_adapter_config_that_is_unreadable_or_names_no_base_says_so(written, said,
