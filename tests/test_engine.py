@@ -494,6 +494,21 @@ def scripted_step3(tok, preset: str) -> Scripted:
     return Scripted(models, reward, prompt_rows, prompt_ids, prompt_mask, answers)
 
 
+def scripted_round(tok, monkeypatch, **ppo_settings):
+    """One round of step 3 on scripted_step3's models and rollout, under `ppo_settings`:
+    (models, settings, data parallel, experience)."""
+    models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
+    monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, **__:
+                        torch.cat([input_ids, answers], dim=1))
+    settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                           {"ppo": ppo_settings}))
+    dp = DataParallel(CPU)
+    exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
+                                          "attention_mask": prompt_mask}, settings, dp,
+                                 kl_coef=0.1)
+    return models, settings, dp, exp
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])  # rotary / absolute positions
 def test_make_experience_masks_and_alignment(tok, monkeypatch, preset):
     models, reward, prompt_rows, prompt_ids, prompt_mask, answers = scripted_step3(tok, preset)
@@ -564,16 +579,9 @@ def test_critic_warmup_trains_the_critic_alone_first(tok, monkeypatch):
     """ppo.critic_warmup=1: the first iteration's update moves the critic and leaves the
     actor as it was (no policy statistics, no actor gradient norm); the second moves the
     actor too."""
-    models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
-    monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, **__:
-                        torch.cat([input_ids, answers], dim=1))
-    settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
-        max_new_tokens=N, rollout_batch_size=3, micro_batch_size=3, target_kl=None,
-        critic_warmup=1)}))
-    dp = DataParallel(CPU)
-    exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
-                                          "attention_mask": prompt_mask}, settings, dp,
-                                 kl_coef=0.1)
+    models, settings, dp, exp = scripted_round(
+        tok, monkeypatch, max_new_tokens=N, rollout_batch_size=3, micro_batch_size=3,
+        target_kl=None, critic_warmup=1)
 
     def weights(engine) -> list[torch.Tensor]:
         return [p.detach().clone() for p in engine.parameters()]
@@ -609,16 +617,9 @@ def test_mask_truncated_leaves_cut_off_answers_out_of_the_losses(tok, monkeypatc
     weights: the update trains as it does on the two answers that ended alone."""
     runs = []
     for masked in (True, False):
-        models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
-        monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, answers=answers,
-                            **__: torch.cat([input_ids, answers], dim=1))
-        settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
-            max_new_tokens=N, rollout_batch_size=3, micro_batch_size=3, target_kl=None,
-            mask_truncated=masked)}))
-        dp = DataParallel(CPU)
-        exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
-                                              "attention_mask": prompt_mask}, settings, dp,
-                                     kl_coef=0.1)
+        models, settings, dp, exp = scripted_round(
+            tok, monkeypatch, max_new_tokens=N, rollout_batch_size=3, micro_batch_size=3,
+            target_kl=None, mask_truncated=masked)
         ended = torch.tensor([1.0, 0.0, 1.0])[:, None]
         if masked:
             assert torch.equal(exp.loss_mask, exp.action_mask * ended)
@@ -640,16 +641,9 @@ def test_mask_truncated_leaves_cut_off_answers_out_of_the_losses(tok, monkeypatc
 def test_a_micro_batch_of_cut_off_answers_alone_makes_no_update(tok, monkeypatch):
     """ppo.mask_truncated on a micro-batch whose every answer was cut off: no loss weight is
     left, and no optimizer step is taken (Adam's momentum would still move the weights)."""
-    models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
-    monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, answers=answers,
-                        **__: torch.cat([input_ids, answers], dim=1))
-    settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
-        max_new_tokens=N, rollout_batch_size=3, micro_batch_size=1, target_kl=None,
-        mask_truncated=True)}))
-    dp = DataParallel(CPU)
-    exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
-                                          "attention_mask": prompt_mask}, settings, dp,
-                                 kl_coef=0.1)
+    models, settings, dp, exp = scripted_round(
+        tok, monkeypatch, max_new_tokens=N, rollout_batch_size=3, micro_batch_size=1,
+        target_kl=None, mask_truncated=True)
     # one update on an answer that ended moves the actor: the model can train here
     before = [p.detach().clone() for p in models.actor.parameters()]
     stats, _ = ppo.update(exp.rows(torch.tensor([0])), Share([], [0], 1.0), 1, models,
@@ -673,16 +667,9 @@ def test_forward_batches_equal_one_pass(tok, monkeypatch):
     the chunked one has backpropagated its first parts before the bound is known."""
     runs = {}
     for size in (None, 1):
-        models, _, _, prompt_ids, prompt_mask, answers = scripted_step3(tok, "tiny-llama")
-        monkeypatch.setattr(models.actor, "generate", lambda input_ids, *_, answers=answers,
-                            **__: torch.cat([input_ids, answers], dim=1))
-        settings = ppo.resolve(OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
-            algorithm="ppo", kl_penalty="loss", kl_coef=0.1, max_new_tokens=N,
-            forward_batch_size=size, target_kl=1e-3)}))
-        dp = DataParallel(CPU)
-        exp, _ = ppo.make_experience(models, {"input_ids": prompt_ids,
-                                              "attention_mask": prompt_mask}, settings, dp,
-                                     kl_coef=0.1)
+        models, settings, dp, exp = scripted_round(
+            tok, monkeypatch, algorithm="ppo", kl_penalty="loss", kl_coef=0.1,
+            max_new_tokens=N, forward_batch_size=size, target_kl=1e-3)
         weights, count = loss_weights(exp.action_mask, "token-mean")
         update = (exp, models, settings, 0.1, (weights, weights), float(count), None, dp)
         first = ppo.train_on(*update)
