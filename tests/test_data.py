@@ -224,6 +224,13 @@ def test_a_directory_saved_by_datasets(tmp_path, caplog):
     dataset([{"prompt": "p", "chosen": "c"}]).save_to_disk(str(tmp_path / "bad"))
     with pytest.raises(DataError, match=r"^saved dataset .*bad: records have no 'rejected'"):
         load_pairs(str(tmp_path / "bad"))
+    dataset(PROMPT_RECORDS).save_to_disk(str(tmp_path / "damaged"))
+    next((tmp_path / "damaged").glob("*.arrow")).write_bytes(b"not arrow")
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(tmp_path / "damaged"))
+    assert one_line(exc).startswith(f"cannot read saved dataset {tmp_path / 'damaged'}: ")
+    assert one_line(exc).endswith("; save it again with save_to_disk or pass its data files in "
+                                  "data.path")
 
 
 def test_real_hh_rlhf(hh_rlhf_path):
