@@ -147,10 +147,10 @@ def test_byte_tokenizer_round_trips_and_saves(tok, tmp_path):
     assert again.decode(ids, skip_special_tokens=True) == text
 
 
-def _saved_without_pad(tmp_path, unk: bool) -> str:
+def _saved_without_pad(tmp_path, unk: bool, eos: str | None = "</s>") -> str:
     base = byte_tokenizer()
     no_pad = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token="<s>",
-                                     eos_token="</s>", unk_token="<unk>" if unk else None)
+                                     eos_token=eos, unk_token="<unk>" if unk else None)
     assert no_pad.pad_token_id is None
     no_pad.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')  # a model directory
@@ -163,6 +163,15 @@ def test_load_tokenizer_sets_a_pad_token_preferring_unk(tmp_path):
     without_unk = load_tokenizer(_saved_without_pad(tmp_path / "b", unk=False))
     assert without_unk.pad_token_id == without_unk.eos_token_id == EOS
     assert with_unk.padding_side == without_unk.padding_side == "right"
+
+
+def test_a_tokenizer_without_an_eos_token_is_refused_in_one_line(tmp_path):
+    """Answers end at EOS (and rewards are read there): without one, nothing would end."""
+    directory = _saved_without_pad(tmp_path, unk=True, eos=None)
+    with pytest.raises(UserError) as err:
+        load_tokenizer(directory, flag="--reward-model")
+    assert str(err.value) == (f"--reward-model {directory}: the tokenizer has no EOS token; "
+                              "answers need one")
 
 
 def test_hub_name_offline_fails_fast_in_one_line():
