@@ -187,14 +187,23 @@ def parse_args(argv=None):
         prog="chat.py",
         description="Chat with a trained causal LM, in the format it was trained in.")
     p.add_argument("--path", required=True, help="model directory, e.g. output/step3/actor")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="the longest reply, in tokens (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature, > 0 (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.9,
+                   help="nucleus sampling: the smallest set of tokens with this much "
+                        "probability, in (0, 1] (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k likeliest tokens; 0 = off (default)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the sampling, so that the same turns get the same replies")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when available (default)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="auto: bfloat16 on a GPU that has it, else float16; float32 on CPU "
+                        "(default)")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message that opens the conversation (kept when older "
                         "turns are dropped to fit the context)")

@@ -478,6 +478,24 @@ def test_error_an_unknown_flag_is_one_line(argv, said, capsys):
     assert err.count("\n") == 1
 
 
+def test_help_describes_every_flag_with_the_default_it_uses(capsys):
+    with pytest.raises(SystemExit):
+        chat.parse_args(["--help"])
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    # an option's entry: its line, then the lines indented under it
+    entries = dict(re.findall(r"^  (--[\w-]+)(.*(?:\n {6,}.*)*)", text, re.MULTILINE))
+    described = {flag: " ".join(entry.split()) for flag, entry in entries.items()}
+    assert set(described) == {"--path", "--max-new-tokens", "--temperature",
+                              "--top-p", "--top-k", "--greedy", "--seed", "--device",
+                              "--dtype", "--system", "--trust-remote-code"}
+    for flag, entry in described.items():   # more than the metavar: a description
+        assert len(entry.split()) > 2, (flag, entry)
+    defaults = chat.parse_args(["--path", "x"])
+    for flag in ("--max-new-tokens", "--temperature", "--top-p"):
+        value = getattr(defaults, flag[2:].replace("-", "_"))
+        assert f"(default {value})" in described[flag], (flag, described[flag])
+
+
 def test_error_dir_without_config(tmp_path, capsys):
     assert chat.main(["--path", str(tmp_path)]) == 2
     err = capsys.readouterr().err
