@@ -430,20 +430,24 @@ def _read_file(path: Path) -> dict[str, list[Any]]:
 
 
 def _bad_json_line(path: Path) -> str | None:
-    """The first line of a JSON-lines file that does not parse, numbered from 1 as editors
-    number it (`datasets` names rows from 0); None for a JSON array or when all parse."""
+    """Where a JSON file stops parsing, by line and column from 1 as editors number them
+    (`datasets` names rows from 0, and a JSON array's error by character offset): the first
+    bad line of JSON lines, the place in an array; None when it all parses."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8-sig") as f:
-            for number, line in enumerate(f, 1):
-                if number == 1 and line.lstrip().startswith("["):
-                    return None
-                if line.strip():
-                    json.loads(line)
-    except json.JSONDecodeError as err:
-        return f"line {number}: {err.msg} (column {err.colno})"
-    except (OSError, UnicodeDecodeError):
+            text = f.read()
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error):
         return None
+    # an array is one document; JSON lines are one a line (split on newlines alone: a JSON
+    # string may hold U+2028, which splitlines would break at)
+    documents = [text] if text.lstrip().startswith("[") else text.split("\n")
+    for number, document in enumerate(documents, 1):
+        try:
+            if document.strip():
+                json.loads(document)
+        except json.JSONDecodeError as err:
+            return f"line {number + err.lineno - 1}: {err.msg} (column {err.colno})"
     return None
 
 

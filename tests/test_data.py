@@ -400,6 +400,28 @@ def test_a_bad_json_line_is_named_by_its_line_number(tmp_path):
         load_pairs(str(path))
 
 
+def test_a_bad_json_array_is_named_by_line_and_column(tmp_path):
+    """`datasets` gave an array's error as a character offset ("at position 66")."""
+    good = json.dumps(PROMPT_RECORDS[0])
+    path = tmp_path / "bad.json"
+    path.write_text(f"[{good},\n {good},\n {good[:9]}{good[10:]}]\n")   # no colon
+    with pytest.raises(DataError) as exc:
+        load_pairs(str(path))
+    assert one_line(exc) == (f"cannot read data file {path}: line 3: Expecting ':' delimiter "
+                             "(column 12); check that it is valid JSON (an array of records "
+                             "or JSON lines)")
+
+
+def test_a_line_separator_inside_a_json_string_does_not_shift_the_line_named(tmp_path):
+    """JSON strings may hold U+2028 unescaped; a line count that split there was one off."""
+    good = json.dumps(PROMPT_RECORDS[0])
+    spaced = json.dumps({**PROMPT_RECORDS[0], "chosen": " 4\u2028 5"}, ensure_ascii=False)
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f"{spaced}\n{good[:-1]},}}\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^cannot read data file {path}: line 2: "):
+        load_pairs(str(path))
+
+
 def test_a_file_with_a_utf8_bom_is_named_right(tmp_path):
     """A BOM (Windows editors write one) used to make the re-readers fail on line 1: a bad
     line was named as line 1, and a mistyped field as the record `datasets` decoded lossily."""
