@@ -439,8 +439,8 @@ def _bad_json_line(path: Path) -> str | None:
             text = f.read()
     except (OSError, UnicodeDecodeError, EOFError, zlib.error):
         return None
-    # an array is one document; JSON lines are one a line (split on newlines alone: a JSON
-    # string may hold U+2028, which splitlines would break at)
+    # an array is one document; JSON lines are one a line (split on newlines alone, here and
+    # in _json_records: a JSON string may hold U+2028, which splitlines would break at)
     documents = [text] if text.lstrip().startswith("[") else text.split("\n")
     for number, document in enumerate(documents, 1):
         try:
@@ -469,7 +469,7 @@ def _json_records(path: Path) -> list[dict] | None:
             whole = json.loads(text)
             records = whole if isinstance(whole, list) else [whole]
         except ValueError:   # JSON lines (or no JSON: None below)
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            records = [json.loads(line) for line in text.split("\n") if line.strip()]
     except ValueError:
         return None
     other = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)

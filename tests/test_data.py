@@ -412,12 +412,23 @@ def test_a_bad_json_array_is_named_by_line_and_column(tmp_path):
                              "or JSON lines)")
 
 
-def test_a_line_separator_inside_a_json_string_does_not_shift_the_line_named(tmp_path):
-    """JSON strings may hold U+2028 unescaped; a line count that split there was one off."""
+def test_a_line_separator_inside_a_json_string_is_text_not_a_new_line(tmp_path, monkeypatch):
+    """JSON strings may hold U+2028 unescaped: a reader that split lines there found no
+    JSON and handed the file to `datasets` (Arrow's typing, see _read_file), and a line
+    count that split there was one off."""
+    import datasets
+
     good = json.dumps(PROMPT_RECORDS[0])
-    spaced = json.dumps({**PROMPT_RECORDS[0], "chosen": " 4\u2028 5"}, ensure_ascii=False)
-    path = tmp_path / "bad.jsonl"
-    path.write_text(f"{spaced}\n{good[:-1]},}}\n", encoding="utf-8")
+    spaced = {**PROMPT_RECORDS[0], "chosen": " 4\u2028 5"}
+    path = tmp_path / "spaced.jsonl"
+    path.write_text(f"{json.dumps(spaced, ensure_ascii=False)}\n{good}\n", encoding="utf-8")
+    with monkeypatch.context() as patched:
+        patched.setattr(datasets, "load_dataset",
+                        lambda *args, **kwargs: pytest.fail("datasets was asked"))
+        pairs, _ = load_pairs(str(path))
+    assert [p.chosen for p in pairs] == [" 4\u2028 5", PROMPT_RECORDS[0]["chosen"]]
+    path.write_text(f"{json.dumps(spaced, ensure_ascii=False)}\n{good[:-1]},}}\n",
+                    encoding="utf-8")
     with pytest.raises(DataError, match=rf"^cannot read data file {path}: line 2: "):
         load_pairs(str(path))
 
