@@ -166,9 +166,9 @@ def hub_local_only(spec: str, flag: str) -> bool:
     return True
 
 
-# what an offline run needs in the hub cache: any one of each
-HUB_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-               "pytorch_model.bin.index.json")
+# what a model needs, any one of each: offline, in the hub cache; weights, in a directory too
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 HUB_TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -185,14 +185,29 @@ def check_model_arg(spec: str, flag: str, *, tokenizer: bool = False,
                     own_tokenizer: bool = False) -> None:
     """Fail fast, in one line and before train.py reads or writes anything, on a model (or
     tokenizer) argument that cannot load: a bad path, an unreachable hub name not cached, a
-    model directory without the tokenizer it must bring (`own_tokenizer`)."""
+    model directory without weights or without the tokenizer it must bring (`own_tokenizer`)."""
     kind = model_source(spec, flag, tokenizer=tokenizer)
     if kind == "hub":
         if hub_local_only(spec, flag):
-            require_cached(spec, flag, () if tokenizer else HUB_WEIGHTS,
+            require_cached(spec, flag, () if tokenizer else WEIGHT_FILES,
                            HUB_TOKENIZER if tokenizer or own_tokenizer else ())
-    elif kind == "local" and own_tokenizer:
-        require_tokenizer_files(spec, flag)
+    elif kind == "local":
+        if not tokenizer:
+            require_weight_files(spec, flag)
+        if own_tokenizer:
+            require_tokenizer_files(spec, flag)
+
+
+def require_weight_files(directory: str, flag: str) -> None:
+    """Refuse a model directory that holds no weights (a config.json alone: a copy or a save
+    broken off), before hours of data and earlier steps; other shard names than
+    from_pretrained's are let through, for it to judge."""
+    path = Path(directory).expanduser()
+    if not any((path / name).exists() for name in WEIGHT_FILES) \
+            and next(path.glob("*.safetensors"), None) is None:
+        raise UserError(f"{named(flag, directory)}: the directory has config.json but no weights "
+                        f"(one of {', '.join(WEIGHT_FILES)}); copy the whole model, or save it "
+                        "again with save_pretrained")
 
 
 def require_tokenizer_files(directory: str, flag: str,

@@ -56,7 +56,7 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
     shape probe, e.g. llama-70b). `made`: the steps this run trains first (train.py checks
     before step 1), whose outputs (<output_dir>/actor, /reward) count as there, however a
     key spells them (the critic may start from the step-1 actor)."""
-    from engine.model_source import is_preset, models_inside
+    from engine.model_source import is_preset, models_inside, require_weight_files
 
     out, ppo = Path(cfg.output_dir), cfg.ppo
     actor_path = ppo.actor_path or str(out / "actor")
@@ -68,8 +68,11 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path"),
                             (critic_path, "critic's starting model", "ppo.critic_path")):
-        if path is None or (_expanded(path) / "config.json").exists() \
-                or (key != "ppo.reward_path" and is_preset(path)) or _resolved(path) in to_come:
+        if path is None or (key != "ppo.reward_path" and is_preset(path)) \
+                or _resolved(path) in to_come:
+            continue
+        if (_expanded(path) / "config.json").exists():
+            require_weight_files(path, f"{key}=")
             continue
         if OmegaConf.select(cfg, key):   # the user's own path: no such model
             raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "

@@ -493,6 +493,8 @@ def broken_copy(good: Path, where: Path, kind: str) -> Path:
         (broken / "config.json").write_text("{not json")
     elif kind == "unknown-architecture":
         (broken / "config.json").write_text('{"model_type": "no-such-arch"}')
+    elif kind == "no-weights":   # a copy broken off after config.json
+        weights.unlink()
     elif kind == "no-tokenizer":
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (broken / name).unlink(missing_ok=True)
@@ -503,6 +505,8 @@ BROKEN = {"truncated-weights": "a weights file is truncated or not safetensors",
           "not-safetensors": "a weights file is truncated or not safetensors",
           "bad-config": "config.json' is not a valid JSON file",
           "unknown-architecture": "no-such-arch",
+          "no-weights": "the directory has config.json but no weights (one of "
+                        "model.safetensors,",
           "no-tokenizer": "the directory has no tokenizer files"}
 
 
@@ -608,6 +612,7 @@ def test_a_rollout_longer_than_a_learned_position_table_is_refused_before_step_1
 
     short = tmp_path / "short-gpt2"
     GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(short)
+    (short / "model.safetensors").touch()   # never read: the config refuses it first
     line = refusal("--output-dir", str(tmp_path / "out"), "--step", "2", "3",
                    f"ppo.actor_path={short}", "--reward-model", "tiny-llama",
                    "data.max_prompt_len=32", "ppo.max_new_tokens=33")

@@ -390,7 +390,8 @@ def test_the_kl_controller_starts_at_the_baselines_coefficient_and_keeps_it_unti
 
 def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path, monkeypatch):
     """The default paths (a step not run yet) say to run it; a path the user gave that
-    holds no model says so, rather than to run a step that would not write there."""
+    holds no model, or a model's config without its weights, says so, rather than to run a
+    step that would not write there."""
     def paths(**ppo_keys):
         return model_paths(OmegaConf.merge(OmegaConf.structured(RunConfig), {
             "output_dir": str(tmp_path), "ppo": ppo_keys}))
@@ -404,6 +405,14 @@ def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path, monkeypatch):
     (tmp_path / "home" / "critic").mkdir(parents=True)
     (tmp_path / "home" / "critic" / "config.json").write_text("{}")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # a config.json alone (a copy broken off) is refused before steps 1 and 2 run
+    with pytest.raises(UserError) as err:
+        paths(actor_path="tiny-llama", reward_model_weight=0, critic_path="~/critic")
+    assert str(err.value) == ("ppo.critic_path=~/critic: the directory has config.json but no "
+                              "weights (one of model.safetensors, model.safetensors.index.json, "
+                              "pytorch_model.bin, pytorch_model.bin.index.json); copy the whole "
+                              "model, or save it again with save_pretrained")
+    (tmp_path / "home" / "critic" / "model-00001-of-00002.safetensors").touch()
     paths(actor_path="tiny-llama", reward_model_weight=0, critic_path="~/critic")
     with pytest.raises(UserError, match=r"^ppo.critic_path=~nosuchuser/c: no config.json"):
         paths(actor_path="tiny-llama", reward_model_weight=0, critic_path="~nosuchuser/c")
