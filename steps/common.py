@@ -197,7 +197,16 @@ def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, toke
     evals, eval_stats = tokenize(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     report_tokenized(f"step {step} eval", eval_stats, data.max_prompt_len, data.max_answer_len)
     require_examples(step, what, stats, data.max_prompt_len)
-    return train, evals
+    return at_most(train, data.max_samples, f"step {step} train", cfg.seed), evals
+
+
+def at_most(examples: list, limit: int, what: str, seed: int) -> list:
+    """`limit` of `examples` (data.max_samples; 0: all) chosen by a seeded permutation, in
+    their order; the cut said in the log."""
+    if not limit or len(examples) <= limit:
+        return examples
+    log(f"{what}: trains on {limit} of its {len(examples)} examples (data.max_samples={limit})")
+    return [examples[i] for i in sorted(permutation(len(examples), seed)[:limit])]
 
 
 def batches(items: Sequence, batch_size: int, *, shuffle: bool, seed: int) -> Iterator[list]:

@@ -55,6 +55,9 @@ class DataConfig:
                              each(NON_NEGATIVE))
     eval_fraction: float = val(0.05, "held out of each step's share for evaluation",
                                within(0, 1, high_open=True))
+    max_samples: int = val(0, "each step trains on at most this many of its examples (step "
+                           "3: prompts), a seeded random choice of those that pass the length "
+                           "filters; 0: all (OpenRLHF's --max_samples)", NON_NEGATIVE)
     max_prompt_len: int = val(256, "longer prompts are dropped (and counted)", COUNT)
     max_answer_len: int = val(256, "longer answers are truncated", COUNT)
     apply_chat_template: bool = val(False, "render dialogues by the actor tokenizer's chat "

@@ -75,6 +75,7 @@ from steps.algorithms import ALGORITHMS, Algorithm, model_paths
 from steps.common import (
     Draws,
     StepCheckpoints,
+    at_most,
     batches,
     check_export_fits,
     epoch_batches,
@@ -272,6 +273,7 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
     require_examples(3, "prompts", stats, data.max_prompt_len)
+    prompts = at_most(prompts, data.max_samples, "step 3 prompts", cfg.seed)
     eval_prompts, eval_stats = tokenize_prompts(eval_pairs[:cfg.ppo.eval_prompts], tokenizer,
                                                 data.max_prompt_len)
     report_tokenized("step 3 eval prompts", eval_stats, data.max_prompt_len)

@@ -882,6 +882,39 @@ def test_every_tokenized_split_says_how_many_it_dropped(capsys):
         in printed
 
 
+def test_max_samples_caps_every_steps_training_examples_after_the_filters(capsys):
+    """data.max_samples (OpenRLHF's --max_samples): a seeded random choice of that many of
+    the examples that pass the length filters, in their order; the held-out ones stay."""
+    from steps.ppo import load_prompts
+
+    pairs = [PreferencePair(("long " * 20 if i % 4 == 0 else "") + f"Q{i}", " a", " b")
+             for i in range(40)]
+    settings = {"seed": 5, "data": {"eval_fraction": 0.25, "max_prompt_len": 32,
+                                    "max_answer_len": 8}}
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), settings)
+    every, evals = train_eval_examples(cfg, 2, "pairs", pairs, byte_tokenizer(), tokenize_pairs)
+    every_prompt = load_prompts(cfg, byte_tokenizer(), pairs, []).train
+    assert len(every) == len(every_prompt) == 22   # 30 trained, 8 of them too long
+    capsys.readouterr()
+    cfg.data.max_samples = 10
+    capped, capped_evals = train_eval_examples(cfg, 2, "pairs", pairs, byte_tokenizer(),
+                                               tokenize_pairs)
+    assert capped_evals == evals and len(capped) == 10
+    where = [every.index(example) for example in capped]
+    assert where == sorted(where) and where != list(range(10))   # a choice, in order
+    again, _ = train_eval_examples(cfg, 2, "pairs", pairs, byte_tokenizer(), tokenize_pairs)
+    assert again == capped   # the same on every run and rank
+    prompts = load_prompts(cfg, byte_tokenizer(), pairs, []).train
+    assert len(prompts) == 10 and set(map(tuple, prompts)) <= set(map(tuple, every_prompt))
+    printed = capsys.readouterr().out
+    assert "step 2 train: trains on 10 of its 22 examples (data.max_samples=10)" in printed
+    assert "step 3 prompts: trains on 10 of its 22 examples (data.max_samples=10)" in printed
+    cfg.data.max_samples = 22   # all there are: nothing to say
+    assert train_eval_examples(cfg, 2, "pairs", pairs, byte_tokenizer(),
+                               tokenize_pairs)[0] == every
+    assert "max_samples" not in capsys.readouterr().out
+
+
 def test_a_step_given_no_pairs_says_so():
     with pytest.raises(DataError) as exc:
         require_examples(1, "training examples", TokenizeStats(0, 0, 0), 8)
