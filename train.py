@@ -266,6 +266,10 @@ def check_config(cfg: DictConfig) -> None:
         check_model_arg(cfg.reward_model, "--reward-model", own_tokenizer=not cfg.tokenizer)
     if cfg.tokenizer:
         check_model_arg(cfg.tokenizer, "tokenizer=", tokenizer=True)
+    if cfg.logging.tensorboard:
+        from engine.tracking import require_tensorboard
+
+        require_tensorboard()
     if len(cfg.data.split) != 3:
         raise UserError(f"data.split={list(cfg.data.split)}: give three weights, for steps "
                         "1, 2, 3 (e.g. data.split=[2,4,4])")

@@ -1,15 +1,17 @@
 """Metrics: one JSON object per logged step in <step dir>/metrics.jsonl, mirrored to
-wandb when enabled (offline when there is no API key or its server is unreachable). The
-file is strict JSON: a NaN or inf metric (a skipped update's gradient norm) is written as
-null, which `jq`, pandas and JSON parsers outside Python read; wandb gets the float
-itself."""
+wandb when enabled (offline when there is no API key or its server is unreachable) and to
+TensorBoard event files in <step dir>/tensorboard when asked. The file is strict JSON: a
+NaN or inf metric (a skipped update's gradient norm) is written as null, which `jq`,
+pandas and JSON parsers outside Python read; wandb and TensorBoard get the float itself."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import netrc
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,12 +54,14 @@ class Tracker:
     row_sources: list[Callable[[], dict[str, Any]]] = []
 
     def __init__(self, step_dir: Path, *, wandb_settings: dict | None = None,
-                 config: dict | None = None, enabled: bool = True, keep_rows: int | None = None):
-        """`keep_rows`: continue a resumed run's metrics.jsonl after its first `keep_rows`
-        rows (those written before the checkpoint); None starts the file afresh."""
+                 config: dict | None = None, enabled: bool = True, keep_rows: int | None = None,
+                 tensorboard: bool = False):
+        """`keep_rows`: continue a resumed run's metrics.jsonl (and its TensorBoard events)
+        after its first `keep_rows` rows (those written before the checkpoint); None starts
+        them afresh."""
         self.enabled = enabled
         self.path = Path(step_dir) / "metrics.jsonl"
-        self._wandb = None
+        self._wandb = self._tensorboard = None
         self.rows = 0
         if not enabled:
             return
@@ -67,6 +71,9 @@ class Tracker:
             kept = self.path.read_text().splitlines(keepends=True)[:keep_rows]
         self.path.write_text("".join(kept))
         self.rows = len(kept)
+        if tensorboard:
+            self._tensorboard = _tensorboard_writer(self.path.parent / "tensorboard",
+                                                    kept if keep_rows is not None else None)
         ws = wandb_settings or {}
         if ws.get("enabled"):
             try:
@@ -108,11 +115,41 @@ class Tracker:
         self.rows += 1
         if self._wandb is not None:
             self._wandb.log(row, step=step)
+        if self._tensorboard is not None:
+            for name, value in row.items():
+                if name != "step" and isinstance(value, int | float):
+                    self._tensorboard.add_scalar(name, value, step)
+            self._tensorboard.flush()   # a killed run keeps what it logged, as metrics.jsonl
 
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+def require_tensorboard() -> None:
+    """logging.tensorboard needs the tensorboard package (an optional extra): refused up
+    front, before a step runs, when it is not installed."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("logging.tensorboard=true: the tensorboard package is not installed "
+                        "(pip install tensorboard, or logging.tensorboard=false)")
+
+
+def _tensorboard_writer(directory: Path, kept_rows: list[str] | None):
+    """A SummaryWriter into `directory`. A fresh start (`kept_rows` None) clears an earlier
+    attempt's events; a resumed one drops those logged after its kept rows (a step past the
+    checkpoint, logged again now), so that no step shows twice."""
+    require_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    if kept_rows is None:
+        shutil.rmtree(directory, ignore_errors=True)
+        return SummaryWriter(str(directory))
+    last = json.loads(kept_rows[-1])["step"] if kept_rows else -1
+    return SummaryWriter(str(directory), purge_step=last + 1)
 
 
 def _plain(value: Any) -> Any:

@@ -293,6 +293,9 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = val(WandbConfig)
+    tensorboard: bool = val(False, "also write each step's metrics as TensorBoard events in "
+                            "<output_dir>/stepN/tensorboard (pip install tensorboard; "
+                            "DeepSpeed-Chat's --enable_tensorboard)")
     progress: bool = val(True, "tqdm bars")
 
 

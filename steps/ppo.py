@@ -541,7 +541,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
                                                        if v is not None})
     position, metrics_rows = ckpt.restore(Progress(kl_coef=s.ppo.kl_coef)._asdict(), resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
-                      enabled=dp.reports, keep_rows=metrics_rows)
+                      enabled=dp.reports, keep_rows=metrics_rows,
+                      tensorboard=cfg.logging.tensorboard)
     state = Progress(**position)
     if state.before is None:
         state = baseline(models, prompts, s, dp, tracker, state)

@@ -74,7 +74,8 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=task.step),
-                      enabled=dp.reports, keep_rows=metrics_rows)
+                      enabled=dp.reports, keep_rows=metrics_rows,
+                      tensorboard=cfg.logging.tensorboard)
     position = _train(cfg, task, engine, dp, ckpt, tracker, position)
 
     engine.eval()

@@ -510,6 +510,20 @@ BROKEN = {"truncated-weights": "a weights file is truncated or not safetensors",
           "no-tokenizer": "the directory has no tokenizer files"}
 
 
+def test_tensorboard_without_its_package_is_refused_before_anything_runs(tmp_path,
+                                                                          monkeypatch):
+    """By check_config: a --step 3 run would have loaded its models first."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "tensorboard" else real(name, *args))
+    assert refusal("--output-dir", str(tmp_path / "out"), "--step", "1", "--actor-model",
+                   "tiny-llama", "logging.tensorboard=true") == (
+        "logging.tensorboard=true: the tensorboard package is not installed (pip install "
+        "tensorboard, or logging.tensorboard=false)")
+
+
 @pytest.mark.parametrize("kind", BROKEN)
 def test_an_unreadable_model_dir_is_one_line_and_leaves_nothing(capsys, tmp_path, saved_model,
                                                                  kind):

@@ -1,4 +1,4 @@
-"""metrics.jsonl and the wandb mirror (offline: no key, no network)."""
+"""metrics.jsonl and its wandb (offline: no key, no network) and TensorBoard mirrors."""
 
 import json
 import math
@@ -109,3 +109,55 @@ def test_wandb_missing_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)   # `import wandb` raises ImportError
     with pytest.raises(UserError, match="logging.wandb.enabled=true: the wandb package"):
         Tracker(tmp_path / "step1", wandb_settings={"enabled": True}, config={})
+
+
+def _tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} as TensorBoard reads the event files in `directory`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_every_numeric_metric_and_a_resume_shows_no_step_twice(tmp_path):
+    """logging.tensorboard (DeepSpeed-Chat's --enable_tensorboard): the rows' numbers as
+    scalars. A resumed run logs again the steps after its checkpoint: those from before the
+    kill are dropped, as metrics.jsonl drops its rows; a fresh start clears them all."""
+    pytest.importorskip("tensorboard")   # the dev extra; missing on the GPU device's image
+    step_dir = tmp_path / "step3"
+    tracker = Tracker(step_dir, tensorboard=True)
+    for step in (1, 2, 3):
+        tracker.log({"train/loss": 1.0 / step, "note": "text", "train/grad_norm": math.nan},
+                    step=step)
+    tracker.close()   # killed after step 3; its checkpoint was at step 2
+    scalars = _tensorboard_scalars(step_dir / "tensorboard")
+    assert set(scalars) == {"train/loss", "train/grad_norm"}   # text has no scalar
+    assert scalars["train/loss"] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+    assert all(math.isnan(value) for _, value in scalars["train/grad_norm"])
+
+    resumed = Tracker(step_dir, tensorboard=True, keep_rows=2)
+    resumed.log({"train/loss": 0.25}, step=3)
+    resumed.close()
+    assert _tensorboard_scalars(step_dir / "tensorboard")["train/loss"] == [
+        (1, 1.0), (2, 0.5), (3, 0.25)]
+    assert [row["step"] for row in read_metrics(step_dir / "metrics.jsonl")] == [1, 2, 3]
+
+    fresh = Tracker(step_dir, tensorboard=True)
+    fresh.log({"train/loss": 2.0}, step=1)
+    fresh.close()
+    assert _tensorboard_scalars(step_dir / "tensorboard") == {"train/loss": [(1, 2.0)]}
+
+
+def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "tensorboard" else real(name, *args))
+    with pytest.raises(UserError) as err:
+        Tracker(tmp_path / "step1", tensorboard=True)
+    assert str(err.value) == ("logging.tensorboard=true: the tensorboard package is not "
+                              "installed (pip install tensorboard, or logging.tensorboard=false)")
+    assert not (tmp_path / "step1" / "tensorboard").exists()
