@@ -424,10 +424,10 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
 
 # The keys that shape a step's run, beyond seed and data.*: a checkpoint's data position,
 # schedule and weights mean nothing under others. Keys that only report or bound memory
-# (log_every, eval_batch_size, profile, forward_batch_size) may change on resume.
+# (log_every, log_answers, eval_batch_size, profile, forward_batch_size) may change on resume.
 RUN_SHAPING = {1: ("actor_model", "tokenizer", "sft"), 2: ("reward_model", "tokenizer", "rm"),
                3: ("tokenizer", "ppo")}
-FREE_ON_RESUME = {"log_every", "eval_batch_size", "profile", "forward_batch_size"}
+FREE_ON_RESUME = {"log_every", "log_answers", "eval_batch_size", "profile", "forward_batch_size"}
 
 
 def check_resume_settings(cfg: DictConfig, step: int) -> None:

@@ -61,6 +61,7 @@ class Tracker:
         them afresh."""
         self.enabled = enabled
         self.path = Path(step_dir) / "metrics.jsonl"
+        self.answers_path = Path(step_dir) / "answers.jsonl"
         self._wandb = self._tensorboard = None
         self.rows = 0
         if not enabled:
@@ -71,6 +72,7 @@ class Tracker:
             kept = self.path.read_text().splitlines(keepends=True)[:keep_rows]
         self.path.write_text("".join(kept))
         self.rows = len(kept)
+        _keep_answers(self.answers_path, kept if keep_rows is not None else None)
         if tensorboard:
             self._tensorboard = _tensorboard_writer(self.path.parent / "tensorboard",
                                                     kept if keep_rows is not None else None)
@@ -121,6 +123,17 @@ class Tracker:
                     self._tensorboard.add_scalar(name, value, step)
             self._tensorboard.flush()   # a killed run keeps what it logged, as metrics.jsonl
 
+    def log_answers(self, answers: list[dict[str, Any]], step: int) -> None:
+        """Sample answers (prompt, answer, scores) of the policy at `step`, one JSON object
+        each in answers.jsonl: what the numbers were of."""
+        if not self.enabled or not answers:
+            return
+        with self.answers_path.open("a", encoding="utf-8") as f:
+            for answer in answers:
+                row = {"step": step, **{k: _plain(v) for k, v in answer.items()}}
+                f.write(json.dumps({k: _finite_or_none(v) for k, v in row.items()},
+                                   allow_nan=False, ensure_ascii=False) + "\n")
+
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
@@ -128,6 +141,19 @@ class Tracker:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _keep_answers(path: Path, kept_rows: list[str] | None) -> None:
+    """answers.jsonl as metrics.jsonl keeps it: a fresh start (`kept_rows` None) removes it;
+    a resumed run keeps the answers up to its kept rows' last step."""
+    if kept_rows is None or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    last = json.loads(kept_rows[-1])["step"] if kept_rows else -1
+    lines = path.read_text(encoding="utf-8").split("\n")
+    path.write_text("".join(line + "\n" for line in lines
+                            if line.strip() and json.loads(line)["step"] <= last),
+                    encoding="utf-8")
 
 
 def require_tensorboard() -> None:

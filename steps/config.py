@@ -245,6 +245,9 @@ class PPOConfig(OptimConfig):
     max_new_tokens: int = val("${data.max_answer_len}", ok=COUNT)  # type: ignore[assignment]
     eval_prompts: int = val(64, "held-out prompts: greedy answers scored, and the KL to the "
                             "reference measured, before, during and after step 3", NON_NEGATIVE)
+    log_answers: int = val(4, "each evaluation writes this many held-out prompts' greedy "
+                           "answers, with their scores, to <output_dir>/step3/answers.jsonl "
+                           "(DeepSpeed-Chat's --print_answers); 0: none", NON_NEGATIVE)
     eval_every: int = val(10, "iterations between evaluations; 0: before and after only",
                           NON_NEGATIVE)
     eval_reward_fn: Optional[str] = val(None, "package.module:function, (prompt, answer[, label]) -> "  # noqa: UP045

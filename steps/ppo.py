@@ -553,7 +553,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     models.actor.eval()
     after = (state.last_eval or {}).copy()
     if after.pop("iteration", None) != state.iteration:   # else the loop's last evaluation
-        after = evaluate(models, prompts, s, dp)          # was of these very weights
+        shown: list[dict] = []                            # was of these very weights
+        after = evaluate(models, prompts, s, dp, shown)
+        tracker.log_answers(shown, state.iteration)
         state = keep_if_best(state, after, s, kept, models.actor)
     return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
 
@@ -1278,13 +1280,14 @@ EVAL_STREAM, BEST_OF_N_STREAM = 0, (1 << 20) - 1   # row_seeds streams; rollouts
 
 
 @torch.no_grad()
-def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
-             ) -> dict[str, float]:
+def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
+             shown: list[dict] | None = None) -> dict[str, float]:
     """The policy on the held-out prompts, per answer: `reward` (the step-3 score) and
     `ground_truth` (the gold score, when there is one) of answers sampled as in training
     with fixed row seeds (so two evaluations compare like with like), the same for greedy
     answers (`greedy_*`, what chat.py answers), and the `kl` to the reference, measured on
-    the sampled answers."""
+    the sampled answers. `shown` gets the first ppo.log_answers greedy answers (rank 0's)
+    with their scores."""
     if not prompts.eval:
         return {}
     totals = torch.zeros(5, dtype=torch.float64)
@@ -1299,14 +1302,29 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel
             kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
             sums = [float(kl.sum())]
             for answers in (sampled, greedy):
-                reward = _scores(models, answers, s, dp)
-                sums += [float(reward.sum()), float(_gold(s, models.tokenizer, answers).sum())]
+                reward, gold = _scores(models, answers, s, dp), _gold(s, models.tokenizer, answers)
+                sums += [float(reward.sum()), float(gold.sum())]
             totals += share.weight * torch.tensor(sums, dtype=torch.float64)
+            if shown is not None and not shown and s.ppo.log_answers and dp.reports:
+                # the loop's last scores are the greedy answers'
+                shown += _shown_answers(models.tokenizer, greedy, reward, gold, s)
     kl, reward, gold, greedy_reward, greedy_gold = (
         total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
             "greedy_reward": greedy_reward,
             **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl}
+
+
+def _shown_answers(tokenizer, answers: Rollout, reward: torch.Tensor, gold: torch.Tensor,
+                   s: Settings) -> list[dict]:
+    """The first ppo.log_answers of `answers` as texts, with their rewards [B] and gold
+    scores [B] (those only with a gold function)."""
+    n = s.ppo.log_answers
+    prompts, texts = decode_rollouts(tokenizer, answers.sequences[:n], answers.prompt_len)
+    return [{"prompt": prompt, "answer": text, "reward": r,
+             **({"ground_truth": g} if s.gold else {})}
+            for prompt, text, r, g in zip(prompts, texts, reward[:n].tolist(),
+                                          gold[:n].tolist(), strict=True)]
 
 
 def _gold(s: Settings, tokenizer, answers: Rollout) -> torch.Tensor:
@@ -1384,9 +1402,11 @@ def baseline(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
              tracker: Tracker, state: Progress) -> Progress:
     """Evaluate the SFT policy (greedy) and its best-of-n, print and log both: the line
     every run shows it has to beat. The SFT policy is the first candidate for export=best."""
-    before, bon = evaluate(models, prompts, s, dp), best_of_n(models, prompts, s, dp)
+    shown: list[dict] = []
+    before, bon = evaluate(models, prompts, s, dp, shown), best_of_n(models, prompts, s, dp)
     tracker.log({**{f"eval/{k}": v for k, v in before.items()},
                  **{f"baseline/best_of_{s.ppo.best_of_n}_{k}": v for k, v in bon.items()}}, 0)
+    tracker.log_answers(shown, 0)
     if before:
         greedy = {k.removeprefix("greedy_"): v for k, v in before.items() if "greedy" in k}
         log("step 3 baseline: SFT greedy " + _scores_line(greedy) + " | SFT sampled "
@@ -1417,8 +1437,10 @@ def start_kl_coef(state: Progress, at_target: float | None, s: Settings) -> Prog
 def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,
                     dp: DataParallel, tracker: Tracker, state: Progress) -> Progress:
     """An evaluation between iterations: logged, and kept if it is the best so far."""
-    metrics = evaluate(models, prompts, s, dp)
+    shown: list[dict] = []
+    metrics = evaluate(models, prompts, s, dp, shown)
     tracker.log({f"eval/{k}": v for k, v in metrics.items()}, state.iteration)
+    tracker.log_answers(shown, state.iteration)
     state = state._replace(last_eval={**metrics, "iteration": state.iteration})
     return keep_if_best(state, metrics, s, kept, models.actor)
 

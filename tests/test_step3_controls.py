@@ -448,6 +448,39 @@ def dynamic(**changes) -> ppo.Settings:
                     micro_batch_size=3, max_new_tokens=6, dynamic_sampling=True, **changes)
 
 
+def test_an_evaluation_shows_its_first_greedy_answers_with_the_scores_it_averaged():
+    """ppo.log_answers (answers.jsonl): an evaluation's first greedy answers, the texts
+    chat.py would answer, each with the reward and gold score it got; over all the eval
+    prompts, their means are the evaluation's greedy_reward and greedy_ground_truth."""
+    tok, dp = byte_tokenizer(), DataParallel(CPU)
+    torch.manual_seed(0)
+    models = rule_models(tok)
+    texts = ["Q1:", "same a:", "Q22:"]
+    prompt_ids = [tok(t)["input_ids"] for t in texts]
+    eval_prompts = ppo.Prompts([], prompt_ids, [], {})
+
+    def evaluated(log_answers: int) -> tuple[dict, list[dict]]:
+        s = settings(rollout_batch_size=4, max_new_tokens=6, log_answers=log_answers)
+        s = s._replace(gold=RewardFunction(lambda prompt, answer: float(len(answer)), "len"))
+        shown: list[dict] = []
+        return ppo.evaluate(models, eval_prompts, s, dp, shown), shown
+
+    got, shown = evaluated(3)
+    greedy = ppo.rollout(models, collate_prompts(prompt_ids, PAD),
+                         settings(max_new_tokens=6).greedy, None)
+    assert [(row["prompt"], row["answer"]) for row in shown] == list(zip(
+        *decode_rollouts(tok, greedy.sequences, greedy.prompt_len), strict=True))
+    assert [row["prompt"] for row in shown] == texts
+    for row in shown:
+        assert row["reward"] == pytest.approx(_same_or_checksum(row["prompt"], row["answer"]))
+        assert row["ground_truth"] == len(row["answer"])
+    assert got["greedy_reward"] == pytest.approx(sum(r["reward"] for r in shown) / 3)
+    assert got["greedy_ground_truth"] == pytest.approx(sum(r["ground_truth"] for r in shown) / 3)
+    again, first = evaluated(1)
+    assert first == shown[:1] and again == got   # what is shown changes no figure
+    assert evaluated(0)[1] == []
+
+
 def test_dynamic_sampling_draws_until_enough_prompts_differ_and_keeps_the_first():
     """Batches are drawn until 3 prompts' answers differ: the first batch has one, the
     second two more (and one past the target), the third is never drawn. The batch

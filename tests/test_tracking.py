@@ -161,3 +161,29 @@ def test_tensorboard_missing_is_one_clear_error(monkeypatch, tmp_path):
     assert str(err.value) == ("logging.tensorboard=true: the tensorboard package is not "
                               "installed (pip install tensorboard, or logging.tensorboard=false)")
     assert not (tmp_path / "step1" / "tensorboard").exists()
+
+
+def test_answers_are_kept_as_their_metrics_rows_are(tmp_path):
+    """answers.jsonl (ppo.log_answers): one object per answer, its text as written; a
+    resumed run keeps those up to its kept rows' last step (it logs the later ones again),
+    a fresh start removes them, and a step that shows none writes nothing."""
+    step_dir = tmp_path / "step3"
+    tracker = Tracker(step_dir)
+    for step in (0, 2, 4):
+        tracker.log({"eval/reward": float(step)}, step=step)
+        tracker.log_answers([{"prompt": "Q:", "answer": f" é{step}", "reward": 0.123456789},
+                             {"prompt": "Q2:", "answer": "", "reward": math.nan}], step)
+    tracker.log_answers([], 5)
+    tracker.close()
+    path = step_dir / "answers.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert rows[:2] == [{"step": 0, "prompt": "Q:", "answer": " é0", "reward": 0.1234568},
+                        {"step": 0, "prompt": "Q2:", "answer": "", "reward": None}]
+    assert [row["step"] for row in rows] == [0, 0, 2, 2, 4, 4]
+
+    Tracker(step_dir, keep_rows=2).close()   # its checkpoint was at step 2
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 0, 2, 2]
+    Tracker(step_dir, keep_rows=0).close()
+    assert path.read_text() == ""
+    Tracker(step_dir).close()
+    assert not path.exists()
