@@ -95,6 +95,9 @@ class TrainConfig(OptimConfig):
     grad_accum: int = val(1, ok=COUNT)
     lr: float = val(9.65e-6, ok=LEARNING_RATE)
     eval_batch_size: int = val(16, ok=COUNT)
+    eval_every: int = val(0, "optimizer steps between evaluations on the held-out examples "
+                          "(logged as eval/*, and said); 0: after training only",
+                          NON_NEGATIVE)
     log_every: int = val(10, ok=COUNT)
     packing: bool = val(False, "pack each micro-batch's examples into rows as wide as its "
                         "longest, attention kept within each (no padding between): fewer "

@@ -115,6 +115,18 @@ def _refuse_non_finite(task: Task, metrics: dict[str, float], tracker: Tracker,
                              f"learning rate (or check the data), then run the step again{afresh}")
 
 
+def _evaluate_during(task: Task, engine: TrainEngine, tracker: Tracker) -> None:
+    """An evaluation between updates (sft/rm.eval_every), logged and said; training goes on
+    in train mode. It draws no random numbers, so the run trains as it would without it."""
+    engine.eval()
+    metrics = task.evaluate(engine)
+    engine.train()
+    if metrics:
+        tracker.log(metrics, engine.steps)
+        log(f"step {task.step} ({task.name}) after {engine.steps} updates: "
+            f"{task.results(metrics)}")
+
+
 def _windows(cfg: DictConfig, task: Task, position: dict, dp: DataParallel
              ) -> Iterator[tuple[int, int, list[list]]]:
     """The accumulation windows from `position` on: (epoch, number of its last batch in
@@ -172,6 +184,8 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
                          **({"train/loss_scale": scale.value,
                              "train/scale_overflows": scale.overflows} if scale.enabled else {})},
                         engine.steps)
+        if section.eval_every and engine.steps % section.eval_every == 0:
+            _evaluate_during(task, engine, tracker)
         epoch_done = index == steps_per_epoch
         ckpt.save_if_due(engine.steps, {
             "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,

@@ -13,7 +13,7 @@ from engine.config import OptimConfig
 from engine.data_parallel import DataParallel
 from engine.errors import NonFiniteError, UserError
 from engine.models import byte_tokenizer, load_causal_lm, load_reward_model
-from engine.runtime import Runtime
+from engine.runtime import Runtime, seed_everything
 from engine.tracking import read_metrics
 from engine.trainer import TrainEngine
 from steps import reward, sft, supervised
@@ -32,7 +32,7 @@ EXAMPLES = tokenize_sft([PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes"
 def train(batch_size: int, grad_accum: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Step 1's loop over EXAMPLES for one epoch: its logged rows and final weights."""
     section = SimpleNamespace(epochs=1, batch_size=batch_size, grad_accum=grad_accum,
-                              log_every=1)
+                              log_every=1, eval_every=0)
     steps = num_batches(num_batches(len(EXAMPLES), batch_size), grad_accum)
     engine = TrainEngine(load_causal_lm("tiny-llama", TOK, seed=0),
                          OptimConfig(lr_scheduler="constant", grad_clip=0), steps, CPU,
@@ -135,6 +135,42 @@ def test_a_model_that_evaluates_to_nan_is_not_exported(step, tmp_path, monkeypat
     assert not (tmp_path / ("actor" if step is sft else "reward")).exists()
     rows = read_metrics(tmp_path / f"step{1 if step is sft else 2}" / "metrics.jsonl")
     assert any(name in rows[-1] for name in ("eval/perplexity", "eval/chosen_score"))
+
+
+@pytest.mark.parametrize("step", [sft, reward])
+def test_eval_every_evaluates_between_updates_and_trains_as_without(step, tmp_path, capsys):
+    """sft/rm.eval_every (OpenRLHF's --eval_steps): the held-out metrics every N updates,
+    logged at their update and said; the one after the last update is the final
+    evaluation's, of the same weights. The evaluations draw no random numbers and leave
+    dropout as it was, so the updates are those of a run without them."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i % 3 + 1), " no")
+             for i in range(20)]
+    section = "sft" if step is sft else "rm"
+
+    def run(eval_every: int) -> list[dict]:
+        out = tmp_path / str(eval_every)
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "actor_model": "tiny-llama", "reward_model": "tiny-llama", "output_dir": str(out),
+            "data": {"eval_fraction": 0.2},
+            section: {"batch_size": 2, "log_every": 1, "eval_every": eval_every,
+                      "lora": {"dropout": 0.1, "dim": 4}},
+            "logging": {"progress": False}})
+        seed_everything(cfg.seed)   # as train.py does before each step: the same dropout
+        step.run(cfg, pairs, CPU)
+        return read_metrics(out / f"step{1 if step is sft else 2}" / "metrics.jsonl")
+
+    plain, evaluated = run(0), run(3)
+    said = capsys.readouterr().out
+    name = "eval/perplexity" if step is sft else "eval/accuracy"
+    trained = [row for row in evaluated if "train/loss" in row and "time/seconds" not in row]
+    assert [row["train/loss"] for row in trained] == [
+        row["train/loss"] for row in plain if "train/loss" in row and "time/seconds" not in row]
+    during = [row for row in evaluated if name in row and "time/seconds" not in row]
+    assert [row["step"] for row in during] == [3, 6]   # 16 examples in batches of 2: 8 updates
+    assert all(name not in row for row in plain if "time/seconds" not in row)
+    assert evaluated[-1][name] == plain[-1][name]   # the end: the same weights, evaluated
+    assert f"step {1 if step is sft else 2} ({'SFT' if step is sft else 'reward model'}) " \
+           f"after 3 updates: eval " in said
 
 
 @pytest.mark.parametrize("step", [sft, reward])
