@@ -125,14 +125,23 @@ class Tracker:
 
     def log_answers(self, answers: list[dict[str, Any]], step: int) -> None:
         """Sample answers (prompt, answer, scores) of the policy at `step`, one JSON object
-        each in answers.jsonl: what the numbers were of."""
+        each in answers.jsonl, and a table in wandb (TRL's log_completions): what the
+        numbers were of."""
         if not self.enabled or not answers:
             return
+        rows = [{k: _plain(v) for k, v in answer.items()} for answer in answers]
         with self.answers_path.open("a", encoding="utf-8") as f:
-            for answer in answers:
-                row = {"step": step, **{k: _plain(v) for k, v in answer.items()}}
-                f.write(json.dumps({k: _finite_or_none(v) for k, v in row.items()},
+            for row in rows:
+                f.write(json.dumps({"step": step, **{k: _finite_or_none(v)
+                                                     for k, v in row.items()}},
                                    allow_nan=False, ensure_ascii=False) + "\n")
+        if self._wandb is not None:
+            import wandb
+
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            self._wandb.log({"eval/answers": wandb.Table(
+                columns=columns, data=[[row.get(k) for k in columns] for row in rows])},
+                step=step)
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -98,9 +98,16 @@ def test_wandb_offline_run_is_written_inside_the_step_dir(monkeypatch, tmp_path)
     settings = {"enabled": True, "mode": "auto", "project": "rlhf-test", "run_name": "t"}
     tracker = Tracker(tmp_path / "step2", wandb_settings=settings, config={"step": 2})
     tracker.log({"eval/accuracy": 0.75}, step=3)
+    tracker.log_answers([{"prompt": "Q:", "answer": " 4", "reward": 1.5},
+                         {"prompt": "Q2:", "answer": " é", "reward": -0.5}], step=3)
     tracker.close()
     runs = list((tmp_path / "step2" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+    # the answers as a table (TRL's log_completions), beside answers.jsonl
+    [table] = runs[0].parent.glob("files/media/table/eval/answers_3_*.table.json")
+    written = json.loads(table.read_text(encoding="utf-8"))
+    assert (written["columns"], written["data"]) == (
+        ["prompt", "answer", "reward"], [["Q:", " 4", 1.5], ["Q2:", " é", -0.5]])
     assert json.loads((tmp_path / "step2" / "metrics.jsonl").read_text()) == {
         "step": 3, "eval/accuracy": 0.75}
 
