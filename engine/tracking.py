@@ -72,10 +72,13 @@ class Tracker:
             kept = self.path.read_text().splitlines(keepends=True)[:keep_rows]
         self.path.write_text("".join(kept))
         self.rows = len(kept)
-        _keep_answers(self.answers_path, kept if keep_rows is not None else None)
+        # the last step a resumed run keeps (-1: none); None for a fresh start
+        kept_until = (json.loads(kept[-1])["step"] if kept else -1) if keep_rows is not None \
+            else None
+        _keep_answers(self.answers_path, kept_until)
         if tensorboard:
             self._tensorboard = _tensorboard_writer(self.path.parent / "tensorboard",
-                                                    kept if keep_rows is not None else None)
+                                                    kept_until)
         ws = wandb_settings or {}
         if ws.get("enabled"):
             try:
@@ -152,16 +155,15 @@ class Tracker:
             self._tensorboard = None
 
 
-def _keep_answers(path: Path, kept_rows: list[str] | None) -> None:
-    """answers.jsonl as metrics.jsonl keeps it: a fresh start (`kept_rows` None) removes it;
-    a resumed run keeps the answers up to its kept rows' last step."""
-    if kept_rows is None or not path.exists():
+def _keep_answers(path: Path, kept_until: int | None) -> None:
+    """answers.jsonl as metrics.jsonl keeps it: a fresh start (`kept_until` None) removes
+    it; a resumed run keeps the answers up to step `kept_until`."""
+    if kept_until is None or not path.exists():
         path.unlink(missing_ok=True)
         return
-    last = json.loads(kept_rows[-1])["step"] if kept_rows else -1
     lines = path.read_text(encoding="utf-8").split("\n")
     path.write_text("".join(line + "\n" for line in lines
-                            if line.strip() and json.loads(line)["step"] <= last),
+                            if line.strip() and json.loads(line)["step"] <= kept_until),
                     encoding="utf-8")
 
 
@@ -173,18 +175,17 @@ def require_tensorboard() -> None:
                         "(pip install tensorboard, or logging.tensorboard=false)")
 
 
-def _tensorboard_writer(directory: Path, kept_rows: list[str] | None):
-    """A SummaryWriter into `directory`. A fresh start (`kept_rows` None) clears an earlier
-    attempt's events; a resumed one drops those logged after its kept rows (a step past the
+def _tensorboard_writer(directory: Path, kept_until: int | None):
+    """A SummaryWriter into `directory`. A fresh start (`kept_until` None) clears an earlier
+    attempt's events; a resumed one drops those after step `kept_until` (past the
     checkpoint, logged again now), so that no step shows twice."""
     require_tensorboard()
     from torch.utils.tensorboard import SummaryWriter
 
-    if kept_rows is None:
+    if kept_until is None:
         shutil.rmtree(directory, ignore_errors=True)
         return SummaryWriter(str(directory))
-    last = json.loads(kept_rows[-1])["step"] if kept_rows else -1
-    return SummaryWriter(str(directory), purge_step=last + 1)
+    return SummaryWriter(str(directory), purge_step=kept_until + 1)
 
 
 def _plain(value: Any) -> Any:
