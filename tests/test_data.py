@@ -113,6 +113,13 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
     return message
 
 
+def refused(source: str) -> str:
+    """load_pairs' one-line refusal of `source`."""
+    with pytest.raises(DataError) as exc:
+        load_pairs(source)
+    return one_line(exc)
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 
@@ -167,11 +174,10 @@ def test_a_directory_of_other_file_types_names_them(tmp_path):
     """Not "subdirectories are not searched: ds.csv": the types found and those read."""
     (tmp_path / "ds.csv").write_text("prompt,chosen,rejected\n")
     (tmp_path / "README.md").write_text("")
-    with pytest.raises(DataError) as exc:
-        load_pairs(str(tmp_path))
-    assert one_line(exc) == (f"data directory {tmp_path} has no .json, .jsonl, .jsonl.gz, "
-                             ".json.gz or .parquet files (found only .csv, .md files); put the "
-                             "data there as one of those or name the files in data.path")
+    assert refused(str(tmp_path)) == (
+        f"data directory {tmp_path} has no .json, .jsonl, .jsonl.gz, .json.gz or .parquet "
+        "files (found only .csv, .md files); put the data there as one of those or name the "
+        "files in data.path")
 
 
 def test_a_directory_of_hub_split_files_reads_its_train_split(tmp_path, caplog):
@@ -226,11 +232,9 @@ def test_a_directory_saved_by_datasets(tmp_path, caplog):
         load_pairs(str(tmp_path / "bad"))
     dataset(PROMPT_RECORDS).save_to_disk(str(tmp_path / "damaged"))
     next((tmp_path / "damaged").glob("*.arrow")).write_bytes(b"not arrow")
-    with pytest.raises(DataError) as exc:
-        load_pairs(str(tmp_path / "damaged"))
-    assert one_line(exc).startswith(f"cannot read saved dataset {tmp_path / 'damaged'}: ")
-    assert one_line(exc).endswith("; save it again with save_to_disk or pass its data files in "
-                                  "data.path")
+    line = refused(str(tmp_path / "damaged"))
+    assert line.startswith(f"cannot read saved dataset {tmp_path / 'damaged'}: ")
+    assert line.endswith("; save it again with save_to_disk or pass its data files in data.path")
 
 
 def test_real_hh_rlhf(hh_rlhf_path):
@@ -405,11 +409,9 @@ def test_a_bad_json_array_is_named_by_line_and_column(tmp_path):
     good = json.dumps(PROMPT_RECORDS[0])
     path = tmp_path / "bad.json"
     path.write_text(f"[{good},\n {good},\n {good[:9]}{good[10:]}]\n")   # no colon
-    with pytest.raises(DataError) as exc:
-        load_pairs(str(path))
-    assert one_line(exc) == (f"cannot read data file {path}: line 3: Expecting ':' delimiter "
-                             "(column 12); check that it is valid JSON (an array of records "
-                             "or JSON lines)")
+    assert refused(str(path)) == (f"cannot read data file {path}: line 3: Expecting ':' "
+                                  "delimiter (column 12); check that it is valid JSON (an "
+                                  "array of records or JSON lines)")
 
 
 def test_a_line_separator_inside_a_json_string_is_text_not_a_new_line(tmp_path, monkeypatch):
