@@ -423,11 +423,13 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
 
 
 # The keys that shape a step's run, beyond seed and data.*: a checkpoint's data position,
-# schedule and weights mean nothing under others. Keys that only report or bound memory
-# (log_every, log_answers, eval_batch_size, profile, forward_batch_size) may change on resume.
+# schedule and weights mean nothing under others. Keys that only report or bound memory may
+# change on resume: by name in any section, or by their whole key (ppo.eval_every stays: it
+# decides which policies export=best can pick).
 RUN_SHAPING = {1: ("actor_model", "tokenizer", "sft"), 2: ("reward_model", "tokenizer", "rm"),
                3: ("tokenizer", "ppo")}
-FREE_ON_RESUME = {"log_every", "log_answers", "eval_batch_size", "profile", "forward_batch_size"}
+FREE_ON_RESUME = {"log_every", "log_answers", "eval_batch_size", "profile", "forward_batch_size",
+                  "sft.eval_every", "rm.eval_every"}
 
 
 def check_resume_settings(cfg: DictConfig, step: int) -> None:
@@ -442,7 +444,7 @@ def check_resume_settings(cfg: DictConfig, step: int) -> None:
     shaping = ("seed", "data", *RUN_SHAPING[step])
     changed = [key for key, value in new.items()
                if key.split(".")[0] in shaping and key.rpartition(".")[2] not in FREE_ON_RESUME
-               and key in old and old[key] != value]
+               and key not in FREE_ON_RESUME and key in old and old[key] != value]
     if changed:
         raise UserError(f"resuming step {step} with settings that differ from those it started "
                         "with (" + ", ".join(f"{k}: {old[k]} -> {new[k]}" for k in changed)

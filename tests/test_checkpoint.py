@@ -184,7 +184,8 @@ def test_a_resume_under_settings_that_shape_the_step_differently_is_refused(tmp_
     assert plan(tmp_path, *started[2:]) == [(1, "resume")]
     # what only reports, bounds memory, or shapes another step may change
     assert plan(tmp_path, *started[2:], "sft.log_every=1", "sft.eval_batch_size=2",
-                "rm.lr=1e-3", "ppo.kl_coef=0.5", "logging.progress=false") == [(1, "resume")]
+                "sft.eval_every=5", "rm.lr=1e-3", "ppo.kl_coef=0.5",
+                "logging.progress=false") == [(1, "resume")]
     with pytest.raises(UserError) as refused:
         plan(tmp_path, "--step", "1", "sft.batch_size=16", "seed=7", "data.demo_pairs=50")
     assert str(refused.value) == (
@@ -194,6 +195,21 @@ def test_a_resume_under_settings_that_shape_the_step_differently_is_refused(tmp_
     with pytest.raises(UserError, match=r"\(sft.lora.dim: 0 -> 4\)"):
         plan(tmp_path, *started[2:], "sft.lora.dim=4")
     assert plan(tmp_path, "--step", "1", "sft.batch_size=16", "resume=false") == [(1, "run")]
+
+
+def test_step_3_resumes_under_another_answer_log_but_not_another_evaluation_schedule(tmp_path):
+    """ppo.log_answers only reports; ppo.eval_every decides which policies export=best can
+    pick, so a resume under another one is refused (sft/rm.eval_every, which pick nothing,
+    may change)."""
+    for name in ("actor", "reward"):
+        (tmp_path / name).mkdir()
+    fake_checkpoint(tmp_path, 3)
+    snapshot = train.build_config(train.parse_args(["--output-dir", str(tmp_path)]))
+    (tmp_path / "step3" / "config.yaml").write_text(OmegaConf.to_yaml(snapshot, resolve=True))
+    assert plan(tmp_path, "ppo.log_answers=0", "sft.eval_every=5") == [
+        (1, "skip"), (2, "skip"), (3, "resume")]
+    with pytest.raises(UserError, match=r"\(ppo.eval_every: 10 -> 5\)"):
+        plan(tmp_path, "ppo.eval_every=5")
 
 
 def test_a_step_interrupted_before_its_first_checkpoint_runs_again(tmp_path):
