@@ -553,9 +553,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     models.actor.eval()
     after = (state.last_eval or {}).copy()
     if after.pop("iteration", None) != state.iteration:   # else the loop's last evaluation
-        shown: list[dict] = []                            # was of these very weights
-        after = evaluate(models, prompts, s, dp, shown)
-        tracker.log_answers(shown, state.iteration)
+        after = evaluate_shown(models, prompts, s, dp,    # was of these very weights
+                               tracker, state.iteration)
         state = keep_if_best(state, after, s, kept, models.actor)
     return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
 
@@ -1286,8 +1285,8 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
     `ground_truth` (the gold score, when there is one) of answers sampled as in training
     with fixed row seeds (so two evaluations compare like with like), the same for greedy
     answers (`greedy_*`, what chat.py answers), and the `kl` to the reference, measured on
-    the sampled answers. `shown` gets the first ppo.log_answers greedy answers (rank 0's)
-    with their scores."""
+    the sampled answers. `shown` gets the first ppo.log_answers greedy answers (this
+    process's) with their scores."""
     if not prompts.eval:
         return {}
     totals = torch.zeros(5, dtype=torch.float64)
@@ -1305,7 +1304,7 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
                 reward, gold = _scores(models, answers, s, dp), _gold(s, models.tokenizer, answers)
                 sums += [float(reward.sum()), float(gold.sum())]
             totals += share.weight * torch.tensor(sums, dtype=torch.float64)
-            if shown is not None and not shown and s.ppo.log_answers and dp.reports:
+            if shown is not None and not shown and s.ppo.log_answers:
                 # the loop's last scores are the greedy answers'
                 shown += _shown_answers(models.tokenizer, greedy, reward, gold, s)
     kl, reward, gold, greedy_reward, greedy_gold = (
@@ -1313,6 +1312,15 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
             "greedy_reward": greedy_reward,
             **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl}
+
+
+def evaluate_shown(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
+                   tracker: Tracker, step: int) -> dict[str, float]:
+    """`evaluate`, its first greedy answers logged (answers.jsonl) at `step`."""
+    shown: list[dict] = []
+    metrics = evaluate(models, prompts, s, dp, shown)
+    tracker.log_answers(shown, step)
+    return metrics
 
 
 def _shown_answers(tokenizer, answers: Rollout, reward: torch.Tensor, gold: torch.Tensor,
@@ -1402,11 +1410,10 @@ def baseline(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
              tracker: Tracker, state: Progress) -> Progress:
     """Evaluate the SFT policy (greedy) and its best-of-n, print and log both: the line
     every run shows it has to beat. The SFT policy is the first candidate for export=best."""
-    shown: list[dict] = []
-    before, bon = evaluate(models, prompts, s, dp, shown), best_of_n(models, prompts, s, dp)
+    before = evaluate_shown(models, prompts, s, dp, tracker, 0)
+    bon = best_of_n(models, prompts, s, dp)
     tracker.log({**{f"eval/{k}": v for k, v in before.items()},
                  **{f"baseline/best_of_{s.ppo.best_of_n}_{k}": v for k, v in bon.items()}}, 0)
-    tracker.log_answers(shown, 0)
     if before:
         greedy = {k.removeprefix("greedy_"): v for k, v in before.items() if "greedy" in k}
         log("step 3 baseline: SFT greedy " + _scores_line(greedy) + " | SFT sampled "
@@ -1437,10 +1444,8 @@ def start_kl_coef(state: Progress, at_target: float | None, s: Settings) -> Prog
 def evaluate_during(models: Models, prompts: Prompts, s: Settings, kept: Kept,
                     dp: DataParallel, tracker: Tracker, state: Progress) -> Progress:
     """An evaluation between iterations: logged, and kept if it is the best so far."""
-    shown: list[dict] = []
-    metrics = evaluate(models, prompts, s, dp, shown)
+    metrics = evaluate_shown(models, prompts, s, dp, tracker, state.iteration)
     tracker.log({f"eval/{k}": v for k, v in metrics.items()}, state.iteration)
-    tracker.log_answers(shown, state.iteration)
     state = state._replace(last_eval={**metrics, "iteration": state.iteration})
     return keep_if_best(state, metrics, s, kept, models.actor)
 
