@@ -119,12 +119,15 @@ def _storages(model: nn.Module) -> set[int]:
 
 
 def save_hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
-            rt: Runtime) -> Path:
+            rt: Runtime, config: dict | None = None) -> Path:
     """Save `model` (LoRA merged) and `tokenizer` as a plain HF directory with
-    model.safetensors, loadable by `from_pretrained` without this project. Collective:
-    every rank calls it; rank 0 writes."""
+    model.safetensors, loadable by `from_pretrained` without this project, its config.json
+    with the `config` fields added. Collective: every rank calls it; rank 0 writes."""
     plain = full_copy(model, rt)
     if plain is not None:
+        plain.config = copy.deepcopy(plain.config)   # not the live model's, which stays
+        plain.config.update(config or {})
+
         def write(tmp: Path) -> None:
             plain.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -320,14 +321,17 @@ class TrainEngine:
                         if p.requires_grad or not trainable_only})
 
     def export(self, tokenizer, out_dir: Path, weights: Tensors | None = None,
-               adapter: bool = False) -> Path:
-        """Write the model (LoRA merged) as a plain Hugging Face directory, or with `adapter`
-        LoRA's weights alone (a peft adapter directory); with `weights` (a `copy_weights` of
-        it, e.g. its EMA) those weights instead of the live ones, which are left as they
-        were. Collective: every process calls it. Refuses (NonFiniteError) weights that are
-        not all finite, before anything is written."""
+               adapter: bool = False, config: dict | None = None) -> Path:
+        """Write the model (LoRA merged) as a plain Hugging Face directory, its config.json
+        with the `config` fields added, or with `adapter` LoRA's weights alone (a peft
+        adapter directory); with `weights` (a `copy_weights` of it, e.g. its EMA) those
+        weights instead of the live ones, which are left as they were. Collective: every
+        process calls it. Refuses (NonFiniteError) weights that are not all finite, before
+        anything is written."""
         what = f"{self.name} export to {out_dir}"
-        save = save_adapter if adapter else save_hf
+        if adapter and config:
+            raise ValueError("an adapter export writes no config.json to add fields to")
+        save = save_adapter if adapter else partial(save_hf, config=config)
         if weights is None:
             require_finite(self.module.parameters(), self.runtime, what)
             return save(self.module, tokenizer, out_dir, self.runtime)

@@ -5,6 +5,8 @@ here before it starts its processes."""
 from __future__ import annotations
 
 import importlib
+import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -81,7 +83,49 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
                  if key == "ppo.reward_path" else "")
         raise UserError(f"step 3 needs the {what} at {path}: run its step first "
                         f"(--step 1 2 3) or set {key}=DIR{alone}")
+    if ppo.normalize_reward and reward_path is not None:
+        _require_score_statistics(cfg, reward_path, _resolved(reward_path) in to_come)
     return actor_path, reward_path
+
+
+def _require_score_statistics(cfg: DictConfig, reward_path: str, to_come: bool) -> None:
+    """ppo.normalize_reward's statistics, checked before step 1: step 2 of this run writes
+    them where it holds pairs out; a reward model on disk has them in its config.json (a
+    hub name's are checked as step 3 loads it)."""
+    if to_come:
+        if cfg.data.eval_fraction == 0:
+            raise UserError("ppo.normalize_reward=true standardises by the reward model's "
+                            "scores on step 2's held-out pairs, and data.eval_fraction=0 "
+                            "holds none out: give data.eval_fraction > 0 (e.g. 0.05)")
+        return
+    try:
+        config = json.loads((_expanded(reward_path) / "config.json").read_text())
+    except (OSError, ValueError):   # none, or unreadable: the loader says what is wrong
+        return
+    if isinstance(config, dict):
+        score_statistics(config, f"ppo.reward_path {reward_path}")
+
+
+def score_statistics(config: dict, where: str) -> tuple[float, float]:
+    """(mean, std) of a reward model's scores, from its config.json (`config`, as a dict):
+    step 2's score_mean and score_std, or OpenRLHF's mean and std; refused in one line
+    naming `where` (the model) when it has none, or a std that cannot divide."""
+    for mean_key, std_key in (("score_mean", "score_std"), ("mean", "std")):
+        mean, std = config.get(mean_key), config.get(std_key)
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (mean, std)):
+            break
+    else:
+        raise UserError(f"ppo.normalize_reward=true: the reward model {where} has no score "
+                        "statistics in its config.json (score_mean and score_std, which step "
+                        "2 writes from its held-out pairs): train it with step 2 and "
+                        "data.eval_fraction > 0, or set ppo.normalize_reward=false")
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        raise UserError(f"ppo.normalize_reward=true: the reward model {where} has "
+                        f"{mean_key}={mean}, {std_key}={std} in its config.json; a finite "
+                        "mean and a std above 0 are needed (a reward model that scores "
+                        "every answer alike cannot be standardised): set "
+                        "ppo.normalize_reward=false")
+    return float(mean), float(std)
 
 
 def _expanded(path: str | Path) -> Path:
@@ -120,6 +164,9 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
         load_reward_fn(ppo.reward_fn)
     elif ppo.reward_model_weight == 0:
         raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
+    if ppo.normalize_reward and ppo.reward_model_weight == 0:
+        raise UserError("ppo.normalize_reward=true standardises the reward model's scores, and "
+                        "ppo.reward_model_weight=0 uses no reward model: set one of them back")
     if ppo.eval_reward_fn:
         load_reward_fn(ppo.eval_reward_fn, "ppo.eval_reward_fn")
     if ppo.overlong_buffer is not None and ppo.overlong_buffer > ppo.max_new_tokens:

@@ -174,6 +174,11 @@ class PPOConfig(OptimConfig):
     reward_fn_weight: float = val(1.0, ok=FINITE)
     reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)",
                                      FINITE)
+    normalize_reward: bool = val(False, "standardise the reward model's scores by their mean "
+                                 "and std over step 2's held-out answers (its config.json's "
+                                 "score_mean, score_std; OpenRLHF's --normalize_reward): "
+                                 "score_clip, kl_coef and reward_model_weight then read in "
+                                 "standard deviations, whatever the reward model's scale")
     kl_coef: float = val(0.1, "the KL penalty's coefficient: with kl_target, the "
                          "controller's floor; it starts where best-of-n's samples put the "
                          "target (a KL in the reward), else here; 0: no KL penalty",

@@ -71,7 +71,7 @@ from engine.profiling import IterationProfiler
 from engine.runtime import Runtime, memory_peak, reset_memory_peak
 from engine.tracking import Tracker
 from engine.trainer import TrainEngine
-from steps.algorithms import ALGORITHMS, Algorithm, model_paths
+from steps.algorithms import ALGORITHMS, Algorithm, model_paths, score_statistics
 from steps.common import (
     Draws,
     StepCheckpoints,
@@ -355,9 +355,16 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                                     flag="ppo.reward_path", trust_remote_code=trc,
                                     trained_head=True)
         _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
+        normalize = (score_statistics(reward.config.to_dict(),
+                                      f"ppo.reward_path {reward_path}")
+                     if ppo.normalize_reward else None)
         reward = place.frozen(reward, family="scorer")
         scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device,
-                              packed=ppo.packing)
+                              packed=ppo.packing, normalize=normalize)
+        if normalize:
+            mean, std = normalize
+            log(f"step 3: reward model scores standardised: (score {'-' if mean >= 0 else '+'} "
+                f"{abs(mean):.4g}) / {std:.4g} (ppo.normalize_reward)")
         if scorer.same_vocabulary:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
             critic_tokenizer = reward_tokenizer

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from pathlib import Path
 
@@ -50,19 +51,33 @@ def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample]
 @torch.no_grad()
 def evaluate(model, examples: list[PairExample], pad_token_id: int, batch_size: int,
              dp: DataParallel) -> dict[str, float]:
-    """Accuracy and mean chosen/rejected scores over held-out pairs."""
-    correct = chosen_sum = rejected_sum = 0.0
+    """Accuracy and mean chosen/rejected scores over held-out pairs, and the mean and
+    (population) std of all 2n scores: what ppo.normalize_reward standardises by."""
+    correct = chosen_sum = rejected_sum = squares = 0.0
     for batch in batches(examples, batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
         rows = to_device(collate_pairs(share.rows, pad_token_id), dp.device)
-        c, r = model.sequence_scores(rows["input_ids"], rows["attention_mask"]).chunk(2)
+        scores = model.sequence_scores(rows["input_ids"], rows["attention_mask"]).double()
+        c, r = scores.chunk(2)
         correct += float((c > r).sum()) * share.weight
         chosen_sum += float(c.sum()) * share.weight
         rejected_sum += float(r.sum()) * share.weight
-    correct, chosen_sum, rejected_sum = dp.sum(correct, chosen_sum, rejected_sum)
+        squares += float((scores ** 2).sum()) * share.weight
+    correct, chosen_sum, rejected_sum, squares = dp.sum(correct, chosen_sum, rejected_sum,
+                                                        squares)
     n = len(examples)
+    mean = (chosen_sum + rejected_sum) / (2 * n)
     return {"eval/accuracy": correct / n, "eval/chosen_score": chosen_sum / n,
-            "eval/rejected_score": rejected_sum / n}
+            "eval/rejected_score": rejected_sum / n, "eval/score_mean": mean,
+            "eval/score_std": math.sqrt(max(squares / (2 * n) - mean ** 2, 0.0))}
+
+
+def normalization_fields(summary: dict[str, float]) -> dict[str, float]:
+    """The exported reward model's config.json fields that step 3's ppo.normalize_reward
+    reads: its held-out scores' mean and std (none without held-out pairs)."""
+    if "eval/score_mean" not in summary:
+        return {}
+    return {"score_mean": summary["eval/score_mean"], "score_std": summary["eval/score_std"]}
 
 
 def template_tokenizer(cfg: DictConfig) -> tuple[object, str]:
@@ -117,5 +132,6 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                                  f"{summary['eval/chosen_score']:.3f} vs rejected "
                                  f"{summary['eval/rejected_score']:.3f})" if evals
                                  else supervised.NOT_EVALUATED),
-        tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "reward")
+        tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "reward",
+        export_config=normalization_fields)
     return supervised.run(cfg, task, model, dp, place, resume)

@@ -27,8 +27,10 @@ class RewardScorer:
 
     PROBE = "Human: Is 2 + 2 = 4?\n\nAssistant: Yes."
 
-    def __init__(self, model, actor_tokenizer, reward_tokenizer, device, packed: bool = False):
+    def __init__(self, model, actor_tokenizer, reward_tokenizer, device, packed: bool = False,
+                 normalize: tuple[float, float] | None = None):
         self.model, self.device, self.packed = model, device, packed   # packed: ppo.packing
+        self.normalize = normalize   # (mean, std) the scores are standardised by, or None
         self.actor_tokenizer, self.reward_tokenizer = actor_tokenizer, reward_tokenizer
         # a chat template's turn end that is the EOS is text the reward model was trained on
         self.eos_in_text = turn_ends_with_eos(actor_tokenizer)
@@ -45,7 +47,16 @@ class RewardScorer:
         """[B] scores of rollouts [B, L] (left-padded prompts in the first `prompt_len`
         columns), each read at the EOS that ends its answer: a cut-off answer gets one
         appended, as step 2 trained the reward model to read (read at its last token
-        instead, running on past the end can score higher than ending)."""
+        instead, running on past the end can score higher than ending); standardised by
+        `normalize` where given."""
+        scores = self._scores(sequences, attention_mask, prompt_len)
+        if self.normalize is None:
+            return scores
+        mean, std = self.normalize
+        return (scores.float() - mean) / std
+
+    def _scores(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                prompt_len: int) -> torch.Tensor:
         if self.reads_actor_ids:
             sequences, attention_mask = ended_with(sequences, attention_mask,
                                                    self.reward_tokenizer.eos_token_id)

@@ -54,6 +54,8 @@ class Task(NamedTuple):
     results: Callable[[dict], str]       # the closing line's eval results, from the summary
     tokenizer: object
     export_dir: Path
+    # fields the exported config.json gains, from the summary (step 2: its score statistics)
+    export_config: Callable[[dict], dict] = lambda summary: {}
 
 
 def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
@@ -86,7 +88,7 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     _refuse_non_finite(task, metrics, tracker, engine.steps, ckpt.checkpointer.latest())
     # the model first: a run killed before the summary row has not finished, on the page
     counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
-    engine.export(task.tokenizer, task.export_dir)
+    engine.export(task.tokenizer, task.export_dir, config=task.export_config(summary))
     tracker.log(summary, engine.steps, sources=counted)
     tracker.close()
     ckpt.clear()

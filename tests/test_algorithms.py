@@ -367,6 +367,9 @@ def settings(**changes):
     (dict(dynamic_sampling_max_draws=0), "ppo.dynamic_sampling_max_draws=0"),
     (dict(algorithm="grpo", samples_per_prompt=4, critic_warmup=2), "ppo.critic_warmup=2 "
      "trains the critic alone first, and grpo has none"),
+    (dict(normalize_reward=True, reward_model_weight=0.0, reward_fn="steps.demo:score"),
+     "ppo.normalize_reward=true standardises the reward model's scores, and "
+     "ppo.reward_model_weight=0 uses no reward model"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
     """Each key's own range is the schema's (steps/config.py), the rules between keys

@@ -743,6 +743,39 @@ def test_step3_refuses_a_checkpoint_of_the_wrong_kind(tok, tmp_path):
     assert models.critic is not None and models.rewards.scorer is not None
 
 
+def test_normalize_reward_standardises_the_reward_models_scores_by_its_config(tok, tmp_path):
+    """ppo.normalize_reward: every score step 3 takes from the reward model is (score -
+    score_mean) / score_std, as its config.json says (OpenRLHF's mean and std too); a
+    reward model without them, or with a std of 0, is refused in one line."""
+    lm = saved(load_causal_lm("tiny-llama", tok), tok, tmp_path / "actor")
+    reward = load_reward_model("tiny-llama", tok, seed=4)
+    reward.config.update({"score_mean": 0.75, "score_std": 0.5})
+    rm = saved(reward, tok, tmp_path / "reward")
+    sequences = torch.tensor([tok("Q: 1+1 A: 2")["input_ids"] + [tok.eos_token_id],
+                              tok("Q: 3+1 A: 9")["input_ids"] + [tok.eos_token_id]])
+    mask, prompt_len = torch.ones_like(sequences), len(tok("Q: 1+1")["input_ids"])
+    raw = step3_models(lm, rm).rewards(sequences, mask, prompt_len)
+    standardised = step3_models(lm, rm, normalize_reward=True).rewards(sequences, mask,
+                                                                       prompt_len)
+    assert float((raw[0] - raw[1]).abs()) > 1e-3   # two different scores, each standardised
+    torch.testing.assert_close(standardised, (raw - 0.75) / 0.5, atol=1e-6, rtol=0)
+
+    config = tmp_path / "reward" / "config.json"
+    fields = json.loads(config.read_text())
+    openrlhf = {k: v for k, v in fields.items() if not k.startswith("score_")}
+    config.write_text(json.dumps({**openrlhf, "mean": -1.0, "std": 2.0}))
+    torch.testing.assert_close(step3_models(lm, rm, normalize_reward=True).rewards(
+        sequences, mask, prompt_len), (raw + 1.0) / 2.0, atol=1e-6, rtol=0)
+    config.write_text(json.dumps(openrlhf))
+    with pytest.raises(UserError, match=rf"^ppo.normalize_reward=true: the reward model "
+                                        rf"ppo.reward_path {rm} has no score statistics"):
+        step3_models(lm, rm, normalize_reward=True)
+    config.write_text(json.dumps({**openrlhf, "score_mean": 0.5, "score_std": 0.0}))
+    with pytest.raises(UserError, match=r"has score_mean=0.5, score_std=0.0 in its config.json; "
+                                        r"a finite mean and a std above 0 are needed"):
+        step3_models(lm, rm, normalize_reward=True)
+
+
 def test_a_fresh_head_is_still_made_where_it_is_wanted(tok, tmp_path):
     """Step 2's reward model and the critic start from a causal LM with a new score head;
     a config.json without `architectures` cannot tell its kind, so it loads."""

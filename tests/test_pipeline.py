@@ -227,6 +227,11 @@ def test_three_steps_write_models_configs_and_metrics(pipeline):
     assert math.isfinite(sft_rows[-1]["eval/perplexity"])
     rm_rows = metrics(out / "step2" / "metrics.jsonl")
     assert 0.0 <= rm_rows[-1]["eval/accuracy"] <= 1.0
+    # the reward model carries its held-out scores' statistics (ppo.normalize_reward's)
+    rm_config = json.loads((out / "reward" / "config.json").read_text())
+    assert rm_config["score_mean"] == pytest.approx(rm_rows[-1]["eval/score_mean"], rel=1e-6)
+    assert rm_config["score_std"] == pytest.approx(rm_rows[-1]["eval/score_std"], rel=1e-6)
+    assert rm_config["score_std"] > 0
 
     ppo_rows = metrics(out / "step3" / "metrics.jsonl")
     iterations = [row for row in ppo_rows if "reward/score" in row]

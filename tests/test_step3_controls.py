@@ -418,6 +418,34 @@ def test_a_missing_model_is_named_by_whose_path_it_is(tmp_path, monkeypatch):
         paths(actor_path="tiny-llama", reward_model_weight=0, critic_path="~nosuchuser/c")
 
 
+def test_normalize_reward_finds_its_statistics_missing_before_step_1(tmp_path):
+    """ppo.normalize_reward=true: a reward model on disk without score statistics, or a
+    step 2 of this run that holds no pairs out to take them from, is refused before any
+    step runs; step 2's own reward model, and one that has them, pass."""
+    def paths(made=(), **keys):
+        return model_paths(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "output_dir": str(tmp_path), **keys}), made)
+
+    tok = byte_tokenizer()
+    reward = load_reward_model("tiny-llama", tok)
+    reward.save_pretrained(tmp_path / "rm")
+    with pytest.raises(UserError, match=rf"^ppo.normalize_reward=true: the reward model "
+                                        rf"ppo.reward_path {tmp_path}/rm has no score "
+                                        r"statistics in its config.json"):
+        paths(ppo={"actor_path": "tiny-llama", "reward_path": str(tmp_path / "rm"),
+                   "normalize_reward": True})
+    paths(ppo={"actor_path": "tiny-llama", "reward_path": str(tmp_path / "rm")})   # not asked
+    reward.config.update({"score_mean": 0.1, "score_std": 2.0})
+    reward.save_pretrained(tmp_path / "rm")
+    paths(ppo={"actor_path": "tiny-llama", "reward_path": str(tmp_path / "rm"),
+               "normalize_reward": True})
+    # step 2 of this run writes them from its held-out pairs: none held out, none written
+    with pytest.raises(UserError, match=r"data.eval_fraction=0 holds none out: give "
+                                        r"data.eval_fraction > 0"):
+        paths((1, 2), ppo={"normalize_reward": True}, data={"eval_fraction": 0.0})
+    paths((1, 2), ppo={"normalize_reward": True})
+
+
 def test_a_preset_actor_in_step_3_gets_the_runs_tokenizer(opt_tokenizer_path, tmp_path):
     """tokenizer=DIR gives presets a real tokenizer in steps 1 and 2; step 3 gave a preset
     actor the byte tokenizer, so its answers no longer matched a reward model trained with

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from engine.config import OptimConfig
 from engine.data_parallel import DataParallel
 from engine.errors import NonFiniteError, UserError
-from engine.models import byte_tokenizer, load_causal_lm, load_reward_model
+from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
 from engine.runtime import Runtime, seed_everything
 from engine.tracking import read_metrics
 from engine.trainer import TrainEngine
@@ -20,7 +20,7 @@ from steps import reward, sft, supervised
 from steps.common import num_batches
 from steps.config import RunConfig
 from steps.data import PreferencePair
-from steps.tokenize import collate_sft, tokenize_sft
+from steps.tokenize import collate_sft, tokenize_preferences, tokenize_sft
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 TOK = byte_tokenizer()
@@ -173,6 +173,27 @@ def test_eval_every_evaluates_between_updates_and_trains_as_without(step, tmp_pa
            f"after 3 updates: eval " in said
 
 
+def test_step_2_evaluates_the_mean_and_std_of_every_held_out_score():
+    """ppo.normalize_reward's statistics: over the chosen and the rejected answers' scores
+    together (2n of them), the population std, summed over batches that do not divide the
+    pairs (5 in batches of 2)."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no" * i)
+             for i in range(5)]
+    examples = tokenize_preferences(pairs, TOK, 64, 64)[0]
+    model = load_reward_model("tiny-llama", TOK, seed=3).eval().requires_grad_(False)
+    scorer = SimpleNamespace(sequence_scores=partial(sequence_scores, model))
+    got = reward.evaluate(scorer, examples, TOK.pad_token_id, 2, DataParallel(CPU))
+    one_by_one = torch.tensor([float(sequence_scores(model, torch.tensor([ids]),
+                                                     torch.ones(1, len(ids)))[0])
+                               for ex in examples for ids in (ex.chosen_ids, ex.rejected_ids)])
+    assert float(one_by_one.std()) > 1e-3   # scores that differ
+    assert got["eval/score_mean"] == pytest.approx(float(one_by_one.mean()), abs=1e-6)
+    assert got["eval/score_std"] == pytest.approx(float(one_by_one.std(correction=0)),
+                                                  rel=1e-5)
+    assert reward.normalization_fields(got) == {"score_mean": got["eval/score_mean"],
+                                                "score_std": got["eval/score_std"]}
+
+
 @pytest.mark.parametrize("step", [sft, reward])
 def test_without_held_out_pairs_there_is_nothing_to_refuse(step, tmp_path, capsys):
     """Nor a "nan" in the closing line, which a finite run otherwise never shows."""
@@ -182,6 +203,8 @@ def test_without_held_out_pairs_there_is_nothing_to_refuse(step, tmp_path, capsy
         "data": {"eval_fraction": 0.0}, "logging": {"progress": False}})
     assert not any(name.startswith("eval/") for name in step.run(cfg, pairs, CPU))
     assert (tmp_path / ("actor" if step is sft else "reward") / "model.safetensors").exists()
+    config = (tmp_path / ("actor" if step is sft else "reward") / "config.json").read_text()
+    assert "score_mean" not in config   # no statistics of nothing (normalize_reward refuses)
     done = next(line for line in capsys.readouterr().out.splitlines() if " done: " in line)
     assert "nan" not in done and "not evaluated (no held-out examples" in done
 
