@@ -107,6 +107,17 @@ class TrainConfig(OptimConfig):
 
 
 @dataclass
+class RewardTrainConfig(TrainConfig):
+    """Step 2's: step 1's shape, and what only a reward model's loss takes."""
+
+    center_rewards_coef: float = val(0.0, "adds this x mean((r_chosen + r_rejected)^2) to "
+                                     "the loss, holding the scores near 0 (Eisenstein et al., "
+                                     "2023; TRL's center_rewards_coefficient, e.g. 0.01): the "
+                                     "pairwise loss sees only differences; 0: off",
+                                     NON_NEGATIVE)
+
+
+@dataclass
 class EmaConfig:
     enabled: bool = False
     beta: float = val(0.992, ok=within(0, 1, high_open=True))
@@ -338,7 +349,7 @@ class RunConfig:
     launch: LaunchConfig = val(LaunchConfig, "torchrun rendezvous for --deployment-type "
                                "multi_node (flags override)")
     sft: TrainConfig = val(TrainConfig)
-    rm: TrainConfig = val(lambda: TrainConfig(lr=5e-6, weight_decay=0.1))
+    rm: RewardTrainConfig = val(lambda: RewardTrainConfig(lr=5e-6, weight_decay=0.1))
     ppo: PPOConfig = val(PPOConfig)
     logging: LoggingConfig = val(LoggingConfig)
 

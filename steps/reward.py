@@ -34,17 +34,18 @@ from steps.tokenize import (
 )
 
 
-def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample]
-              ) -> tuple[torch.Tensor, dict]:
-    """This process's share of the pairwise loss and accuracy over `examples` (the batch,
-    or its accumulation window); `batch` holds its chosen rows, then its rejected rows
-    (packed: its sequences, their ends in that order)."""
+def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample],
+              center_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """This process's share of the pairwise loss (with rm.center_rewards_coef's term) and
+    accuracy over `examples` (the batch, or its accumulation window); `batch` holds its
+    chosen rows, then its rejected rows (packed: its sequences, their ends in that
+    order)."""
     if "attention_mask" in batch:
         scores = model.sequence_scores(batch["input_ids"], batch["attention_mask"])
     else:   # packed (rm.packing)
         scores = model.packed_scores(batch["input_ids"], batch["position_ids"], batch["ends"])
     chosen, rejected = scores.chunk(2)
-    out = pairwise_reward_loss(chosen, rejected, len(examples))
+    out = pairwise_reward_loss(chosen, rejected, len(examples), center_coef)
     return out.loss, {"train/accuracy": out.accuracy}
 
 
@@ -99,7 +100,7 @@ def template_tokenizer(cfg: DictConfig) -> tuple[object, str]:
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
-    rm = OmegaConf.to_object(cfg.rm)   # a TrainConfig, what the engine takes
+    rm = OmegaConf.to_object(cfg.rm)   # a RewardTrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
@@ -124,7 +125,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     task = supervised.Task(
         step=2, name="reward model", role="reward", family="scorer", section=rm, examples=train,
         collate=partial(collate_packed_pairs if rm.packing else collate_pairs, pad_token_id=pad),
-        loss=pair_loss,
+        loss=partial(pair_loss, center_coef=rm.center_rewards_coef),
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, evals, pad, rm.eval_batch_size, dp)
         if evals else {},

@@ -529,6 +529,14 @@ def test_pairwise_reward_loss_hand_computed():
     assert out.loss.requires_grad and not out.accuracy.requires_grad
     single = pairwise_reward_loss(torch.tensor([1.0]), torch.tensor([0.0]))
     close(single.loss, 0.3133, atol=1e-4)
+    # centering: + 0.1 * mean((3)^2, (0.5)^2, (2)^2) = 0.1 * 13.25 / 3 = 0.4416667; its
+    # gradient on chosen: 0.1 * 2 * (chosen + rejected) / 3 besides the Bradley-Terry term's
+    centered = pairwise_reward_loss(chosen, rejected, center_coef=0.1)
+    close(centered.loss, 0.6601620 + 0.4416667)
+    close(centered.accuracy, 1.0 / 3.0)
+    (bt,) = torch.autograd.grad(out.loss, chosen, retain_graph=True)
+    (both,) = torch.autograd.grad(centered.loss, chosen)
+    close(both - bt, 0.2 * torch.tensor([3.0, 0.5, 2.0]) / 3)
 
 
 def test_sft_loss_ignores_minus100_and_shifts():

@@ -194,6 +194,29 @@ def test_step_2_evaluates_the_mean_and_std_of_every_held_out_score():
                                                 "score_std": got["eval/score_std"]}
 
 
+def test_center_rewards_coef_adds_its_term_to_step_2s_first_loss(tmp_path):
+    """rm.center_rewards_coef reaches the loss step 2 trains on: its first update's loss,
+    over all 6 pairs in one batch, is the initial model's Bradley-Terry loss plus the
+    coefficient x mean((r_chosen + r_rejected)^2), computed here by hand."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no" * i)
+             for i in range(6)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "reward_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 7,
+        "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
+        "rm": {"batch_size": 6, "log_every": 1, "center_rewards_coef": 0.5}})
+    reward.run(cfg, pairs, CPU)
+    first = read_metrics(tmp_path / "step2" / "metrics.jsonl")[0]
+    start = load_reward_model("tiny-llama", TOK, seed=8).requires_grad_(False)   # seed + 1
+    scores = torch.stack([sequence_scores(start, torch.tensor([ids]), torch.ones(1, len(ids)))[0]
+                          for ex in tokenize_preferences(pairs, TOK, 256, 256)[0]
+                          for ids in (ex.chosen_ids, ex.rejected_ids)])
+    chosen, rejected = scores[0::2], scores[1::2]
+    bradley_terry = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
+    centering = float(((chosen + rejected) ** 2).mean())
+    assert centering > 1e-3   # a term that shows
+    assert first["train/loss"] == pytest.approx(bradley_terry + 0.5 * centering, rel=1e-5)
+
+
 @pytest.mark.parametrize("step", [sft, reward])
 def test_without_held_out_pairs_there_is_nothing_to_refuse(step, tmp_path, capsys):
     """Nor a "nan" in the closing line, which a finite run otherwise never shows."""
