@@ -253,6 +253,11 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(f"data.split={list(cfg.data.split)}: give at least one weight above 0")
     check_launch(cfg)
     check_zeropp(cfg)
+    for step, section in ((1, "sft"), (2, "rm"), (3, "ppo")):
+        if step in steps and cfg[section].warmup_steps and cfg[section].warmup_ratio:
+            raise UserError(f"{section}.warmup_steps={cfg[section].warmup_steps} and "
+                            f"{section}.warmup_ratio={cfg[section].warmup_ratio}: give one "
+                            "of them (the other 0)")
     if 1 in steps and not cfg.actor_model:
         raise UserError("step 1 needs --actor-model (a local HF dir, hub name or preset)")
     if 2 in steps and not cfg.reward_model:

@@ -84,6 +84,9 @@ class OptimConfig:
     weight_decay: float = val(0.0, ok=NON_NEGATIVE)
     lr_scheduler: str = val("cosine", ok=SCHEDULERS)
     warmup_steps: int = val(0, ok=NON_NEGATIVE)
+    warmup_ratio: float = val(0.0, "warmup as a fraction of the section's optimizer steps, "
+                              "rounded up (OpenRLHF's --lr_warmup_ratio, TRL's warmup_ratio); "
+                              "for warmup_steps=0", within(0, 1, high_open=True))
     min_lr_ratio: float = val(0.1, "cosine_with_min_lr's floor, a fraction of the learning "
                               "rate", within(0, 1))
     grad_clip: float = val(1.0, "max gradient norm; 0 = off", NON_NEGATIVE)

@@ -56,6 +56,12 @@ def _param_groups(model: nn.Module, weight_decay: float, lr: float,
             for (lora, decay), params in groups.items()]
 
 
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """The schedule's warmup: warmup_steps, else warmup_ratio of `total_steps`, rounded up
+    (train.py refuses both at once)."""
+    return optim.warmup_steps or math.ceil(optim.warmup_ratio * total_steps)
+
+
 def _schedule_kwargs(optim: OptimConfig) -> dict:
     """What a schedule takes beyond its warmup and length."""
     if optim.lr_scheduler == "cosine_with_min_lr":
@@ -78,7 +84,7 @@ class TrainEngine:
         self.optimizer = torch.optim.AdamW(_param_groups(model, optim.weight_decay, lr, lora_lr),
                                            lr=lr, betas=BETAS, fused=fused)
         self.scheduler = get_scheduler(optim.lr_scheduler, self.optimizer,
-                                       num_warmup_steps=optim.warmup_steps,
+                                       num_warmup_steps=warmup_steps(optim, total_steps),
                                        num_training_steps=max(total_steps, 1),
                                        scheduler_specific_kwargs=_schedule_kwargs(optim))
         self.applied_lr = self.lr   # the rate of the last update (logged as train/lr)

@@ -433,9 +433,12 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     # without data.apply_chat_template no template reads them
     ("data.chat_template_kwargs={enable_thinking:false}", "data.chat_template_kwargs: the "
      "chat template reads them only with data.apply_chat_template=true"),
+    ("sft.warmup_ratio=1", "sft.warmup_ratio=1.0: give a number in [0, 1)"),
+    ("rm.warmup_steps=2 rm.warmup_ratio=0.1", "rm.warmup_steps=2 and rm.warmup_ratio=0.1: "
+     "give one of them (the other 0)"),
 ], ids=lambda v: v.split("=")[0] if "=" in v else None)
 def test_out_of_range_values_are_refused_naming_the_key(capsys, tmp_path, override, said):
-    line = refused(capsys, tmp_path / "out", override)
+    line = refused(capsys, tmp_path / "out", *override.split())
     assert said in line, line
 
 

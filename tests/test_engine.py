@@ -453,6 +453,20 @@ def test_every_schedule_the_config_allows_trains(tok, name):
     assert engine.lr == pytest.approx(HALF_WAY_LR[name], abs=1e-6)
 
 
+def test_warmup_ratio_warms_up_over_its_share_of_the_steps_rounded_up(tok):
+    """warmup_ratio=0.34 of 6 steps: ceil(2.04) = 3 steps of warmup, so the linear
+    schedule's rate is 1/3, 2/3, then 1 at its peak, and decays over the 3 steps left."""
+    engine = TrainEngine(load_causal_lm("tiny-llama", tok, seed=0),
+                         OptimConfig(lr_scheduler="linear", warmup_ratio=0.34), total_steps=6,
+                         runtime=CPU, lr=1.0)
+    ids, rates = torch.tensor([[5, 6, 7, 8]]), []
+    for _ in range(4):
+        engine.backward(_loss(engine, ids))
+        engine.step()
+        rates.append(engine.lr)
+    assert rates == pytest.approx([1 / 3, 2 / 3, 1.0, 2 / 3], abs=1e-6)
+
+
 def test_lora_params_get_their_own_learning_rate(tok):
     model = apply_lora(load_causal_lm("tiny-llama", tok, seed=0), LoraConfig(dim=4))
     engine = TrainEngine(model, OptimConfig(weight_decay=0.1), total_steps=4, runtime=CPU,
