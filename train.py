@@ -566,6 +566,30 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
     return tuple(shares)
 
 
+def load_held_out(cfg: DictConfig, steps: list[int]) -> dict[int, list]:
+    """The held-out data of the steps to run that are given it: data.eval_path's pairs for
+    steps 1 and 2 (read once for both), ppo.eval_prompt_data's prompts for step 3. A step
+    missing here holds out data.eval_fraction of its own data instead."""
+    from steps.common import log
+    from steps.data import Fields, load_eval_pairs, load_prompt_data
+
+    data, ppo, held_out = cfg.data, cfg.ppo, {}
+    if data.eval_path and {1, 2} & set(steps):
+        pairs = load_eval_pairs(list(data.eval_path), Fields(data.prompt_key, data.chosen_key,
+                                                             data.rejected_key))
+        evaluated = [step for step in (1, 2) if step in steps]
+        log(f"held-out pairs {list(data.eval_path)}: {len(pairs)}, for step"
+            + ("s 1 and 2" if len(evaluated) == 2 else f" {evaluated[0]}"))
+        held_out.update({step: pairs for step in evaluated})
+    if ppo.eval_prompt_data and 3 in steps:
+        held_out[3] = load_prompt_data(list(ppo.eval_prompt_data), ppo.prompt_key,
+                                       ppo.label_key, "ppo.eval_prompt_data")
+        labelled = sum(prompt.label is not None for prompt in held_out[3])
+        log(f"step 3 held-out prompts {list(ppo.eval_prompt_data)}: {len(held_out[3])}, "
+            f"{labelled} with a '{ppo.label_key}' label")
+    return held_out
+
+
 def run(cfg: DictConfig) -> dict[int, float]:
     """Run the selected steps in order; returns each step's wall time in seconds."""
     from engine.comm_meter import logged_comm
@@ -578,8 +602,9 @@ def run(cfg: DictConfig) -> dict[int, float]:
     rt = setup_runtime(cfg.engine.device, cfg.engine.dtype, cfg.seed, cfg.engine.timeout_s,
                        cfg.engine.procs_per_node)
     plan = plan_steps(cfg)
-    sft_pairs, rm_pairs, ppo_pairs = load_data(cfg, [step for step, mode in plan
-                                                     if mode != "skip"])
+    to_run = [step for step, mode in plan if mode != "skip"]
+    sft_pairs, rm_pairs, ppo_pairs = load_data(cfg, to_run)
+    held_out = load_held_out(cfg, to_run)
     log(f"device {rt.device}, {str(rt.dtype).removeprefix('torch.')}"
         + (f", {rt.world_size} ranks" if rt.distributed else ""))
     if rt.device.type == "cpu" and str(rt.dtype) == "torch.float16":
@@ -601,11 +626,11 @@ def run(cfg: DictConfig) -> dict[int, float]:
             resume = mode == "resume"
             try:
                 if step == 1:
-                    sft.run(cfg, sft_pairs, rt, resume)
+                    sft.run(cfg, sft_pairs, rt, resume, held_out.get(1))
                 elif step == 2:
-                    reward.run(cfg, rm_pairs, rt, resume)
+                    reward.run(cfg, rm_pairs, rt, resume, held_out.get(2))
                 else:
-                    ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume)
+                    ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume, held_out.get(3))
             except (UserError, DataError) as err:
                 # a refused step (bad model, no data left after filtering) leaves nothing
                 # behind; one stopped by non-finite numbers keeps its metrics and checkpoints

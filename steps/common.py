@@ -187,16 +187,22 @@ def require_examples(step: int, what: str, stats: TokenizeStats, max_prompt_len:
 
 
 def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, tokenizer,
-                        tokenize: Callable) -> tuple[list, list]:
-    """`pairs` split by data.eval_fraction, then tokenized by `tokenize` (tokenize_sft or
-    tokenize_pairs): (train, eval) examples, both reported; the training ones checked."""
+                        tokenize: Callable, held_out: list | None = None) -> tuple[list, list]:
+    """`pairs` split by data.eval_fraction (or all of them trained on, `held_out` given:
+    data.eval_path's pairs), then tokenized by `tokenize` (tokenize_sft or tokenize_pairs):
+    (train, eval) examples, both reported and checked (an empty eval set only where the
+    user gave none)."""
     data = cfg.data
-    train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
+    train_pairs, eval_pairs = ((pairs, held_out) if held_out is not None
+                               else train_eval_split(pairs, data.eval_fraction, cfg.seed))
     train, stats = tokenize(train_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     report_tokenized(f"step {step} train", stats, data.max_prompt_len, data.max_answer_len)
     evals, eval_stats = tokenize(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     report_tokenized(f"step {step} eval", eval_stats, data.max_prompt_len, data.max_answer_len)
     require_examples(step, what, stats, data.max_prompt_len)
+    if held_out is not None:
+        require_examples(step, "held-out examples (data.eval_path)", eval_stats,
+                         data.max_prompt_len, or_else="drop data.eval_path")
     return at_most(train, data.max_samples, f"step {step} train", cfg.seed), evals
 
 

@@ -53,7 +53,12 @@ class DataConfig:
                               "in sft_prompt_key)")
     split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3",
                              each(NON_NEGATIVE))
-    eval_fraction: float = val(0.05, "held out of each step's share for evaluation",
+    eval_path: list[str] = val([], "steps 1 and 2's held-out pairs from these sources "
+                               "(every record, read as data.path's; e.g. a test split), "
+                               "not data.eval_fraction of their training pairs (OpenRLHF's "
+                               "--eval_dataset)")
+    eval_fraction: float = val(0.05, "held out of each step's share for evaluation (but "
+                               "where data.eval_path / ppo.eval_prompt_data give them)",
                                within(0, 1, high_open=True))
     max_samples: int = val(0, "each step trains on at most this many of its examples (step "
                            "3: prompts), a seeded random choice of those that pass the length "
@@ -141,6 +146,9 @@ class PPOConfig(OptimConfig):
                                      "it shares the actor's tokenizer, else the actor")
     prompt_data: list[str] = val([], "step 3's prompts from these sources (files, dirs, hub "
                                  "names; every record), not its share of data.path")
+    eval_prompt_data: list[str] = val([], "step 3's held-out prompts from these sources "
+                                      "(every record, read as prompt_data's, labels and "
+                                      "all), not data.eval_fraction of its prompts")
     prompt_key: str = val("${data.prompt_key}", "prompt_data's field holding a prompt (text "  # type: ignore[assignment]
                           "or messages)")
     label_key: str = val("label", "prompt_data's field passed as label= to reward_fn and "

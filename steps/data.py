@@ -105,18 +105,19 @@ class DataError(ValueError):
 # Reading
 
 
-def load_pairs(source: str, fields: Fields = FIELDS) -> tuple[list[PreferencePair], int]:
-    """Read one source; returns (pairs, n_skipped). A hub name is tried only when no such
-    local path exists and the name has neither a data-file extension nor a path's start
-    (./ ../ / ~). Records with an empty answer, no Assistant turn, or a `rejected` that does
-    not share the prompt of `chosen` are skipped and counted; anything else wrong raises
-    DataError. `fields` names the records' fields."""
-    label, tables = _read_source(source, "data.path")
+def load_pairs(source: str, fields: Fields = FIELDS, key: str = "data.path"
+               ) -> tuple[list[PreferencePair], int]:
+    """Read one source of config key `key`; returns (pairs, n_skipped). A hub name is tried
+    only when no such local path exists and the name has neither a data-file extension nor
+    a path's start (./ ../ / ~). Records with an empty answer, no Assistant turn, or a
+    `rejected` that does not share the prompt of `chosen` are skipped and counted; anything
+    else wrong raises DataError. `fields` names the records' fields."""
+    label, tables = _read_source(source, key)
     results = [_pairs_from_columns(columns, where, fields) for where, columns in tables]
     pairs = [pair for table_pairs, _ in results for pair in table_pairs]
     skipped = sum((table_skipped for _, table_skipped in results), Counter())
     if not pairs and not skipped:
-        raise DataError(f"{label}: no records; check the data")
+        raise DataError(f"{label}: no records; check {key}")
     if not pairs:
         why = ", ".join(f"{n} {_SKIPPED[reason].format(**fields._asdict())}"
                         for reason, n in skipped.most_common())
@@ -170,16 +171,16 @@ def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int
     return records, skipped
 
 
-def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label"
-                        ) -> tuple[list[PreferencePair], int]:
-    """Step 3's prompts read from one source of ppo.prompt_data (as load_pairs reads
+def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label",
+                        key: str = "ppo.prompt_data") -> tuple[list[PreferencePair], int]:
+    """Step 3's prompts read from one source of `key` (as load_pairs reads
     sources): each record's `prompt_key` field, hh-rlhf text used as it is, a bare text
     (one user turn) or chat messages (rendered as hh-rlhf text ending in the assistant's
     cue, the messages kept), and its `label_key` field, when the records have one, as the
     label a reward function checks answers against (a reference answer). Returns (prompts
     as pairs without answers, the records skipped: empty prompts, and dialogues that end in
     an assistant message)."""
-    return _records(source, "ppo.prompt_data", lambda columns, where: _prompts_from_columns(
+    return _records(source, key, lambda columns, where: _prompts_from_columns(
         columns, where, prompt_key, label_key), "prompts", "empty or ending in an assistant "
         "message")
 
@@ -727,6 +728,16 @@ def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
     return sft, reward, ppo
 
 
+def load_eval_pairs(sources: Sequence[str], fields: Fields = FIELDS) -> list[PreferencePair]:
+    """Every pair of every source of data.eval_path (load_pairs, as data.path reads them),
+    in order; what was skipped is counted in a warning."""
+    if DEMO_SOURCE in sources:
+        raise DataError("data.eval_path: 'demo' is not a source of held-out pairs (the demo "
+                        "holds out data.eval_fraction of its own); give files or datasets")
+    return _every_record(sources, lambda source: load_pairs(source, fields, "data.eval_path"),
+                         "malformed or empty records")
+
+
 def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str
                   ) -> list[PreferencePair]:
     """Every example of every source of data.sft_path (load_sft_records), in order; what
@@ -737,12 +748,13 @@ def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str
                          "not end in an assistant message")
 
 
-def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str
-                     ) -> list[PreferencePair]:
-    """Every prompt record of every source of ppo.prompt_data (load_prompt_records), in
-    order; what was skipped is counted in a warning."""
+def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str,
+                     key: str = "ppo.prompt_data") -> list[PreferencePair]:
+    """Every prompt record of every source of `key` (ppo.prompt_data, or
+    ppo.eval_prompt_data: load_prompt_records), in order; what was skipped is counted in a
+    warning."""
     return _every_record(sources, lambda source: load_prompt_records(source, prompt_key,
-                                                                     label_key),
+                                                                     label_key, key),
                          "empty prompts or dialogues ending in an assistant message")
 
 

@@ -267,9 +267,13 @@ class Prompts(NamedTuple):
 
 
 def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
-                 ptx_pairs: list[PreferencePair]) -> Prompts:
+                 ptx_pairs: list[PreferencePair], held_out: list[PreferencePair] | None = None
+                 ) -> Prompts:
+    """Step 3's tokenized prompts: `pairs`' (data.eval_fraction of them held out, but where
+    `held_out` gives the held-out ones: ppo.eval_prompt_data), with the labels of both."""
     data = cfg.data
-    train_pairs, eval_pairs = train_eval_split(pairs, data.eval_fraction, cfg.seed)
+    train_pairs, eval_pairs = ((pairs, held_out) if held_out is not None
+                               else train_eval_split(pairs, data.eval_fraction, cfg.seed))
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
     require_examples(3, "prompts", stats, data.max_prompt_len)
@@ -277,10 +281,15 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
     eval_prompts, eval_stats = tokenize_prompts(eval_pairs[:cfg.ppo.eval_prompts], tokenizer,
                                                 data.max_prompt_len)
     report_tokenized("step 3 eval prompts", eval_stats, data.max_prompt_len)
+    if held_out is not None and cfg.ppo.eval_prompts:
+        require_examples(3, "held-out prompts (ppo.eval_prompt_data)", eval_stats,
+                         data.max_prompt_len, or_else="drop ppo.eval_prompt_data")
     if len(eval_pairs) > cfg.ppo.eval_prompts:
         log(f"step 3: {len(eval_pairs) - cfg.ppo.eval_prompts} held-out prompts past "
-            f"ppo.eval_prompts={cfg.ppo.eval_prompts} are neither trained on nor evaluated "
-            "(raise ppo.eval_prompts, or lower data.eval_fraction to train on them)")
+            f"ppo.eval_prompts={cfg.ppo.eval_prompts} are "
+            + ("not evaluated (raise ppo.eval_prompts to evaluate on them)"
+               if held_out is not None else "neither trained on nor evaluated (raise "
+               "ppo.eval_prompts, or lower data.eval_fraction to train on them)"))
     ptx = []
     if cfg.ppo.ptx.enabled:
         ptx, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
@@ -289,7 +298,8 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
         # ppo.ptx asked for: not trained without it unsaid
         require_examples(3, "PTX examples (step 1's share)", ptx_stats, data.max_prompt_len,
                          or_else="set ppo.ptx.enabled=false")
-    return Prompts(prompts, eval_prompts, ptx, prompt_labels(pairs, tokenizer))
+    return Prompts(prompts, eval_prompts, ptx, prompt_labels(pairs + (held_out or []),
+                                                             tokenizer))
 
 
 def prompt_labels(pairs: list[PreferencePair], tokenizer) -> dict[str, Any]:
@@ -517,7 +527,10 @@ class Progress(NamedTuple):
 
 
 def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[PreferencePair],
-        rt: Runtime, resume: bool = False) -> dict:
+        rt: Runtime, resume: bool = False, held_out: list[PreferencePair] | None = None
+        ) -> dict:
+    """Train the actor on `pairs`' prompts (with ppo.ptx on `ptx_pairs`), evaluating on
+    `held_out`'s (ppo.eval_prompt_data's; None: data.eval_fraction of `pairs`)."""
     actor_path, reward_path = model_paths(cfg)  # before start_step touches a previous run's files
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")
@@ -527,7 +540,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     owner = f"the step-3 actor {actor_path}"
     prompts = load_prompts(cfg, tokenizer, in_chat_format(cfg, "step 3", pairs, tokenizer, owner),
                            in_chat_format(cfg, "step 3 PTX", ptx_pairs, tokenizer, owner)
-                           if cfg.ppo.ptx.enabled else [])
+                           if cfg.ppo.ptx.enabled else [],
+                           None if held_out is None else
+                           in_chat_format(cfg, "step 3 held-out", held_out, tokenizer, owner))
     rounds = num_batches(len(prompts.train), cfg.ppo.rollout_batch_size)
     s = with_evaluations(resolve(cfg, cfg.ppo.epochs * len(prompts.train)
                                  * cfg.ppo.samples_per_prompt, prompts.labels), len(prompts.eval))

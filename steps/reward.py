@@ -99,19 +99,25 @@ def template_tokenizer(cfg: DictConfig) -> tuple[object, str]:
     return saving_chat_format(cfg, tokenizer), owner
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False,
+        held_out: list[PreferencePair] | None = None) -> dict:
+    """Train on `pairs`, evaluate on `held_out` (data.eval_path's pairs; None:
+    data.eval_fraction of `pairs`), export."""
     rm = OmegaConf.to_object(cfg.rm)   # a RewardTrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = load_tokenizer(cfg.reward_model, tokenizer=cfg.tokenizer, flag="--reward-model",
                                trust_remote_code=cfg.trust_remote_code)
     if cfg.data.apply_chat_template:   # the actor's: the format the reward model will score
-        pairs = in_chat_format(cfg, "step 2", pairs, *template_tokenizer(cfg))
+        template = template_tokenizer(cfg)
+        pairs = in_chat_format(cfg, "step 2", pairs, *template)
+        if held_out is not None:
+            held_out = in_chat_format(cfg, "step 2 held-out", held_out, *template)
     elif (Path(cfg.output_dir) / "actor" / "config.json").exists():
         actor = str(Path(cfg.output_dir) / "actor")
         require_trained_format(cfg, load_tokenizer(actor, flag="ppo.actor_path"), actor,
                                "step 2")
     train, evals = train_eval_examples(cfg, 2, "training pairs", pairs, tokenizer,
-                                       tokenize_preferences)
+                                       tokenize_preferences, held_out)
 
     model = place.reward_model(cfg.reward_model, tokenizer, trained=True, seed=cfg.seed + 1,
                                lora=rm.lora, lora_key="rm.lora",

@@ -66,13 +66,20 @@ def perplexity(model, examples: list[SFTExample], pad_token_id: int, batch_size:
     return math.exp(dp.sum(total_loss)[0] / max(trained_tokens(examples), 1))
 
 
-def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False) -> dict:
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False,
+        held_out: list[PreferencePair] | None = None) -> dict:
+    """Train on `pairs`, evaluate on `held_out` (data.eval_path's pairs; None:
+    data.eval_fraction of `pairs`), export."""
     sft = OmegaConf.to_object(cfg.sft)   # a TrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = saving_chat_format(cfg, load_tokenizer(
         cfg.actor_model, tokenizer=cfg.tokenizer, trust_remote_code=cfg.trust_remote_code))
-    pairs = in_chat_format(cfg, "step 1", pairs, tokenizer, f"--actor-model {cfg.actor_model}")
-    train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer, tokenize_sft)
+    owner = f"--actor-model {cfg.actor_model}"
+    pairs = in_chat_format(cfg, "step 1", pairs, tokenizer, owner)
+    if held_out is not None:
+        held_out = in_chat_format(cfg, "step 1 held-out", held_out, tokenizer, owner)
+    train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer,
+                                       tokenize_sft, held_out)
 
     # trained_head: a reward model's directory here would train a random LM head
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,

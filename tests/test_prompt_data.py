@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import train
 from engine.models import byte_tokenizer, prompt_ids
@@ -346,3 +347,88 @@ def test_held_out_prompts_past_eval_prompts_are_counted(capsys):
     assert len(prompts.eval) == 8 and len(prompts.train) == 80
     assert ("step 3: 12 held-out prompts past ppo.eval_prompts=8 are neither trained on nor "
             "evaluated") in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_held_out_data_of_their_own_for_every_step(tmp_path, monkeypatch):
+    """data.eval_path: steps 1 and 2 train on all of their share of data.path and evaluate
+    on its pairs; ppo.eval_prompt_data: step 3 trains on all of its prompts and evaluates
+    on these, whose labels the gold scorer gets."""
+    (tmp_path / "checker_of_labels.py").write_text(CHECKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "checker_of_labels", raising=False)   # its CALLS anew
+    pair = lambda i: {"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": " yes",  # noqa: E731
+                      "rejected": " no"}
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [pair(i) for i in range(20)])
+    test = write_jsonl(tmp_path / "test.jsonl", [pair(i) for i in range(100, 106)])
+    held = write_jsonl(tmp_path / "held.jsonl", [
+        {"prompt": f"What is {a}+{a}?", "answer": 2 * a} for a in range(3)])
+    out = tmp_path / "run"
+    log = train_here(["--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                      "--output-dir", out, f"data.path=[{pairs}]", f"data.eval_path=[{test}]",
+                      f"ppo.eval_prompt_data=[{held}]", "ppo.label_key=answer",
+                      "ppo.eval_reward_fn=checker_of_labels:right", "ppo.best_of_n=0",
+                      "ppo.eval_every=0", "ppo.rollout_batch_size=4", "ppo.micro_batch_size=4",
+                      "ppo.max_new_tokens=4", "sft.batch_size=4", "rm.batch_size=4",
+                      "logging.progress=false"]).check().stdout
+    assert f"held-out pairs ['{test}']: 6, for steps 1 and 2" in log
+    # 20 pairs split 2/4/4: 4, 8 and 8, none of them held out
+    for said in ("step 1 train: 4 examples", "step 1 eval: 6 examples",
+                 "step 2 train: 8 examples", "step 2 eval: 6 examples",
+                 f"step 3 held-out prompts ['{held}']: 3, 3 with a 'answer' label",
+                 "step 3 prompts: 8 examples", "step 3 eval prompts: 3 examples"):
+        assert said in log, said
+    calls = sys.modules["checker_of_labels"].CALLS
+    assert calls and {label for _, label in calls} == {0, 2, 4}
+    assert all(label == 2 * int(re.search(r"What is (\d+)\+", prompt)[1])
+               for prompt, label in calls)
+    rows = read_metrics(out / "step3" / "metrics.jsonl")
+    assert any("eval/ground_truth" in row for row in rows)
+
+
+def test_held_out_sources_that_hold_nothing_are_refused(tmp_path):
+    """An empty data.eval_path or ppo.eval_prompt_data source is refused naming its key
+    (it would leave a step unevaluated unsaid); either is read only when a step that uses
+    it runs."""
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    cfg = train.build_config(train.parse_args([
+        "--actor-model", "tiny-llama", f"data.eval_path=[{empty}]",
+        f"ppo.eval_prompt_data=[{tmp_path / 'later.jsonl'}]"]))
+    assert train.load_held_out(cfg, []) == {}
+    with pytest.raises(DataError, match=rf"^data file {empty}: no records; check "
+                                        r"data.eval_path$"):
+        train.load_held_out(cfg, [2])
+    with pytest.raises(DataError, match=r"later.jsonl; check ppo.eval_prompt_data"):
+        train.load_held_out(OmegaConf.merge(cfg, {"data": {"eval_path": []}}), [1, 3])
+
+
+def test_held_out_data_that_filtering_empties_is_refused(capsys):
+    """Held-out data the user gave must evaluate something: all of it too long is refused
+    as the training data would be, naming the key; what ppo.eval_prompts leaves out of it
+    is counted (it takes nothing from training)."""
+    from steps.common import train_eval_examples
+    from steps.config import RunConfig
+    from steps.ppo import load_prompts
+    from steps.tokenize import tokenize_sft
+
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "data": {"max_prompt_len": 24}, "ppo": {"eval_prompts": 2}})
+    tok = byte_tokenizer()
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " a", " b") for i in range(6)]
+    long = [PreferencePair(f"\n\nHuman: {'why ' * 10}{i}\n\nAssistant:", " a", " b")
+            for i in range(3)]
+    train_set, evals = train_eval_examples(cfg, 1, "training examples", pairs, tok,
+                                           tokenize_sft, pairs[:3])
+    assert len(train_set) == 6 and len(evals) == 3   # all trained on, the given ones held out
+    with pytest.raises(DataError, match=r"^step 1 has no held-out examples \(data.eval_path\) "
+                                        r"after filtering: 3 of 3 prompts are longer than "
+                                        r"data.max_prompt_len=24 tokens; add data, raise "
+                                        r"data.max_prompt_len or drop data.eval_path$"):
+        train_eval_examples(cfg, 1, "training examples", pairs, tok, tokenize_sft, long)
+    with pytest.raises(DataError, match=r"^step 3 has no held-out prompts \(ppo.eval_prompt_data"
+                                        r"\) after filtering: .* or drop ppo.eval_prompt_data$"):
+        load_prompts(cfg, tok, pairs, [], long)
+    prompts = load_prompts(cfg, tok, pairs, [], pairs[:5])
+    assert len(prompts.train) == 6 and len(prompts.eval) == 2
+    assert ("step 3: 3 held-out prompts past ppo.eval_prompts=2 are not evaluated (raise "
+            "ppo.eval_prompts to evaluate on them)") in capsys.readouterr().out
