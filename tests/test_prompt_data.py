@@ -400,6 +400,8 @@ def test_held_out_sources_that_hold_nothing_are_refused(tmp_path):
         train.load_held_out(cfg, [2])
     with pytest.raises(DataError, match=r"later.jsonl; check ppo.eval_prompt_data"):
         train.load_held_out(OmegaConf.merge(cfg, {"data": {"eval_path": []}}), [1, 3])
+    with pytest.raises(DataError, match=r"^data.eval_path: 'demo' is not a source of held-out"):
+        train.load_held_out(OmegaConf.merge(cfg, {"data": {"eval_path": ["demo"]}}), [1])
 
 
 def test_held_out_data_that_filtering_empties_is_refused(capsys):
