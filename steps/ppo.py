@@ -352,6 +352,26 @@ def report_labels(labels: dict[str, Any], functions: list[RewardFunction], label
                 f"(ppo.prompt_data records' '{label_key}' field): it gets None")
 
 
+def reward_scorer(cfg: DictConfig, place: Placement, tokenizer, reward_path: str,
+                  ppo: PPOConfig) -> RewardScorer:
+    """The frozen reward model at `reward_path`, placed, scoring the actor's (`tokenizer`'s)
+    rollouts; standardised by its score statistics with ppo.normalize_reward."""
+    reward_tokenizer = model_tokenizer(cfg, reward_path, "ppo.reward_path")
+    # trained_head: a causal LM here would score with a random head, silently
+    reward = place.reward_model(reward_path, reward_tokenizer, trained=False,
+                                flag="ppo.reward_path", trust_remote_code=cfg.trust_remote_code,
+                                trained_head=True)
+    _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
+    normalize = (score_statistics(reward.config.to_dict(), f"ppo.reward_path {reward_path}")
+                 if ppo.normalize_reward else None)
+    if normalize:
+        mean, std = normalize
+        log(f"step 3: reward model scores standardised: (score {'-' if mean >= 0 else '+'} "
+            f"{abs(mean):.4g}) / {std:.4g} (ppo.normalize_reward)")
+    return RewardScorer(place.frozen(reward, family="scorer"), tokenizer, reward_tokenizer,
+                        place.runtime.device, packed=ppo.packing, normalize=normalize)
+
+
 def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                  reward_path: str | None, updates: int, labels: dict[str, Any]) -> Models:
     ppo, trc = OmegaConf.to_object(cfg.ppo), cfg.trust_remote_code   # a PPOConfig
@@ -359,25 +379,10 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
     critic_start = dict(spec=actor_path, flag="ppo.actor_path", seed=cfg.seed)
     critic_tokenizer = tokenizer
     if reward_path is not None:
-        reward_tokenizer = model_tokenizer(cfg, reward_path, "ppo.reward_path")
-        # trained_head: a causal LM here would score with a random head, silently
-        reward = place.reward_model(reward_path, reward_tokenizer, trained=False,
-                                    flag="ppo.reward_path", trust_remote_code=trc,
-                                    trained_head=True)
-        _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
-        normalize = (score_statistics(reward.config.to_dict(),
-                                      f"ppo.reward_path {reward_path}")
-                     if ppo.normalize_reward else None)
-        reward = place.frozen(reward, family="scorer")
-        scorer = RewardScorer(reward, tokenizer, reward_tokenizer, place.runtime.device,
-                              packed=ppo.packing, normalize=normalize)
-        if normalize:
-            mean, std = normalize
-            log(f"step 3: reward model scores standardised: (score {'-' if mean >= 0 else '+'} "
-                f"{abs(mean):.4g}) / {std:.4g} (ppo.normalize_reward)")
+        scorer = reward_scorer(cfg, place, tokenizer, reward_path, ppo)
         if scorer.same_vocabulary:   # the critic starts from the reward model
             critic_start = dict(spec=reward_path, flag="ppo.reward_path")
-            critic_tokenizer = reward_tokenizer
+            critic_tokenizer = scorer.reward_tokenizer
             if not scorer.reads_actor_ids:
                 log("step 3: the reward model's tokenizer ends or starts texts otherwise than "
                     "the actor's (EOS, BOS); rewards are scored on re-tokenized text")
