@@ -549,7 +549,8 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
         shares = list(load_blend(
             list(data.path), split, cfg.seed,
             demo_pairs=lambda: demo.make_pairs(data.demo_pairs, cfg.seed, data.demo_task),
-            fields=Fields(data.prompt_key, data.chosen_key, data.rejected_key)))
+            fields=Fields(data.prompt_key, data.chosen_key, data.rejected_key,
+                          data.margin_key)))
         log(f"data {list(data.path)}: {' / '.join(str(len(pairs)) for pairs in shares)} "
             f"pairs for steps 1 / 2 / 3 (split {split}"
             + "".join(f"; step {step}'s are {key}'s" for step, key in own.items()) + ")")
@@ -576,7 +577,7 @@ def load_held_out(cfg: DictConfig, steps: list[int]) -> dict[int, list]:
     data, ppo, held_out = cfg.data, cfg.ppo, {}
     if data.eval_path and {1, 2} & set(steps):
         pairs = load_eval_pairs(list(data.eval_path), Fields(data.prompt_key, data.chosen_key,
-                                                             data.rejected_key))
+                                                             data.rejected_key, data.margin_key))
         evaluated = [step for step in (1, 2) if step in steps]
         log(f"held-out pairs {list(data.eval_path)}: {len(pairs)}, for step"
             + ("s 1 and 2" if len(evaluated) == 2 else f" {evaluated[0]}"))

@@ -45,6 +45,10 @@ class DataConfig:
                           "or whole dialogues in chosen/rejected)")
     chosen_key: str = val("chosen", "the records' preferred answer (or dialogue) field")
     rejected_key: str = val("rejected", "the records' other answer (or dialogue) field")
+    margin_key: Optional[str] = val(None, "the records' field of how far chosen is preferred "  # noqa: UP045
+                                    "(a number; Llama 2's margin, TRL's margin column): step "
+                                    "2's loss is -log sigmoid(r_chosen - r_rejected - margin); "
+                                    "null: no margins")
     sft_path: list[str] = val([], "step 1's examples from these sources (every record: a "
                               "prompt and its answer), not its share of data.path")
     sft_prompt_key: str = val("${data.prompt_key}", "sft_path's prompt field (text or "  # type: ignore[assignment]

@@ -37,6 +37,7 @@ import gzip
 import itertools
 import json
 import logging
+import math
 import re
 import tempfile
 import zlib
@@ -83,6 +84,9 @@ class PreferencePair(NamedTuple):
     # a step-3 prompt's label (ppo.label_key: e.g. the reference answer a reward function
     # checks against); step-3 prompt records have no answers
     label: Any = None
+    # how far chosen is preferred (data.margin_key: Llama 2's margin), which the reward
+    # model's score difference must pass; None: 0
+    margin: float | None = None
 
 
 class Fields(NamedTuple):
@@ -92,6 +96,7 @@ class Fields(NamedTuple):
     prompt: str = "prompt"
     chosen: str = "chosen"
     rejected: str = "rejected"
+    margin: str | None = None   # data.margin_key: None reads no margin
 
 
 FIELDS = Fields()
@@ -560,16 +565,36 @@ def _pairs_from_columns(columns: dict[str, list[Any]], label: str, fields: Field
         records = _dialogue_records(columns, label, fields)
     elif fields.prompt in columns:
         records = [_text_record(*record) for record in zip(
-            *(_text_column(columns, field, label) for field in fields), strict=True)]
+            *(_text_column(columns, field, label)
+              for field in (fields.prompt, fields.chosen, fields.rejected)), strict=True)]
     else:
         records = [_split_transcripts(c, r) for c, r in zip(
             _text_column(columns, fields.chosen, label),
             _text_column(columns, fields.rejected, label), strict=True)]
     skipped = Counter(record if isinstance(record, str) else "empty" for record in records
                       if isinstance(record, str) or not (record[1].strip() and record[2].strip()))
-    pairs = [PreferencePair(*record) for record in records
+    margins = (_margin_column(columns, fields.margin, label) if fields.margin
+               else [None] * len(records))
+    pairs = [PreferencePair(*record, margin=margin)
+             for record, margin in zip(records, margins, strict=True)
              if not isinstance(record, str) and record[1].strip() and record[2].strip()]
     return pairs, skipped
+
+
+def _margin_column(columns: dict[str, list[Any]], field: str, label: str) -> list[float]:
+    """columns[field] (data.margin_key), checked to be all finite numbers."""
+    if field not in columns:
+        raise DataError(f"{label}: records have no '{field}' field (columns: "
+                        f"{', '.join(columns)}); give each record its margin, or set "
+                        "data.margin_key to the field that holds it (null: no margins)")
+    margins = []
+    for i, value in enumerate(columns[field]):
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):
+            raise DataError(f"{label} record {i + 1}: field '{field}' (data.margin_key) is "
+                            f"{_shown(value)}, not a finite number; fix or remove that record")
+        margins.append(float(value))
+    return margins
 
 
 def _text_record(prompt: str, chosen: str, rejected: str

@@ -36,16 +36,17 @@ from steps.tokenize import (
 
 def pair_loss(model, batch: dict[str, torch.Tensor], examples: list[PairExample],
               center_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
-    """This process's share of the pairwise loss (with rm.center_rewards_coef's term) and
-    accuracy over `examples` (the batch, or its accumulation window); `batch` holds its
-    chosen rows, then its rejected rows (packed: its sequences, their ends in that
-    order)."""
+    """This process's share of the pairwise loss (with its pairs' margins and
+    rm.center_rewards_coef's term) and accuracy over `examples` (the batch, or its
+    accumulation window); `batch` holds its chosen rows, then its rejected rows (packed:
+    its sequences, their ends in that order)."""
     if "attention_mask" in batch:
         scores = model.sequence_scores(batch["input_ids"], batch["attention_mask"])
     else:   # packed (rm.packing)
         scores = model.packed_scores(batch["input_ids"], batch["position_ids"], batch["ends"])
     chosen, rejected = scores.chunk(2)
-    out = pairwise_reward_loss(chosen, rejected, len(examples), center_coef)
+    out = pairwise_reward_loss(chosen, rejected, len(examples), center_coef,
+                               batch.get("margins"))
     return out.loss, {"train/accuracy": out.accuracy}
 
 

@@ -715,27 +715,30 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor,
-                         num_pairs: int | None = None, center_coef: float = 0.0
-                         ) -> RewardLossOut:
-    """Bradley-Terry loss of a reward model on (chosen, rejected) pairs, optionally with a
-    centering term (Eisenstein et al., 2023; TRL's center_rewards_coefficient): the loss
-    alone is blind to a shift of every score, which the term pins near 0.
+                         num_pairs: int | None = None, center_coef: float = 0.0,
+                         margins: Tensor | None = None) -> RewardLossOut:
+    """Bradley-Terry loss of a reward model on (chosen, rejected) pairs, optionally with
+    Llama 2's margins (the score difference a pair must pass) and a centering term
+    (Eisenstein et al., 2023; TRL's center_rewards_coefficient): the loss alone is blind to
+    a shift of every score, which the term pins near 0.
 
     Args:
         chosen_scores: [B] scores of the preferred answers. rejected_scores: [B].
         num_pairs: the count the means divide by; default B (the whole batch's count when
             these pairs are one rank's share of it).
         center_coef: weight of ``mean((chosen + rejected) ** 2)``; 0: none.
+        margins: [B] each pair's margin; None: 0.
 
     Returns:
         RewardLossOut(loss, accuracy, chosen_mean, rejected_mean), scalars:
-        ``loss = mean(-logsigmoid(chosen - rejected)) + center_coef * mean((chosen +
-        rejected) ** 2)``; ``accuracy = mean(chosen > rejected)``; the statistics are
-        detached.
+        ``loss = mean(-logsigmoid(chosen - rejected - margin)) + center_coef * mean((chosen
+        + rejected) ** 2)``; ``accuracy = mean(chosen > rejected)`` (the margin aside); the
+        statistics are detached.
     """
     chosen, rejected = chosen_scores.float(), rejected_scores.float()
     n = num_pairs or len(chosen)
-    loss = -F.logsigmoid(chosen - rejected).sum() / n
+    difference = chosen - rejected if margins is None else chosen - rejected - margins.float()
+    loss = -F.logsigmoid(difference).sum() / n
     if center_coef:
         loss = loss + center_coef * ((chosen + rejected) ** 2).sum() / n
     with torch.no_grad():

@@ -33,6 +33,7 @@ class SFTExample(NamedTuple):
 class PairExample(NamedTuple):
     chosen_ids: list[int]     # prompt + chosen answer token ids
     rejected_ids: list[int]   # prompt + rejected answer token ids
+    margin: float = 0.0       # the pair's margin (data.margin_key)
 
 
 class TokenizeStats(NamedTuple):
@@ -70,7 +71,7 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
         except TemplateError as err:
             refused.append(str(err))
             continue
-        rendered.append(PreferencePair(prompt, *answers, label=pair.label))
+        rendered.append(PreferencePair(prompt, *answers, label=pair.label, margin=pair.margin))
     if refused and not rendered:
         raise DataError(f"data.apply_chat_template: the chat template of {owner} refuses all "
                         f"{len(refused)} dialogues (first: {refused[0]}); fix the data or use "
@@ -136,7 +137,7 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
               max_answer_len: int, sides: tuple[str, ...], make: Callable[..., Any],
               keep_eos: bool = False, drop_empty: bool = False, drop_tied: bool = False
               ) -> tuple[list, TokenizeStats]:
-    """`make(prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
+    """`make(pair, prompt ids, *answer ids)` for every pair whose prompt (with the tokenizer's special
     tokens, e.g. BOS) fits in max_prompt_len tokens, the answers being its `sides` ("chosen",
     "rejected") + EOS, each cut to max_answer_len tokens (truncated_answer counts the answers
     cut). `drop_empty`: prompts of 0 tokens (an empty prompt with a tokenizer that
@@ -160,7 +161,7 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
             if len(prompt) <= max_prompt_len and (prompt or not drop_empty)]
     tied = {i for i in kept if drop_tied and len({tuple(ids[i]) for ids, _ in answers}) == 1}
     kept = [i for i in kept if i not in tied]
-    examples = [make(prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
+    examples = [make(pairs[i], prompts[i], *(ids[i] for ids, _ in answers)) for i in kept]
     truncated = sum(was_cut[i] for _, was_cut in answers for i in kept)
     return examples, TokenizeStats(len(kept), long, truncated, empty, len(tied))
 
@@ -170,8 +171,8 @@ def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len
     """SFT examples from the chosen answers: input_ids = prompt ids + answer ids (+ EOS),
     labels = -100 over the prompt and the answer ids over the answer."""
     return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen",),
-                     lambda prompt, answer: SFTExample(prompt + answer,
-                                                       [IGNORE_INDEX] * len(prompt) + answer))
+                     lambda _, prompt, answer: SFTExample(prompt + answer,
+                                                          [IGNORE_INDEX] * len(prompt) + answer))
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
@@ -183,8 +184,8 @@ def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_l
     are the same ids, e.g. answers that differ only past max_answer_len: they teach no
     preference, and a tie counts as wrong in the accuracy."""
     return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen", "rejected"),
-                     lambda prompt, chosen, rejected: PairExample(prompt + chosen,
-                                                                  prompt + rejected),
+                     lambda pair, prompt, chosen, rejected: PairExample(
+                         prompt + chosen, prompt + rejected, pair.margin or 0.0),
                      keep_eos=True, drop_tied=drop_tied)
 
 
@@ -200,7 +201,7 @@ def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt
     max_prompt_len tokens; longer prompts, and prompts of 0 tokens (there is nothing to
     generate from), are dropped and counted. SFT and reward-model examples keep theirs:
     an answer alone is still text to learn and to score."""
-    return _examples(pairs, tokenizer, max_prompt_len, 1, (), lambda prompt: prompt,
+    return _examples(pairs, tokenizer, max_prompt_len, 1, (), lambda _, prompt: prompt,
                      drop_empty=True)
 
 
@@ -234,9 +235,17 @@ def collate_sft(batch: list[SFTExample], pad_token_id: int) -> dict[str, Tensor]
 
 def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tensor]:
     """input_ids [2B,T] = all chosen rows then all rejected rows, right padded to the longest of
-    either; attention_mask [2B,T]."""
+    either; attention_mask [2B,T]; margins [B] where a pair has one (data.margin_key)."""
     ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
-    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids)}
+    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
+            **_margins(batch)}
+
+
+def _margins(batch: list[PairExample]) -> dict[str, Tensor]:
+    """margins [B] of pairs that have any (data.margin_key), else nothing."""
+    if not any(ex.margin for ex in batch):
+        return {}
+    return {"margins": torch.tensor([ex.margin for ex in batch], dtype=torch.float32)}
 
 
 def _packed(seqs: Sequence[Sequence[int]], fill: int) -> dict[str, Tensor]:
@@ -274,11 +283,12 @@ def collate_packed_sft(batch: list[SFTExample], pad_token_id: int) -> dict[str, 
 
 def collate_packed_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tensor]:
     """collate_pairs' sequences packed (`_packed`): input_ids and position_ids [R, W], and ends
-    [2B], the flat index of each sequence's last token, all chosen then all rejected."""
+    [2B], the flat index of each sequence's last token, all chosen then all rejected (and
+    collate_pairs' margins)."""
     out = _packed([ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch],
                   pad_token_id)
     del out["starts"]
-    return out
+    return {**out, **_margins(batch)}
 
 
 def collate_prompts(batch: list[list[int]], pad_token_id: int) -> dict[str, Tensor]:

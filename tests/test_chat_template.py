@@ -85,9 +85,10 @@ def test_pairs_are_written_by_the_template():
                         PreferencePair(turns("Name a color."), "Blue<|im_end|>",
                                        "Seven<|im_end|>")]
     said = ({"role": "user", "content": "x\n\nAssistant: y"},)
-    (pair,), _ = apply_chat_template([PreferencePair("not read", " a", " b", said)], chatml(),
-                                     OWNER)
+    (pair,), _ = apply_chat_template([PreferencePair("not read", " a", " b", said, margin=1.5)],
+                                     chatml(), OWNER)
     assert pair.prompt == turns("x\n\nAssistant: y")
+    assert pair.margin == 1.5   # data.margin_key's, kept through the rendering
 
 
 def test_a_prompt_that_begins_with_the_human_turn_is_the_users():

@@ -1019,6 +1019,39 @@ def test_rollout_answers_decode_as_they_follow_their_prompts():
     assert answers == [pair.chosen] and prompts[0] + answers[0] == pair.prompt + pair.chosen
 
 
+def test_margins_are_read_from_their_field_and_reach_the_batch(tmp_path):
+    """data.margin_key: each record's margin, for text and chat-message records alike,
+    kept through the skipping of records, tokenizing and collating (margins [B], in the
+    pairs' order); unread without the key; a missing or non-numeric one is refused."""
+    records = [{"prompt": "\n\nHuman: a\n\nAssistant:", "chosen": " x", "rejected": " y",
+                "margin": 2},
+               {"prompt": "\n\nHuman: b\n\nAssistant:", "chosen": " ", "rejected": " y",
+                "margin": 9.0},   # skipped: an empty answer
+               {"prompt": "\n\nHuman: c\n\nAssistant:", "chosen": " z", "rejected": " w",
+                "margin": 0.5}]
+    path = write_jsonl(tmp_path / "m.jsonl", records)
+    pairs, skipped = load_pairs(str(path), Fields(margin="margin"))
+    assert skipped == 1 and [pair.margin for pair in pairs] == [2.0, 0.5]
+    assert [pair.margin for pair in load_pairs(str(path))[0]] == [None, None]
+    chats = write_jsonl(tmp_path / "chat.jsonl", [
+        {"chosen": _chat(("user", "hi"), ("assistant", "Hello!")),
+         "rejected": _chat(("user", "hi"), ("assistant", "Go.")), "score_gap": 1.5}])
+    assert load_pairs(str(chats), Fields(margin="score_gap"))[0][0].margin == 1.5
+    tok = byte_tokenizer()
+    examples, _ = tokenize_preferences(pairs, tok, 64, 64)
+    assert [example.margin for example in examples] == [2.0, 0.5]
+    assert collate_pairs(examples, tok.pad_token_id)["margins"].tolist() == [2.0, 0.5]
+    assert "margins" not in collate_pairs(tokenize_preferences(load_pairs(str(path))[0], tok,
+                                                               64, 64)[0], tok.pad_token_id)
+    with pytest.raises(DataError, match=r"records have no 'gap' field .* set data.margin_key "
+                                        r"to the field that holds it"):
+        load_pairs(str(path), Fields(margin="gap"))
+    records[2]["margin"] = "big"
+    with pytest.raises(DataError, match=r"m.jsonl record 3: field 'margin' \(data.margin_key\) "
+                                        r'is "big", not a finite number'):
+        load_pairs(str(write_jsonl(tmp_path / "m.jsonl", records)), Fields(margin="margin"))
+
+
 def test_records_with_fields_of_other_names(tmp_path):
     """data.prompt_key / chosen_key / rejected_key: stack-exchange-paired's fields, and chat
     messages under other names; a field that is missing is named with the key to set."""

@@ -537,6 +537,11 @@ def test_pairwise_reward_loss_hand_computed():
     (bt,) = torch.autograd.grad(out.loss, chosen, retain_graph=True)
     (both,) = torch.autograd.grad(centered.loss, chosen)
     close(both - bt, 0.2 * torch.tensor([3.0, 0.5, 2.0]) / 3)
+    # margins 0.5, 0, 1 (Llama 2's): differences 0.5, -0.5, -1
+    # log(1 + e^-0.5) + log(1 + e^0.5) + log(1 + e) = 2.7614157, / 3 = 0.9204719
+    margined = pairwise_reward_loss(chosen, rejected, margins=torch.tensor([0.5, 0.0, 1.0]))
+    close(margined.loss, 0.9204719)
+    close(margined.accuracy, 1.0 / 3.0)   # the scores' order, the margin aside
 
 
 def test_sft_loss_ignores_minus100_and_shifts():

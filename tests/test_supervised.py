@@ -194,16 +194,19 @@ def test_step_2_evaluates_the_mean_and_std_of_every_held_out_score():
                                                 "score_std": got["eval/score_std"]}
 
 
-def test_center_rewards_coef_adds_its_term_to_step_2s_first_loss(tmp_path):
-    """rm.center_rewards_coef reaches the loss step 2 trains on: its first update's loss,
-    over all 6 pairs in one batch, is the initial model's Bradley-Terry loss plus the
+@pytest.mark.parametrize("packing", [False, True])
+def test_margins_and_center_rewards_coef_reach_step_2s_first_loss(tmp_path, packing):
+    """The pairs' margins (data.margin_key) and rm.center_rewards_coef reach the loss step 2
+    trains on, padded or packed: its first update's loss, over all 6 pairs in one batch, is
+    the initial model's Bradley-Terry loss of r_chosen - r_rejected - margin plus the
     coefficient x mean((r_chosen + r_rejected)^2), computed here by hand."""
-    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no" * i)
-             for i in range(6)]
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no" * i,
+                            margin=0.25 * i) for i in range(6)]
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
         "reward_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 7,
         "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
-        "rm": {"batch_size": 6, "log_every": 1, "center_rewards_coef": 0.5}})
+        "rm": {"batch_size": 6, "log_every": 1, "center_rewards_coef": 0.5,
+               "packing": packing}})
     reward.run(cfg, pairs, CPU)
     first = read_metrics(tmp_path / "step2" / "metrics.jsonl")[0]
     start = load_reward_model("tiny-llama", TOK, seed=8).requires_grad_(False)   # seed + 1
@@ -211,7 +214,8 @@ def test_center_rewards_coef_adds_its_term_to_step_2s_first_loss(tmp_path):
                           for ex in tokenize_preferences(pairs, TOK, 256, 256)[0]
                           for ids in (ex.chosen_ids, ex.rejected_ids)])
     chosen, rejected = scores[0::2], scores[1::2]
-    bradley_terry = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
+    margins = torch.tensor([0.25 * i for i in range(6)])
+    bradley_terry = float(-torch.nn.functional.logsigmoid(chosen - rejected - margins).mean())
     centering = float(((chosen + rejected) ** 2).mean())
     assert centering > 1e-3   # a term that shows
     assert first["train/loss"] == pytest.approx(bradley_terry + 0.5 * centering, rel=1e-5)
