@@ -1127,7 +1127,7 @@ def test_a_bare_prompt_is_one_user_turn_in_every_step(tmp_path):
     pairs, _ = load_pairs(path, Fields("question", "good", "bad"))
     asked = load_prompt_records(path, "question")[0][0]
     assert pairs[0].prompt == asked.prompt == "\n\nHuman: What is 2+3?\n\nAssistant:"
-    assert pairs[0][1:] == (" 5", " 6", asked.messages, None)
+    assert pairs[0][1:] == (" 5", " 6", asked.messages, None, None)   # no label, no margin
     assert pairs[1][:3] == ("", "alone", "x")
     assert pairs[2][:3] == ("\n\nHuman: hi\n\nAssistant:", " yo", " no")
 
