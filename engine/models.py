@@ -12,6 +12,7 @@ engine/model_source.py tells which (without importing transformers); this file l
 from __future__ import annotations
 
 import json
+import math
 from functools import partial
 from pathlib import Path
 
@@ -643,3 +644,18 @@ def disable_dropout(model: torch.nn.Module) -> int:
                 changed += value > 0
                 setattr(module, name, 0.0)
     return changed
+
+
+def add_embedding_noise(model: torch.nn.Module, alpha: float
+                        ) -> torch.utils.hooks.RemovableHandle:
+    """NEFTune (Jain et al., 2023; TRL's neftune_noise_alpha): while `model` trains, its
+    input embeddings [B, L, d] get uniform noise in [-alpha / sqrt(L * d), alpha / sqrt(L *
+    d)]; in eval mode (evaluation, generation) they are left as they are. Returns the
+    hook's handle (`.remove()` takes it off)."""
+    def noisy(module: torch.nn.Module, inputs, embeddings: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return embeddings
+        bound = alpha / math.sqrt(embeddings.shape[-2] * embeddings.shape[-1])
+        return embeddings + torch.empty_like(embeddings).uniform_(-bound, bound)
+
+    return model.get_input_embeddings().register_forward_hook(noisy)

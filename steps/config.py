@@ -116,6 +116,16 @@ class TrainConfig(OptimConfig):
 
 
 @dataclass
+class SFTTrainConfig(TrainConfig):
+    """Step 1's: the shared shape, and what only SFT takes."""
+
+    neftune_noise_alpha: float = val(0.0, "NEFTune (Jain et al., 2023; TRL's "
+                                     "neftune_noise_alpha, e.g. 5): uniform noise of "
+                                     "alpha / sqrt(tokens x hidden) on the input embeddings "
+                                     "while training (not evaluating); 0: off", NON_NEGATIVE)
+
+
+@dataclass
 class RewardTrainConfig(TrainConfig):
     """Step 2's: step 1's shape, and what only a reward model's loss takes."""
 
@@ -360,7 +370,7 @@ class RunConfig:
     engine: EngineConfig = val(EngineConfig)
     launch: LaunchConfig = val(LaunchConfig, "torchrun rendezvous for --deployment-type "
                                "multi_node (flags override)")
-    sft: TrainConfig = val(TrainConfig)
+    sft: SFTTrainConfig = val(SFTTrainConfig)
     rm: RewardTrainConfig = val(lambda: RewardTrainConfig(lr=5e-6, weight_decay=0.1))
     ppo: PPOConfig = val(PPOConfig)
     logging: LoggingConfig = val(LoggingConfig)

@@ -11,7 +11,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from engine.data_parallel import DataParallel
-from engine.models import load_tokenizer, position_ids, require_positions
+from engine.models import (
+    add_embedding_noise,
+    load_tokenizer,
+    position_ids,
+    require_positions,
+)
 from engine.packing import require_packing
 from engine.runtime import Runtime
 from steps import supervised
@@ -70,7 +75,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         held_out: list[PreferencePair] | None = None) -> dict:
     """Train on `pairs`, evaluate on `held_out` (data.eval_path's pairs; None:
     data.eval_fraction of `pairs`), export."""
-    sft = OmegaConf.to_object(cfg.sft)   # a TrainConfig, what the engine takes
+    sft = OmegaConf.to_object(cfg.sft)   # an SFTTrainConfig, what the engine takes
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer = saving_chat_format(cfg, load_tokenizer(
         cfg.actor_model, tokenizer=cfg.tokenizer, trust_remote_code=cfg.trust_remote_code))
@@ -90,6 +95,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                       f"{cfg.data.max_answer_len}", f"--actor-model {cfg.actor_model}")
     if sft.packing:
         require_packing(model, "sft.packing=true", f"--actor-model {cfg.actor_model}")
+    if sft.neftune_noise_alpha:   # a forward hook: the exported model carries none
+        add_embedding_noise(model, sft.neftune_noise_alpha)
     pad = tokenizer.pad_token_id
     task = supervised.Task(
         step=1, name="SFT", role="actor", family="policy", section=sft, examples=train,

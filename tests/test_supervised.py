@@ -12,14 +12,20 @@ from omegaconf import OmegaConf
 from engine.config import OptimConfig
 from engine.data_parallel import DataParallel
 from engine.errors import NonFiniteError, UserError
-from engine.models import byte_tokenizer, load_causal_lm, load_reward_model, sequence_scores
+from engine.models import (
+    add_embedding_noise,
+    byte_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+    sequence_scores,
+)
 from engine.runtime import Runtime, seed_everything
 from engine.tracking import read_metrics
 from engine.trainer import TrainEngine
 from steps import reward, sft, supervised
 from steps.common import num_batches
 from steps.config import RunConfig
-from steps.data import PreferencePair
+from steps.data import PreferencePair, train_eval_split
 from steps.tokenize import collate_sft, tokenize_preferences, tokenize_sft
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
@@ -219,6 +225,45 @@ def test_margins_and_center_rewards_coef_reach_step_2s_first_loss(tmp_path, pack
     centering = float(((chosen + rejected) ** 2).mean())
     assert centering > 1e-3   # a term that shows
     assert first["train/loss"] == pytest.approx(bradley_terry + 0.5 * centering, rel=1e-5)
+
+
+def test_neftune_noise_is_bounded_uniform_while_training_and_absent_in_eval():
+    """add_embedding_noise (sft.neftune_noise_alpha): in train mode every embedding moves by
+    at most alpha / sqrt(L * d), spread up to that bound; in eval mode not at all."""
+    model = load_causal_lm("tiny-llama", TOK, seed=0)
+    ids = torch.randint(3, 200, (4, 32))
+    clean = model.get_input_embeddings()(ids).detach()
+    handle = add_embedding_noise(model, 5.0)
+    noise = model.get_input_embeddings()(ids).detach() - clean
+    bound = 5.0 / (32 * clean.shape[-1]) ** 0.5
+    assert float(noise.abs().max()) <= bound * (1 + 1e-6)
+    assert float(noise.abs().max()) > 0.95 * bound and abs(float(noise.mean())) < 0.02 * bound
+    model.eval()
+    assert torch.equal(model.get_input_embeddings()(ids), clean)
+    handle.remove()
+
+
+def test_neftune_reaches_step_1s_training_not_its_evaluation(tmp_path):
+    """sft.neftune_noise_alpha: step 1's training losses differ from a run without it, and
+    the exported model evaluates as it would without the hook (it carries none)."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no")
+             for i in range(8)]
+
+    def step_1(alpha: float, out) -> list[dict]:
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "actor_model": "tiny-llama", "output_dir": str(out), "seed": 3,
+            "data": {"eval_fraction": 0.25}, "logging": {"progress": False},
+            "sft": {"batch_size": 2, "log_every": 1, "lr": 1e-3,
+                    "neftune_noise_alpha": alpha}})
+        summary = sft.run(cfg, pairs, CPU)
+        return read_metrics(out / "step1" / "metrics.jsonl"), summary
+
+    (plain, _), (noisy, summary) = step_1(0.0, tmp_path / "a"), step_1(5.0, tmp_path / "b")
+    assert plain[0]["train/loss"] != noisy[0]["train/loss"]
+    exported = load_causal_lm(str(tmp_path / "b" / "actor"), TOK).eval()
+    held_out = tokenize_sft(train_eval_split(pairs, 0.25, 3)[1], TOK, 256, 256)[0]
+    clean = sft.perplexity(exported, held_out, TOK.pad_token_id, 16, DataParallel(CPU))
+    assert summary["eval/perplexity"] == pytest.approx(clean, rel=1e-5)
 
 
 @pytest.mark.parametrize("step", [sft, reward])
