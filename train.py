@@ -577,14 +577,15 @@ def load_held_out(cfg: DictConfig, steps: list[int]) -> dict[int, list]:
     data, ppo, held_out = cfg.data, cfg.ppo, {}
     if data.eval_path and {1, 2} & set(steps):
         pairs = load_eval_pairs(list(data.eval_path), Fields(data.prompt_key, data.chosen_key,
-                                                             data.rejected_key, data.margin_key))
+                                                             data.rejected_key, data.margin_key),
+                                data.eval_split)
         evaluated = [step for step in (1, 2) if step in steps]
         log(f"held-out pairs {list(data.eval_path)}: {len(pairs)}, for step"
             + ("s 1 and 2" if len(evaluated) == 2 else f" {evaluated[0]}"))
         held_out.update({step: pairs for step in evaluated})
     if ppo.eval_prompt_data and 3 in steps:
         held_out[3] = load_prompt_data(list(ppo.eval_prompt_data), ppo.prompt_key,
-                                       ppo.label_key, "ppo.eval_prompt_data")
+                                       ppo.label_key, "ppo.eval_prompt_data", data.eval_split)
         labelled = sum(prompt.label is not None for prompt in held_out[3])
         log(f"step 3 held-out prompts {list(ppo.eval_prompt_data)}: {len(held_out[3])}, "
             f"{labelled} with a '{ppo.label_key}' label")

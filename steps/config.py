@@ -61,6 +61,10 @@ class DataConfig:
                                "(every record, read as data.path's; e.g. a test split), "
                                "not data.eval_fraction of their training pairs (OpenRLHF's "
                                "--eval_dataset)")
+    eval_split: str = val("test", "the split data.eval_path and ppo.eval_prompt_data read of "
+                          "sources that hold splits: hub datasets, save_to_disk "
+                          "DatasetDicts, directories of split-named files (the training "
+                          "keys read train)")
     eval_fraction: float = val(0.05, "held out of each step's share for evaluation (but "
                                "where data.eval_path / ppo.eval_prompt_data give them)",
                                within(0, 1, high_open=True))

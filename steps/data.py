@@ -110,14 +110,15 @@ class DataError(ValueError):
 # Reading
 
 
-def load_pairs(source: str, fields: Fields = FIELDS, key: str = "data.path"
-               ) -> tuple[list[PreferencePair], int]:
-    """Read one source of config key `key`; returns (pairs, n_skipped). A hub name is tried
+def load_pairs(source: str, fields: Fields = FIELDS, key: str = "data.path",
+               split: str = "train") -> tuple[list[PreferencePair], int]:
+    """Read one source of config key `key` (of a source holding splits, `split`); returns
+    (pairs, n_skipped). A hub name is tried
     only when no such local path exists and the name has neither a data-file extension nor
     a path's start (./ ../ / ~). Records with an empty answer, no Assistant turn, or a
     `rejected` that does not share the prompt of `chosen` are skipped and counted; anything
     else wrong raises DataError. `fields` names the records' fields."""
-    label, tables = _read_source(source, key)
+    label, tables = _read_source(source, key, split)
     results = [_pairs_from_columns(columns, where, fields) for where, columns in tables]
     pairs = [pair for table_pairs, _ in results for pair in table_pairs]
     skipped = sum((table_skipped for _, table_skipped in results), Counter())
@@ -133,20 +134,22 @@ def load_pairs(source: str, fields: Fields = FIELDS, key: str = "data.path"
     return pairs, skipped.total()
 
 
-def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, list]]]]:
+def _read_source(source: str, key: str, split: str = "train"
+                 ) -> tuple[str, list[tuple[str, dict[str, list]]]]:
     """(what to call `source` in errors, its tables: (what to call each, its columns)) of
     one source of config key `key`: a saved dataset, a directory of files (a table each), a
-    file or a hub dataset."""
+    file or a hub dataset; of those that hold splits, `split`."""
     path = Path(source).expanduser()
     if source == DEMO_SOURCE and not path.exists():
         raise DataError(f"{key}: 'demo' is the built-in demo task, not a file; it is a "
                         "data.path source only")
     if path.is_dir() and _saved_dataset(path):
         label = f"saved dataset {source}"
-        return label, [(label, _read_saved(path, source, key))]
+        return label, [(label, _read_saved(path, source, key, split))]
     if path.is_dir():
         return (f"data directory {source}",
-                [(f"data file {f}", _read_file(f)) for f in _directory_files(path, source, key)])
+                [(f"data file {f}", _read_file(f))
+                 for f in _directory_files(path, source, key, split)])
     if path.exists():
         if not _data_suffix(path):
             raise DataError(f"unsupported data file type: {source}; use .json, .jsonl, .jsonl.gz, "
@@ -156,15 +159,15 @@ def _read_source(source: str, key: str) -> tuple[str, list[tuple[str, dict[str, 
         raise DataError(f"data file not found: {source}; check {key}")
     if source.startswith(("./", "../", "/", "~")):   # a path, never a hub name
         raise DataError(f"no such file or directory: {source}; check {key}")
-    return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source, key))]
+    return f"dataset '{source}'", [(f"dataset '{source}'", _read_hub(source, key, split))]
 
 
 def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int]],
-             what: str, why: str) -> tuple[list, int]:
+             what: str, why: str, split: str = "train") -> tuple[list, int]:
     """(the records `parse(columns, what to call the table)` makes of each table of one
     source of config key `key`, how many it skipped); a source with no usable record is
     refused, naming `what` its records are and `why` they were skipped."""
-    label, tables = _read_source(source, key)
+    label, tables = _read_source(source, key, split)
     results = [parse(columns, where) for where, columns in tables]
     records = [record for found, _ in results for record in found]
     skipped = sum(count for _, count in results)
@@ -177,9 +180,10 @@ def _records(source: str, key: str, parse: Callable[[dict, str], tuple[list, int
 
 
 def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str = "label",
-                        key: str = "ppo.prompt_data") -> tuple[list[PreferencePair], int]:
+                        key: str = "ppo.prompt_data", split: str = "train"
+                        ) -> tuple[list[PreferencePair], int]:
     """Step 3's prompts read from one source of `key` (as load_pairs reads
-    sources): each record's `prompt_key` field, hh-rlhf text used as it is, a bare text
+    sources, of those holding splits `split`): each record's `prompt_key` field, hh-rlhf text used as it is, a bare text
     (one user turn) or chat messages (rendered as hh-rlhf text ending in the assistant's
     cue, the messages kept), and its `label_key` field, when the records have one, as the
     label a reward function checks answers against (a reference answer). Returns (prompts
@@ -187,7 +191,7 @@ def load_prompt_records(source: str, prompt_key: str = "prompt", label_key: str 
     an assistant message)."""
     return _records(source, key, lambda columns, where: _prompts_from_columns(
         columns, where, prompt_key, label_key), "prompts", "empty or ending in an assistant "
-        "message")
+        "message", split)
 
 
 def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
@@ -289,8 +293,9 @@ def _saved_dataset(path: Path) -> bool:
             or (path / "dataset_dict.json").is_file())
 
 
-def _read_saved(path: Path, source: str, key: str) -> dict[str, list[Any]]:
-    """Columns of a save_to_disk directory; of a DatasetDict, its train split (`key`: the
+def _read_saved(path: Path, source: str, key: str, split: str = "train"
+                ) -> dict[str, list[Any]]:
+    """Columns of a save_to_disk directory; of a DatasetDict, its `split` (`key`: the
     config key that named it, for the fixes errors suggest)."""
     import datasets
 
@@ -301,23 +306,23 @@ def _read_saved(path: Path, source: str, key: str) -> dict[str, list[Any]]:
         raise DataError(f"cannot read saved dataset {source}: {_short(exc)}; save it again "
                         f"with save_to_disk or pass its data files in {key}") from exc
     if isinstance(saved, datasets.DatasetDict):
-        if "train" not in saved:
-            raise DataError(f"saved dataset {source} has no train split (splits: "
+        if split not in saved:
+            raise DataError(f"saved dataset {source} has no {split} split (splits: "
                             f"{', '.join(saved)}); pass the split's directory in {key}")
         if len(saved) > 1:
-            log.warning("saved dataset %s: read its train split, left out %s", source,
-                        ", ".join(f"{name} ({len(split)} records)"
-                                  for name, split in saved.items() if name != "train"))
-        saved = saved["train"]
+            log.warning("saved dataset %s: read its %s split, left out %s", source, split,
+                        ", ".join(f"{name} ({len(part)} records)"
+                                  for name, part in saved.items() if name != split))
+        saved = saved[split]
     return saved.to_dict()
 
 
-def _directory_files(path: Path, source: str, key: str) -> list[Path]:
+def _directory_files(path: Path, source: str, key: str, split: str = "train") -> list[Path]:
     """The data files directly in directory `path`, saying what else is there: other files
     and subdirectories (not searched: a hub snapshot's train and test splits would both
     land in the blend) are left out, counted, never read unsaid. Files named for hub
     splits (train-00000-of-00001.parquet, test.jsonl) are read as `datasets` reads them:
-    the train split only. `key` is the config key that named it, for the fixes suggested."""
+    the `split` only. `key` is the config key that named it, for the fixes suggested."""
     entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
     files = [p for p in entries if p.is_file() and _data_suffix(p)]
     left_out = [p.name + ("/" if p.is_dir() else "") for p in entries if p not in files]
@@ -327,16 +332,17 @@ def _directory_files(path: Path, source: str, key: str) -> list[Path]:
                         f"name the files in {key}")
     split_named = [p for p in files if _split_of(p) is not None]
     if split_named:
-        train = [p for p in split_named if _split_of(p) == "train"]
-        others = [p.name for p in files if p not in train]
-        if not train:
-            raise DataError(f"data directory {source} holds hub split files but no train split "
-                            f"({_listed(others)}); name the file to train on in {key}")
+        chosen = [p for p in split_named if _split_of(p) == split]
+        others = [p.name for p in files if p not in chosen]
+        use = "train on" if split == "train" else "evaluate on"
+        if not chosen:
+            raise DataError(f"data directory {source} holds hub split files but no {split} "
+                            f"split ({_listed(others)}); name the file to {use} in {key}")
         if others:
-            log.warning("data directory %s: read its train split (%d files), left out %d other "
-                        "data files (%s); name them in %s to train on them",
-                        source, len(train), len(others), _listed(others), key)
-        files = train
+            log.warning("data directory %s: read its %s split (%d files), left out %d other "
+                        "data files (%s); name them in %s to %s them",
+                        source, split, len(chosen), len(others), _listed(others), key, use)
+        files = chosen
     if left_out:
         log.warning("data directory %s: read %d data files, left out %d other entries (%s): "
                     "subdirectories and other file types are not read; name them in %s",
@@ -486,8 +492,8 @@ def _json_records(path: Path) -> list[dict] | None:
     return records
 
 
-def _read_hub(name: str, key: str) -> dict[str, list[Any]]:
-    """Load the train split of hub dataset `name` into columns (default `datasets` cache);
+def _read_hub(name: str, key: str, split: str = "train") -> dict[str, list[Any]]:
+    """Load `split` of hub dataset `name` into columns (default `datasets` cache);
     `key` is the config key that named it, for the fixes errors suggest."""
     import datasets
     from datasets.exceptions import DatasetNotFoundError
@@ -504,7 +510,7 @@ def _read_hub(name: str, key: str) -> dict[str, list[Any]]:
         # offline mode for the load too, or `datasets` retries that half minute before it
         # reads its prepared copy (or finds the copy unreadable)
         with hub_libraries_offline() if offline else contextlib.nullcontext():
-            ds = datasets.load_dataset(name, split="train")
+            ds = datasets.load_dataset(name, split=split)
     except ConnectionError as exc:
         raise DataError(unreachable) from exc
     except DatasetNotFoundError as exc:
@@ -753,13 +759,16 @@ def load_blend(sources: Sequence[str], split: Sequence[float], seed: int, *,
     return sft, reward, ppo
 
 
-def load_eval_pairs(sources: Sequence[str], fields: Fields = FIELDS) -> list[PreferencePair]:
-    """Every pair of every source of data.eval_path (load_pairs, as data.path reads them),
-    in order; what was skipped is counted in a warning."""
+def load_eval_pairs(sources: Sequence[str], fields: Fields = FIELDS, split: str = "test"
+                    ) -> list[PreferencePair]:
+    """Every pair of every source of data.eval_path (load_pairs, as data.path reads them,
+    but `split` of those holding splits: data.eval_split), in order; what was skipped is
+    counted in a warning."""
     if DEMO_SOURCE in sources:
         raise DataError("data.eval_path: 'demo' is not a source of held-out pairs (the demo "
                         "holds out data.eval_fraction of its own); give files or datasets")
-    return _every_record(sources, lambda source: load_pairs(source, fields, "data.eval_path"),
+    return _every_record(sources, lambda source: load_pairs(source, fields, "data.eval_path",
+                                                            split),
                          "malformed or empty records")
 
 
@@ -774,12 +783,13 @@ def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str
 
 
 def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str,
-                     key: str = "ppo.prompt_data") -> list[PreferencePair]:
+                     key: str = "ppo.prompt_data", split: str = "train"
+                     ) -> list[PreferencePair]:
     """Every prompt record of every source of `key` (ppo.prompt_data, or
-    ppo.eval_prompt_data: load_prompt_records), in order; what was skipped is counted in a
-    warning."""
+    ppo.eval_prompt_data: load_prompt_records; of sources holding splits, `split`), in
+    order; what was skipped is counted in a warning."""
     return _every_record(sources, lambda source: load_prompt_records(source, prompt_key,
-                                                                     label_key, key),
+                                                                     label_key, key, split),
                          "empty prompts or dialogues ending in an assistant message")
 
 

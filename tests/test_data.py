@@ -29,6 +29,7 @@ from steps.data import (
     Fields,
     PreferencePair,
     load_blend,
+    load_eval_pairs,
     load_pairs,
     load_prompt_records,
     load_sft_records,
@@ -235,6 +236,39 @@ def test_a_directory_saved_by_datasets(tmp_path, caplog):
     line = refused(str(tmp_path / "damaged"))
     assert line.startswith(f"cannot read saved dataset {tmp_path / 'damaged'}: ")
     assert line.endswith("; save it again with save_to_disk or pass its data files in data.path")
+
+
+def test_held_out_sources_read_their_test_split(tmp_path, caplog, monkeypatch):
+    """data.eval_path (and ppo.eval_prompt_data) read data.eval_split of a source that holds
+    splits, where data.path reads train: a directory of split-named files, a saved
+    DatasetDict, a hub dataset (asked for that split). A held-out set read from the train
+    split would have evaluated on the training data."""
+    import datasets
+
+    split_files = tmp_path / "files"
+    split_files.mkdir()
+    write_jsonl(split_files / "train.jsonl", HH_RECORDS)
+    write_jsonl(split_files / "test.jsonl", PROMPT_RECORDS)
+    assert load_eval_pairs([str(split_files)]) == PROMPT_PAIRS
+    assert load_pairs(str(split_files))[0] == HH_PAIRS
+    assert "read its test split (1 files), left out 1 other data files (train.jsonl); name " \
+           "them in data.eval_path to evaluate on them" in caplog.text
+    (split_files / "test.jsonl").rename(split_files / "validation.jsonl")
+    with pytest.raises(DataError, match=r"holds hub split files but no test split \(train.jsonl, "
+                                        r"validation.jsonl\); name the file to evaluate on in "
+                                        r"data.eval_path$"):
+        load_eval_pairs([str(split_files)])
+    assert load_eval_pairs([str(split_files)], split="validation") == PROMPT_PAIRS
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(HH_RECORDS),
+                          "test": datasets.Dataset.from_list(PROMPT_RECORDS)}
+                         ).save_to_disk(str(tmp_path / "dict"))
+    assert load_eval_pairs([str(tmp_path / "dict")]) == PROMPT_PAIRS
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: asked.append(split)
+                        or datasets.Dataset.from_list(PROMPT_RECORDS))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr("engine.model_source.hub_offline", lambda: False)
+    assert load_eval_pairs(["someone/prefs"]) == PROMPT_PAIRS and asked == ["test"]
 
 
 def test_real_hh_rlhf(hh_rlhf_path):
