@@ -195,6 +195,9 @@ def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, toke
     data = cfg.data
     train_pairs, eval_pairs = ((pairs, held_out) if held_out is not None
                                else train_eval_split(pairs, data.eval_fraction, cfg.seed))
+    if held_out is not None:
+        report_overlap(f"step {step}", "pairs (data.eval_path)", train_pairs, held_out,
+                       lambda pair: (pair.prompt, pair.chosen, pair.rejected))
     train, stats = tokenize(train_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
     report_tokenized(f"step {step} train", stats, data.max_prompt_len, data.max_answer_len)
     evals, eval_stats = tokenize(eval_pairs, tokenizer, data.max_prompt_len, data.max_answer_len)
@@ -204,6 +207,16 @@ def train_eval_examples(cfg: DictConfig, step: int, what: str, pairs: list, toke
         require_examples(step, "held-out examples (data.eval_path)", eval_stats,
                          data.max_prompt_len, or_else="drop data.eval_path")
     return at_most(train, data.max_samples, f"step {step} train", cfg.seed), evals
+
+
+def report_overlap(step: str, what: str, train: list, held_out: list, key: Callable) -> None:
+    """Say how many `held_out` items (by `key`) are among the training ones: an evaluation on
+    them measures memory, not what the model learned."""
+    seen = {key(item) for item in train}
+    shared = sum(key(item) in seen for item in held_out)
+    if shared:
+        log(f"{step}: {shared} of the {len(held_out)} held-out {what} are training data too; "
+            "evaluate on data kept out of training")
 
 
 def at_most(examples: list, limit: int, what: str, seed: int) -> list:

@@ -83,6 +83,7 @@ from steps.common import (
     log,
     num_batches,
     placement,
+    report_overlap,
     report_tokenized,
     require_examples,
     require_trained_format,
@@ -274,6 +275,9 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
     data = cfg.data
     train_pairs, eval_pairs = ((pairs, held_out) if held_out is not None
                                else train_eval_split(pairs, data.eval_fraction, cfg.seed))
+    if held_out is not None:
+        report_overlap("step 3", "prompts (ppo.eval_prompt_data)", train_pairs, held_out,
+                       lambda pair: pair.prompt)
     prompts, stats = tokenize_prompts(train_pairs, tokenizer, data.max_prompt_len)
     report_tokenized("step 3 prompts", stats, data.max_prompt_len)
     require_examples(3, "prompts", stats, data.max_prompt_len)

@@ -407,7 +407,7 @@ def test_held_out_sources_that_hold_nothing_are_refused(tmp_path):
 def test_held_out_data_that_filtering_empties_is_refused(capsys):
     """Held-out data the user gave must evaluate something: all of it too long is refused
     as the training data would be, naming the key; what ppo.eval_prompts leaves out of it
-    is counted (it takes nothing from training)."""
+    is counted (it takes nothing from training), and so is what is training data too."""
     from steps.common import train_eval_examples
     from steps.config import RunConfig
     from steps.ppo import load_prompts
@@ -422,6 +422,8 @@ def test_held_out_data_that_filtering_empties_is_refused(capsys):
     train_set, evals = train_eval_examples(cfg, 1, "training examples", pairs, tok,
                                            tokenize_sft, pairs[:3])
     assert len(train_set) == 6 and len(evals) == 3   # all trained on, the given ones held out
+    assert ("step 1: 3 of the 3 held-out pairs (data.eval_path) are training data too; "
+            "evaluate on data kept out of training") in capsys.readouterr().out
     with pytest.raises(DataError, match=r"^step 1 has no held-out examples \(data.eval_path\) "
                                         r"after filtering: 3 of 3 prompts are longer than "
                                         r"data.max_prompt_len=24 tokens; add data, raise "
@@ -432,5 +434,9 @@ def test_held_out_data_that_filtering_empties_is_refused(capsys):
         load_prompts(cfg, tok, pairs, [], long)
     prompts = load_prompts(cfg, tok, pairs, [], pairs[:5])
     assert len(prompts.train) == 6 and len(prompts.eval) == 2
+    said = capsys.readouterr().out
     assert ("step 3: 3 held-out prompts past ppo.eval_prompts=2 are not evaluated (raise "
-            "ppo.eval_prompts to evaluate on them)") in capsys.readouterr().out
+            "ppo.eval_prompts to evaluate on them)") in said
+    assert "step 3: 5 of the 5 held-out prompts (ppo.eval_prompt_data) are training" in said
+    load_prompts(cfg, tok, pairs, [], [pairs[0]._replace(prompt="\n\nHuman: q\n\nAssistant:")])
+    assert "training data too" not in capsys.readouterr().out
