@@ -127,6 +127,9 @@ class SFTTrainConfig(TrainConfig):
                                      "neftune_noise_alpha, e.g. 5): uniform noise of "
                                      "alpha / sqrt(tokens x hidden) on the input embeddings "
                                      "while training (not evaluating); 0: off", NON_NEGATIVE)
+    train_on_prompt: bool = val(False, "the loss (and the evaluation's perplexity) over the "
+                                "prompt's tokens too, not the answer's alone (OpenRLHF's "
+                                "--pretrain_mode, TRL's completion_only_loss=false)")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Step 1, supervised fine-tuning: causal-LM loss on the answer tokens of the chosen
-responses; evaluated by perplexity on held-out pairs."""
+responses (sft.train_on_prompt: on the prompt's too); evaluated by perplexity on held-out
+pairs."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from steps.tokenize import (
 
 
 def trained_tokens(examples: list[SFTExample]) -> int:
-    """Answer tokens the loss is taken over (the targets after the one-token shift)."""
+    """Tokens the loss is taken over, the answers' (and with sft.train_on_prompt the
+    prompts'): the targets after the one-token shift."""
     return sum(sum(label != IGNORE_INDEX for label in ex.labels[1:]) for ex in examples)
 
 
@@ -84,7 +86,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     if held_out is not None:
         held_out = in_chat_format(cfg, "step 1 held-out", held_out, tokenizer, owner)
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer,
-                                       tokenize_sft, held_out)
+                                       partial(tokenize_sft, train_on_prompt=sft.train_on_prompt),
+                                       held_out)
 
     # trained_head: a reward model's directory here would train a random LM head
     model = place.causal_lm(cfg.actor_model, tokenizer, trained=True, seed=cfg.seed,

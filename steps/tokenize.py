@@ -167,12 +167,16 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
 
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
-                 max_answer_len: int) -> tuple[list[SFTExample], TokenizeStats]:
+                 max_answer_len: int, train_on_prompt: bool = False
+                 ) -> tuple[list[SFTExample], TokenizeStats]:
     """SFT examples from the chosen answers: input_ids = prompt ids + answer ids (+ EOS),
-    labels = -100 over the prompt and the answer ids over the answer."""
-    return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen",),
-                     lambda _, prompt, answer: SFTExample(prompt + answer,
-                                                          [IGNORE_INDEX] * len(prompt) + answer))
+    labels = -100 over the prompt (`train_on_prompt`: its ids, as input_ids) and the answer
+    ids over the answer."""
+    def example(_, prompt: list[int], answer: list[int]) -> SFTExample:
+        shown = prompt if train_on_prompt else [IGNORE_INDEX] * len(prompt)
+        return SFTExample(prompt + answer, shown + answer)
+
+    return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen",), example)
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,

@@ -17,6 +17,7 @@ from engine.models import (
     byte_tokenizer,
     load_causal_lm,
     load_reward_model,
+    position_ids,
     sequence_scores,
 )
 from engine.runtime import Runtime, seed_everything
@@ -26,6 +27,7 @@ from steps import reward, sft, supervised
 from steps.common import num_batches
 from steps.config import RunConfig
 from steps.data import PreferencePair, train_eval_split
+from steps.rlhf import sft_loss
 from steps.tokenize import collate_sft, tokenize_preferences, tokenize_sft
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
@@ -264,6 +266,29 @@ def test_neftune_reaches_step_1s_training_not_its_evaluation(tmp_path):
     held_out = tokenize_sft(train_eval_split(pairs, 0.25, 3)[1], TOK, 256, 256)[0]
     clean = sft.perplexity(exported, held_out, TOK.pad_token_id, 16, DataParallel(CPU))
     assert summary["eval/perplexity"] == pytest.approx(clean, rel=1e-5)
+
+
+def test_train_on_prompt_takes_step_1s_loss_over_the_prompt_too(tmp_path):
+    """sft.train_on_prompt: every token is a target, and step 1's first loss, over all 4
+    examples in one batch, is the initial model's cross entropy over them all, computed
+    here; without it the prompt's tokens are not."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no")
+             for i in range(4)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 5,
+        "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
+        "sft": {"batch_size": 4, "log_every": 1, "train_on_prompt": True}})
+    sft.run(cfg, pairs, CPU)
+    first = read_metrics(tmp_path / "step1" / "metrics.jsonl")[0]["train/loss"]
+    examples = tokenize_sft(pairs, TOK, 256, 256, train_on_prompt=True)[0]
+    assert all(ex.labels == ex.input_ids for ex in examples)
+    start = load_causal_lm("tiny-llama", TOK, seed=5).requires_grad_(False)
+    batch = collate_sft(examples, TOK.pad_token_id)
+    logits = start(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=position_ids(batch["attention_mask"])).logits
+    assert first == pytest.approx(float(sft_loss(logits, batch["labels"])), rel=1e-5)
+    answers_only = collate_sft(tokenize_sft(pairs, TOK, 256, 256)[0], TOK.pad_token_id)
+    assert abs(first - float(sft_loss(logits, answers_only["labels"]))) > 1e-3
 
 
 @pytest.mark.parametrize("step", [sft, reward])
