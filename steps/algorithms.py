@@ -67,16 +67,20 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
     critic_path = ppo.critic_path if ALGORITHMS[ppo.algorithm].critic else None
     to_come = {_resolved(out / name) for step, name in ((1, "actor"), (2, "reward"))
                if step in made}
+    extras = [(path, "reward model", f"ppo.extra_reward_paths[{i}]")
+              for i, path in enumerate(ppo.extra_reward_paths if reward_path else [])]
     for path, what, key in ((actor_path, "step-1 actor", "ppo.actor_path"),
                             (reward_path, "step-2 reward model", "ppo.reward_path"),
-                            (critic_path, "critic's starting model", "ppo.critic_path")):
-        if path is None or (key != "ppo.reward_path" and is_preset(path)) \
+                            (critic_path, "critic's starting model", "ppo.critic_path"),
+                            *extras):
+        # a preset actor or critic is a shape probe (random weights); a reward model is not
+        if path is None or ("reward" not in key and is_preset(path)) \
                 or _resolved(path) in to_come:
             continue
         if (_expanded(path) / "config.json").exists():
             require_weight_files(path, f"{key}=")
             continue
-        if OmegaConf.select(cfg, key):   # the user's own path: no such model
+        if key.startswith("ppo.extra") or OmegaConf.select(cfg, key):   # the user's own path
             raise UserError(f"{key}={path}: no config.json there, so not a Hugging Face "
                             f"model directory; check the path{models_inside(path)}")
         alone = (" (or ppo.reward_model_weight=0 to reward with ppo.reward_fn alone)"
@@ -85,10 +89,13 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
                         f"(--step 1 2 3) or set {key}=DIR{alone}")
     if ppo.normalize_reward and reward_path is not None:
         _require_score_statistics(cfg, reward_path, _resolved(reward_path) in to_come)
+        for path, _, key in extras:
+            _require_score_statistics(cfg, path, _resolved(path) in to_come, key)
     return actor_path, reward_path
 
 
-def _require_score_statistics(cfg: DictConfig, reward_path: str, to_come: bool) -> None:
+def _require_score_statistics(cfg: DictConfig, reward_path: str, to_come: bool,
+                              key: str = "ppo.reward_path") -> None:
     """ppo.normalize_reward's statistics, checked before step 1: step 2 of this run writes
     them where it holds pairs out; a reward model on disk has them in its config.json (a
     hub name's are checked as step 3 loads it)."""
@@ -103,7 +110,7 @@ def _require_score_statistics(cfg: DictConfig, reward_path: str, to_come: bool) 
     except (OSError, ValueError):   # none, or unreadable: the loader says what is wrong
         return
     if isinstance(config, dict):
-        score_statistics(config, f"ppo.reward_path {reward_path}")
+        score_statistics(config, f"{key} {reward_path}")
 
 
 def score_statistics(config: dict, where: str) -> tuple[float, float]:
@@ -164,6 +171,9 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
         load_reward_fn(ppo.reward_fn)
     elif ppo.reward_model_weight == 0:
         raise UserError("ppo.reward_model_weight=0 leaves nothing to reward: set ppo.reward_fn")
+    if ppo.extra_reward_paths and ppo.reward_model_weight == 0:
+        raise UserError("ppo.extra_reward_paths are scored with the reward model, and "
+                        "ppo.reward_model_weight=0 uses none: set one of them back")
     if ppo.normalize_reward and ppo.reward_model_weight == 0:
         raise UserError("ppo.normalize_reward=true standardises the reward model's scores, and "
                         "ppo.reward_model_weight=0 uses no reward model: set one of them back")

@@ -214,6 +214,18 @@ class PPOConfig(OptimConfig):
     reward_fn_weight: float = val(1.0, ok=FINITE)
     reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)",
                                      FINITE)
+    extra_reward_paths: list[str] = val([], "further reward model directories (each with "
+                                        "its tokenizer) scored beside "
+                                        "reward_path's and combined with it by "
+                                        "reward_ensemble: an ensemble over-optimises less "
+                                        "(Coste et al., 2023); the critic starts from "
+                                        "reward_path's")
+    reward_ensemble: str = val("mean", "how an ensemble's scores combine, per answer: mean | "
+                               "min (the worst case) | mean_minus_std (uncertainty-weighted: "
+                               "mean - reward_ensemble_coef x the std over the models)",
+                               one_of("mean", "min", "mean_minus_std"))
+    reward_ensemble_coef: float = val(1.0, "mean_minus_std's weight on the std",
+                                      NON_NEGATIVE)
     normalize_reward: bool = val(False, "standardise the reward model's scores by their mean "
                                  "and std over step 2's held-out answers (its config.json's "
                                  "score_mean, score_std; OpenRLHF's --normalize_reward): "

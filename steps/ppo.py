@@ -120,6 +120,7 @@ from steps.rlhf import (
     with_group_baseline,
 )
 from steps.scoring import (
+    RewardEnsemble,
     RewardFunction,
     Rewards,
     RewardScorer,
@@ -357,20 +358,20 @@ def report_labels(labels: dict[str, Any], functions: list[RewardFunction], label
 
 
 def reward_scorer(cfg: DictConfig, place: Placement, tokenizer, reward_path: str,
-                  ppo: PPOConfig) -> RewardScorer:
-    """The frozen reward model at `reward_path`, placed, scoring the actor's (`tokenizer`'s)
-    rollouts; standardised by its score statistics with ppo.normalize_reward."""
-    reward_tokenizer = model_tokenizer(cfg, reward_path, "ppo.reward_path")
+                  ppo: PPOConfig, key: str = "ppo.reward_path") -> RewardScorer:
+    """The frozen reward model at `reward_path` (named by `key` in errors), placed, scoring
+    the actor's (`tokenizer`'s) rollouts; standardised by its score statistics with
+    ppo.normalize_reward."""
+    reward_tokenizer = model_tokenizer(cfg, reward_path, key)
     # trained_head: a causal LM here would score with a random head, silently
-    reward = place.reward_model(reward_path, reward_tokenizer, trained=False,
-                                flag="ppo.reward_path", trust_remote_code=cfg.trust_remote_code,
-                                trained_head=True)
-    _require_context(cfg, reward, f"ppo.reward_path {reward_path}", scored=True)
-    normalize = (score_statistics(reward.config.to_dict(), f"ppo.reward_path {reward_path}")
+    reward = place.reward_model(reward_path, reward_tokenizer, trained=False, flag=key,
+                                trust_remote_code=cfg.trust_remote_code, trained_head=True)
+    _require_context(cfg, reward, f"{key} {reward_path}", scored=True)
+    normalize = (score_statistics(reward.config.to_dict(), f"{key} {reward_path}")
                  if ppo.normalize_reward else None)
     if normalize:
         mean, std = normalize
-        log(f"step 3: reward model scores standardised: (score {'-' if mean >= 0 else '+'} "
+        log(f"step 3: {key} scores standardised: (score {'-' if mean >= 0 else '+'} "
             f"{abs(mean):.4g}) / {std:.4g} (ppo.normalize_reward)")
     return RewardScorer(place.frozen(reward, family="scorer"), tokenizer, reward_tokenizer,
                         place.runtime.device, packed=ppo.packing, normalize=normalize)
@@ -395,6 +396,13 @@ def build_models(cfg: DictConfig, place: Placement, tokenizer, actor_path: str,
                 "the actor with a new value head, and rewards are scored on re-tokenized text")
     if ppo.critic_path is not None:
         critic_start, critic_tokenizer = _critic_start(ppo.critic_path, tokenizer, trc)
+    if scorer is not None and ppo.extra_reward_paths:
+        scorer = RewardEnsemble([scorer] + [
+            reward_scorer(cfg, place, tokenizer, path, ppo, f"ppo.extra_reward_paths[{i}]")
+            for i, path in enumerate(ppo.extra_reward_paths)], ppo.reward_ensemble,
+            ppo.reward_ensemble_coef)
+        log(f"step 3: {len(scorer.scorers)} reward models score every answer, combined by "
+            f"their {ppo.reward_ensemble} (ppo.reward_ensemble)")
     rewards = Rewards(tokenizer, scorer, ppo.reward_model_weight,
                       RewardFunction.named(ppo.reward_fn, labels=labels) if ppo.reward_fn
                       else None,

@@ -93,6 +93,35 @@ class RewardScorer:
         return head + said, reply
 
 
+class RewardEnsemble:
+    """Several reward models' scores of the same rollouts, combined per answer (each
+    RewardScorer re-tokenizes for its own model and standardises by its own statistics):
+    their mean, their minimum (the worst case), or their mean less `coef` x their std over
+    the models (uncertainty-weighted; Coste et al., 2023)."""
+
+    def __init__(self, scorers: list[RewardScorer], how: str = "mean", coef: float = 1.0):
+        self.scorers, self.how, self.coef = scorers, how, coef
+
+    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                 prompt_len: int) -> torch.Tensor:
+        """[B] combined scores of rollouts [B, L], as RewardScorer reads them."""
+        scores = torch.stack([scorer(sequences, attention_mask, prompt_len).float()
+                              for scorer in self.scorers])   # [models, B]
+        return ensemble_scores(scores, self.how, self.coef)
+
+
+def ensemble_scores(scores: torch.Tensor, how: str, coef: float = 1.0) -> torch.Tensor:
+    """[models, B] scores -> [B]: `how` = mean | min | mean_minus_std (mean - coef x the
+    population std over the models)."""
+    if how == "mean":
+        return scores.mean(0)
+    if how == "min":
+        return scores.min(0).values
+    if how == "mean_minus_std":
+        return scores.mean(0) - coef * scores.std(0, correction=0)
+    raise ValueError(f"unknown reward ensemble {how!r}")
+
+
 def ended_with(sequences: torch.Tensor, attention_mask: torch.Tensor, eos_token_id: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [B, L] (any padding) -> [B, L+1] whose rightmost real token is `eos_token_id`:
@@ -186,7 +215,8 @@ class Rewards:
     """The score of each rollout: `model_weight` x the reward model's score plus `fn_weight`
     x the reward function's, either of them absent (None)."""
 
-    def __init__(self, tokenizer, scorer: RewardScorer | None, model_weight: float,
+    def __init__(self, tokenizer, scorer: RewardScorer | RewardEnsemble | None,
+                 model_weight: float,
                  fn: RewardFunction | None, fn_weight: float):
         self.tokenizer, self.scorer, self.model_weight = tokenizer, scorer, model_weight
         self.fn, self.fn_weight = fn, fn_weight

@@ -367,6 +367,10 @@ def settings(**changes):
     (dict(dynamic_sampling_max_draws=0), "ppo.dynamic_sampling_max_draws=0"),
     (dict(algorithm="grpo", samples_per_prompt=4, critic_warmup=2), "ppo.critic_warmup=2 "
      "trains the critic alone first, and grpo has none"),
+    (dict(extra_reward_paths=["rm2"], reward_model_weight=0.0, reward_fn="steps.demo:score"),
+     "ppo.extra_reward_paths are scored with the reward model, and ppo.reward_model_weight=0 "
+     "uses none"),
+    (dict(reward_ensemble="max"), "ppo.reward_ensemble=max: choose one of mean, min"),
     (dict(normalize_reward=True, reward_model_weight=0.0, reward_fn="steps.demo:score"),
      "ppo.normalize_reward=true standardises the reward model's scores, and "
      "ppo.reward_model_weight=0 uses no reward model"),

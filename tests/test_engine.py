@@ -790,6 +790,35 @@ def test_normalize_reward_standardises_the_reward_models_scores_by_its_config(to
         step3_models(lm, rm, normalize_reward=True)
 
 
+@pytest.mark.parametrize("how", ["mean", "min", "mean_minus_std"])
+def test_extra_reward_paths_score_as_an_ensemble_of_the_reward_models(tok, tmp_path, how):
+    """ppo.extra_reward_paths: step 3's reward is the ensemble of every reward model's own
+    score (each standardised by its own statistics), combined per answer by
+    ppo.reward_ensemble; the critic still starts from ppo.reward_path's."""
+    lm = saved(load_causal_lm("tiny-llama", tok), tok, tmp_path / "actor")
+    paths = []
+    for seed, (mean, std) in enumerate([(-1.0, 0.5), (0.5, 2.0), (0.0, 1.0)], start=4):
+        reward = load_reward_model("tiny-llama", tok, seed=seed)
+        reward.config.update({"score_mean": mean, "score_std": std})
+        paths.append(saved(reward, tok, tmp_path / f"reward{seed}"))
+    sequences = torch.tensor([tok("Q: 1+1 A: 2")["input_ids"] + [tok.eos_token_id],
+                              tok("Q: 3+1 A: 9")["input_ids"] + [tok.eos_token_id]])
+    mask, prompt_len = torch.ones_like(sequences), len(tok("Q: 1+1")["input_ids"])
+    alone = torch.stack([step3_models(lm, path, normalize_reward=True).rewards(
+        sequences, mask, prompt_len) for path in paths])   # [3 models, 2 answers]
+    models = step3_models(lm, paths[0], normalize_reward=True, extra_reward_paths=paths[1:],
+                          reward_ensemble=how, reward_ensemble_coef=0.5)
+    by_hand = {"mean": alone.mean(0), "min": alone.min(0).values,
+               "mean_minus_std": alone.mean(0) - 0.5 * (
+                   ((alone - alone.mean(0)) ** 2).mean(0) ** 0.5)}[how]
+    torch.testing.assert_close(models.rewards(sequences, mask, prompt_len), by_hand,
+                               atol=1e-6, rtol=0)
+    # models that disagree, and an ensemble that is not ppo.reward_path's model alone
+    assert float((alone[0] - alone[1]).abs().max()) > 1e-3
+    assert float((by_hand - alone[0]).abs().min()) > 1e-3
+    assert models.critic is not None
+
+
 def test_a_fresh_head_is_still_made_where_it_is_wanted(tok, tmp_path):
     """Step 2's reward model and the critic start from a causal LM with a new score head;
     a config.json without `architectures` cannot tell its kind, so it loads."""

@@ -583,3 +583,24 @@ def test_constants_used_in_comments():
     # guards the hand arithmetic above against typos
     assert math.isclose(math.log(1 + math.e + math.e**2), 2.4076060, abs_tol=1e-6)
     assert math.isclose(-math.log(1 / (1 + math.exp(-1))), 0.3132617, abs_tol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# ensemble_scores (steps/scoring.py)
+# --------------------------------------------------------------------------------------------
+
+
+def test_ensemble_scores_combine_each_answers_scores_over_the_models():
+    from steps.scoring import ensemble_scores
+
+    scores = torch.tensor([[1.0, -2.0, 0.5],   # model 0's scores of 3 answers
+                           [3.0, -2.0, -0.5],
+                           [2.0, 1.0, 1.5]])
+    close(ensemble_scores(scores, "mean"), [2.0, -1.0, 0.5])
+    close(ensemble_scores(scores, "min"), [1.0, -2.0, -0.5])
+    # population std per answer: sqrt(2/3), sqrt(2), sqrt(2/3)
+    close(ensemble_scores(scores, "mean_minus_std", coef=0.5),
+          [2.0 - 0.5 * math.sqrt(2 / 3), -1.0 - 0.5 * math.sqrt(2), 0.5 - 0.5 * math.sqrt(2 / 3)])
+    close(ensemble_scores(scores[:1], "mean_minus_std"), scores[0])   # one model: its score
+    with pytest.raises(ValueError, match="unknown reward ensemble 'max'"):
+        ensemble_scores(scores, "max")

@@ -446,6 +446,32 @@ def test_normalize_reward_finds_its_statistics_missing_before_step_1(tmp_path):
     paths((1, 2), ppo={"normalize_reward": True})
 
 
+def test_extra_reward_paths_are_checked_before_step_1(tmp_path):
+    """Each of ppo.extra_reward_paths must hold a model (a preset is no reward model), and
+    with ppo.normalize_reward its statistics, named by its index."""
+    def paths(**ppo_keys):
+        return model_paths(OmegaConf.merge(OmegaConf.structured(RunConfig), {
+            "output_dir": str(tmp_path), "ppo": {"actor_path": "tiny-llama",
+                                                  "reward_path": str(tmp_path / "rm"),
+                                                  **ppo_keys}}))
+
+    tok = byte_tokenizer()
+    load_reward_model("tiny-llama", tok).save_pretrained(tmp_path / "rm")
+    for bad in (str(tmp_path / "none"), "tiny-llama"):
+        with pytest.raises(UserError, match=rf"^ppo.extra_reward_paths\[1\]={bad}: no "
+                                            r"config.json there"):
+            paths(extra_reward_paths=[str(tmp_path / "rm"), bad])
+    paths(extra_reward_paths=[str(tmp_path / "rm")])
+    reward = load_reward_model("tiny-llama", tok)
+    reward.config.update({"score_mean": 0.0, "score_std": 1.0})
+    reward.save_pretrained(tmp_path / "rm")   # statistics for ppo.reward_path, none for plain
+    load_reward_model("tiny-llama", tok).save_pretrained(tmp_path / "plain")
+    with pytest.raises(UserError, match=r"^ppo.normalize_reward=true: the reward model "
+                                        r"ppo.extra_reward_paths\[0\] .* has no score"):
+        paths(extra_reward_paths=[str(tmp_path / "plain")], normalize_reward=True)
+    paths(extra_reward_paths=[str(tmp_path / "rm")], normalize_reward=True)
+
+
 def test_a_preset_actor_in_step_3_gets_the_runs_tokenizer(opt_tokenizer_path, tmp_path):
     """tokenizer=DIR gives presets a real tokenizer in steps 1 and 2; step 3 gave a preset
     actor the byte tokenizer, so its answers no longer matched a reward model trained with
