@@ -172,6 +172,20 @@ def hh_messages(text: str) -> list[dict]:
     return messages
 
 
+def hh_reply_spans(text: str) -> list[tuple[int, int]]:
+    """[start, end) of each assistant reply in hh-rlhf `text`, as hh_messages reads them:
+    from after its "Assistant:" (the space after it included, as an answer follows the
+    cue) to the next turn; the final cue to reply (nothing said) is none."""
+    spaced = HUMAN not in text and ASSISTANT not in text and _OPENS_SPACED.match(text)
+    turns = list((_SPACED_TURN if spaced else _TURN).finditer(text))
+    spans = []
+    for turn, after in zip(turns, [*turns[1:], None], strict=True):
+        end = after.start() if after is not None else len(text)
+        if turn.group(1) == "Assistant" and text[turn.end():end].strip():
+            spans.append((turn.end(), end))
+    return spans
+
+
 def written_reply(tokenizer, messages: list[dict], prompt: str, content: str) -> str:
     """What `tokenizer`'s chat template writes after `prompt` (`messages` rendered with the
     generation prompt) for an assistant reply of `content`, trailing whitespace dropped: the

@@ -158,6 +158,13 @@ def report_tokenized(what: str, stats: TokenizeStats, max_prompt_len: int,
     if stats.dropped_tied:
         parts.append(f"{stats.dropped_tied} dropped (chosen and rejected the same tokens, up to "
                      f"data.max_answer_len={max_answer_len}: no preference to learn)")
+    if stats.earlier_replies or stats.unplaced_replies:
+        parts.append(f"{stats.earlier_replies} earlier assistant replies trained on too "
+                     "(sft.multiturn)")
+    if stats.unplaced_replies:
+        parts.append(f"{stats.unplaced_replies} not (the prompt does not hold them as written "
+                     "alone: the chat template rewrites them, or their tokens merge with the "
+                     "text around them)")
     log(", ".join(parts))
 
 

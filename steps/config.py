@@ -130,6 +130,9 @@ class SFTTrainConfig(TrainConfig):
     train_on_prompt: bool = val(False, "the loss (and the evaluation's perplexity) over the "
                                 "prompt's tokens too, not the answer's alone (OpenRLHF's "
                                 "--pretrain_mode, TRL's completion_only_loss=false)")
+    multiturn: bool = val(False, "in dialogues of several turns, the loss over every "
+                          "assistant reply, not the last alone (OpenRLHF's --multiturn, TRL's "
+                          "assistant_only_loss): the user's turns are still not trained on")
 
 
 @dataclass

@@ -86,7 +86,9 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     if held_out is not None:
         held_out = in_chat_format(cfg, "step 1 held-out", held_out, tokenizer, owner)
     train, evals = train_eval_examples(cfg, 1, "training examples", pairs, tokenizer,
-                                       partial(tokenize_sft, train_on_prompt=sft.train_on_prompt),
+                                       partial(tokenize_sft, train_on_prompt=sft.train_on_prompt,
+                                               multiturn=sft.multiturn,
+                                               templated=cfg.data.apply_chat_template),
                                        held_out)
 
     # trained_head: a reward model's directory here would train a random LM head

@@ -17,7 +17,7 @@ import torch
 from jinja2 import TemplateError
 from torch import Tensor
 
-from engine.chat_format import hh_messages, render, written_reply
+from engine.chat_format import hh_messages, hh_reply_spans, render, written_reply
 from engine.models import prompt_ids
 from engine.packing import packed_layout, restarting_positions
 from steps.data import DataError, PreferencePair
@@ -42,6 +42,8 @@ class TokenizeStats(NamedTuple):
     truncated_answer: int      # answers of kept examples cut to max_answer_len (a pair: 0-2)
     dropped_empty_prompt: int = 0   # step-3 prompts dropped: 0 tokens, nothing to generate from
     dropped_tied: int = 0      # step-2 pairs dropped: chosen and rejected the same tokens
+    earlier_replies: int = 0   # sft.multiturn: a dialogue's replies before its answer, trained on
+    unplaced_replies: int = 0  # sft.multiturn: such replies not trained on (see reply_spans)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +73,8 @@ def apply_chat_template(pairs: Sequence[PreferencePair], tokenizer: Any, owner: 
         except TemplateError as err:
             refused.append(str(err))
             continue
-        rendered.append(PreferencePair(prompt, *answers, label=pair.label, margin=pair.margin))
+        rendered.append(PreferencePair(prompt, *answers, tuple(messages), label=pair.label,
+                                       margin=pair.margin))
     if refused and not rendered:
         raise DataError(f"data.apply_chat_template: the chat template of {owner} refuses all "
                         f"{len(refused)} dialogues (first: {refused[0]}); fix the data or use "
@@ -167,16 +170,76 @@ def _examples(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: i
 
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
-                 max_answer_len: int, train_on_prompt: bool = False
-                 ) -> tuple[list[SFTExample], TokenizeStats]:
+                 max_answer_len: int, train_on_prompt: bool = False, multiturn: bool = False,
+                 templated: bool = False) -> tuple[list[SFTExample], TokenizeStats]:
     """SFT examples from the chosen answers: input_ids = prompt ids + answer ids (+ EOS),
     labels = -100 over the prompt (`train_on_prompt`: its ids, as input_ids) and the answer
-    ids over the answer."""
-    def example(_, prompt: list[int], answer: list[int]) -> SFTExample:
-        shown = prompt if train_on_prompt else [IGNORE_INDEX] * len(prompt)
+    ids over the answer. `multiturn`: the labels are the ids over the dialogue's earlier
+    assistant replies in the prompt too (as `templated` prompts, or hh text, write them:
+    reply_spans), counted in the stats, with those not found in the prompt's tokens."""
+    placed = unplaced = 0
+
+    def example(pair: PreferencePair, prompt: list[int], answer: list[int]) -> SFTExample:
+        nonlocal placed, unplaced
+        if train_on_prompt:
+            return SFTExample(prompt + answer, prompt + answer)
+        shown = [IGNORE_INDEX] * len(prompt)
+        if multiturn:
+            spans = reply_spans(pair, prompt, tokenizer, templated)
+            for start, end in filter(None, spans):
+                shown[start:end] = prompt[start:end]
+            placed += sum(span is not None for span in spans)
+            unplaced += sum(span is None for span in spans)
         return SFTExample(prompt + answer, shown + answer)
 
-    return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen",), example)
+    examples, stats = _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen",),
+                                example)
+    return examples, stats._replace(earlier_replies=placed, unplaced_replies=unplaced)
+
+
+def reply_spans(pair: PreferencePair, prompt: list[int], tokenizer: Any, templated: bool
+                ) -> list[tuple[int, int] | None]:
+    """[start, end) in `prompt` (pair.prompt's ids, with special tokens) of each assistant
+    reply in the dialogue before its answer: in a chat template's prompt (`templated`), what
+    the template writes for the reply, the end of its turn included (<|im_end|>); in hh text,
+    the reply after its "Assistant:". None for a reply the prompt does not hold as so
+    written (a template that drops earlier replies' reasoning, say) or whose tokens the
+    rest of the prompt merges into others."""
+    text = pair.prompt
+    if templated:
+        messages = list(pair.messages) if pair.messages is not None else hh_messages(text)
+        chars = []
+        for j, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            try:
+                before = render(tokenizer, messages[:j], generation_prompt=True)
+                reply = written_reply(tokenizer, messages[:j], before, message["content"])
+            except TemplateError:
+                chars.append(None)
+                continue
+            found = reply and text.startswith(before + reply)
+            chars.append((len(before), len(before) + len(reply)) if found else None)
+    else:
+        chars = hh_reply_spans(text)
+    if not any(chars):
+        return chars
+    bare = tokenizer(text, add_special_tokens=False)["input_ids"]
+    offset = len(prompt) - len(bare)   # the special tokens before the text's own
+    if offset < 0 or prompt[offset:] != bare:
+        return [None] * len(chars)
+    heads = tokenizer([text[:end] for span in filter(None, chars) for end in span],
+                      add_special_tokens=False)["input_ids"]
+    spans, ends = [], iter(zip(heads[::2], heads[1::2], strict=True))
+    for span in chars:
+        if span is None:
+            spans.append(None)
+            continue
+        before, through = next(ends)
+        held = (bare[:len(through)] == through and through[:len(before)] == before
+                and len(through) > len(before))
+        spans.append((offset + len(before), offset + len(through)) if held else None)
+    return spans
 
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,

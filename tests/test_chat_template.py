@@ -63,6 +63,11 @@ def chatml(eos: str = "<|im_end|>", template: str = CHATML):
     return tok
 
 
+def without_messages(pairs: list[PreferencePair]) -> list[PreferencePair]:
+    """`pairs` with no messages kept, to compare with pairs written out."""
+    return [pair._replace(messages=None) for pair in pairs]
+
+
 def turns(*texts: str) -> str:
     return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n"
                    for role, text in zip(("user", "assistant") * 3, texts, strict=False)
@@ -80,14 +85,17 @@ def test_pairs_are_written_by_the_template():
     are rendered exactly (the hh reading would split the text of this one)."""
     rendered, refused = apply_chat_template(PAIRS, chatml(), OWNER)
     assert refused == 0
-    assert rendered == [PreferencePair(turns("hi", "Hello!", "and you?"), "Fine.<|im_end|>",
+    assert rendered[0].messages == ({"role": "user", "content": "hi"},   # kept: sft.multiturn
+                                    {"role": "assistant", "content": "Hello!"},
+                                    {"role": "user", "content": "and you?"})
+    assert without_messages(rendered) == [PreferencePair(turns("hi", "Hello!", "and you?"), "Fine.<|im_end|>",
                                        "Bad.<|im_end|>"),
                         PreferencePair(turns("Name a color."), "Blue<|im_end|>",
                                        "Seven<|im_end|>")]
     said = ({"role": "user", "content": "x\n\nAssistant: y"},)
     (pair,), _ = apply_chat_template([PreferencePair("not read", " a", " b", said, margin=1.5)],
                                      chatml(), OWNER)
-    assert pair.prompt == turns("x\n\nAssistant: y")
+    assert pair.prompt == turns("x\n\nAssistant: y") and pair.messages == said
     assert pair.margin == 1.5   # data.margin_key's, kept through the rendering
 
 
@@ -97,7 +105,8 @@ def test_a_prompt_that_begins_with_the_human_turn_is_the_users():
     pair = PreferencePair("Human: hi\n\nAssistant: Hello!\n\nHuman: and you?\n\nAssistant:",
                           " Fine.", " Bad.")
     (rendered,), refused = apply_chat_template([pair], chatml(), OWNER)
-    assert refused == 0 and rendered == PreferencePair(turns("hi", "Hello!", "and you?"),
+    assert refused == 0 and rendered._replace(messages=None) == PreferencePair(
+        turns("hi", "Hello!", "and you?"),
                                                        "Fine.<|im_end|>", "Bad.<|im_end|>")
 
 
@@ -115,6 +124,36 @@ def test_a_templated_answer_ends_with_the_turn_end_and_one_eos(eos, ending):
     assert example.input_ids[:len(example.input_ids) - len(answer)] == \
         tok(turns("hi", "Hello!", "and you?"))["input_ids"]
     assert turn_ends_with_eos(tok) == (eos == "<|im_end|>")
+
+
+def targets_of(example, tok) -> list[str]:
+    """The texts of an SFT example's runs of labelled tokens, special tokens written."""
+    said = "".join(tok.decode([token], skip_special_tokens=False) if label != -100 else "\0"
+                   for token, label in zip(example.input_ids, example.labels, strict=True))
+    return [run for run in said.split("\0") if run]
+
+
+def test_multiturn_trains_on_each_reply_as_the_template_writes_it():
+    """sft.multiturn in a chat template: each earlier reply is a target with its turn's
+    end token (the model learns to end its turns), as the last is; a template that writes
+    earlier replies otherwise than a reply it follows (Qwen3's drops their reasoning; here
+    it capitalises them, at the same length) leaves them untrained, counted."""
+    dialogue = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "3+3?"})
+    pair = PreferencePair("not read", " 6", "", dialogue)
+    tok = chatml()
+    rendered, _ = apply_chat_template([pair], tok, OWNER)
+    (example,), stats = tokenize_sft(rendered, tok, 256, 16, multiturn=True, templated=True)
+    assert targets_of(example, tok) == ["Hello!<|im_end|>", "4<|im_end|>", "6<|im_end|>"]
+    assert (stats.earlier_replies, stats.unplaced_replies) == (2, 0)
+    capitalising = CHATML.replace("m['content']", "(m['content'] if m['role'] != 'assistant' "
+                                  "or loop.last else m['content'].upper())")
+    tok = chatml(template=capitalising)
+    rendered, _ = apply_chat_template([pair], tok, OWNER)
+    (example,), stats = tokenize_sft(rendered, tok, 256, 16, multiturn=True, templated=True)
+    assert targets_of(example, tok) == ["4<|im_end|>", "6<|im_end|>"]   # "4" is "4" still
+    assert (stats.earlier_replies, stats.unplaced_replies) == (1, 1)
 
 
 def test_template_variables_render_as_the_keyword_arguments_would():
@@ -197,11 +236,12 @@ def test_a_dialogue_the_template_writes_otherwise_before_its_reply_is_counted():
     rendered, refused = apply_chat_template([PAIRS[1], with_system], chatml("</s>", MISTRAL),
                                             OWNER)
     assert refused == 1
-    assert rendered == [PreferencePair("<s>[INST] Name a color.[/INST]", " Blue</s>",
+    assert without_messages(rendered) == [PreferencePair("<s>[INST] Name a color.[/INST]", " Blue</s>",
                                        " Seven</s>")]
     # a step-3 prompt record has no reply to move: its prompt is what step 3 generates from
     asked = with_system._replace(chosen="", rejected="", label="4")
-    assert apply_chat_template([asked], chatml("</s>", MISTRAL), OWNER) == (
+    (pair,), refused = apply_chat_template([asked], chatml("</s>", MISTRAL), OWNER)
+    assert (without_messages([pair]), refused) == (
         [PreferencePair("<s>[INST] Be terse.\n\nhi[/INST]", "", "", label="4")], 0)
 
 

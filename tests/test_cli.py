@@ -436,6 +436,9 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     ("sft.warmup_ratio=1", "sft.warmup_ratio=1.0: give a number in [0, 1)"),
     ("rm.warmup_steps=2 rm.warmup_ratio=0.1", "rm.warmup_steps=2 and rm.warmup_ratio=0.1: "
      "give one of them (the other 0)"),
+    ("sft.multiturn=true sft.train_on_prompt=true", "sft.multiturn=true and "
+     "sft.train_on_prompt=true: the prompt's tokens, earlier replies included, are trained "
+     "on already"),
 ], ids=lambda v: v.split("=")[0] if "=" in v else None)
 def test_out_of_range_values_are_refused_naming_the_key(capsys, tmp_path, override, said):
     line = refused(capsys, tmp_path / "out", *override.split())

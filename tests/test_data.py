@@ -1149,6 +1149,43 @@ def test_sft_records_of_their_own(tmp_path):
         load_sft_records(str(alpaca), "prompt", "output")
 
 
+def labelled(example, tok) -> list[str]:
+    """The texts of an SFT example's runs of labelled tokens (its targets), in order."""
+    runs, run = [], []
+    for token, label in zip(example.input_ids, example.labels, strict=True):
+        if label != -100:
+            assert label == token
+            run.append(token)
+        elif run:
+            runs, run = [*runs, run], []
+    return [tok.decode(ids) for ids in [*runs, run] if ids]
+
+
+def test_multiturn_trains_on_every_assistant_reply_of_a_dialogue(tmp_path):
+    """sft.multiturn: a dialogue's earlier assistant replies are targets too, each as its
+    "Assistant:" turn writes it (after the space), never the user's or system's turns or
+    the turn markers; in UltraChat's messages, hh text as written and DeepSpeed-Chat's
+    single-spaced turns alike. Without it only the last reply is."""
+    tok = byte_tokenizer()
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": _chat(
+        ("system", "Be brief."), ("user", "hi"), ("assistant", "Hello!"), ("user", "2+2?"),
+        ("assistant", "4"), ("user", "and 3+3?"), ("assistant", "6"))}])
+    pairs, _ = load_sft_records(str(chats), "messages", "response")
+    pairs += [PreferencePair("\n\nHuman: a\n\nAssistant: b c\n\nHuman: d\n\nAssistant:", " e", ""),
+              PreferencePair(" Human: a Assistant: b Human: c Assistant:", " d", ""),
+              PreferencePair("\n\nHuman: one turn\n\nAssistant:", " yes", "")]
+    examples, stats = tokenize_sft(pairs, tok, 256, 16, multiturn=True)
+    eos = tok.eos_token
+    assert [labelled(example, tok) for example in examples] == [
+        [" Hello!", " 4", " 6" + eos], [" b c", " e" + eos], [" b", " d" + eos], [" yes" + eos]]
+    assert (stats.earlier_replies, stats.unplaced_replies) == (4, 0)
+    alone, stats = tokenize_sft(pairs, tok, 256, 16)
+    assert [labelled(example, tok) for example in alone] == [
+        [" 6" + eos], [" e" + eos], [" d" + eos], [" yes" + eos]]
+    assert [ex.input_ids for ex in alone] == [ex.input_ids for ex in examples]
+    assert stats.earlier_replies == 0
+
+
 def test_a_bare_prompt_is_one_user_turn_in_every_step(tmp_path):
     """A prompt field of bare text (stack-exchange-paired's question) is asked as step 3
     asks ppo.prompt_data's and chat.py asks: "\\n\\nHuman: ...\\n\\nAssistant:", the

@@ -291,6 +291,30 @@ def test_train_on_prompt_takes_step_1s_loss_over_the_prompt_too(tmp_path):
     assert abs(first - float(sft_loss(logits, answers_only["labels"]))) > 1e-3
 
 
+def test_multiturn_takes_step_1s_loss_over_every_assistant_reply(tmp_path, capsys):
+    """sft.multiturn: step 1's first loss, over 4 two-turn dialogues in one batch, is the
+    initial model's cross entropy over both replies of each, computed here."""
+    pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant: {'ok ' * i}sure\n\nHuman: "
+                            "and?\n\nAssistant:", " yes" * (i + 1), "") for i in range(4)]
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 5,
+        "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
+        "sft": {"batch_size": 4, "log_every": 1, "multiturn": True}})
+    sft.run(cfg, pairs, CPU)
+    assert ("step 1 train: 4 examples, 4 earlier assistant replies trained on too "
+            "(sft.multiturn)") in capsys.readouterr().out
+    first = read_metrics(tmp_path / "step1" / "metrics.jsonl")[0]["train/loss"]
+    examples, stats = tokenize_sft(pairs, TOK, 256, 256, multiturn=True)
+    assert stats.earlier_replies == 4
+    start = load_causal_lm("tiny-llama", TOK, seed=5).requires_grad_(False)
+    batch = collate_sft(examples, TOK.pad_token_id)
+    logits = start(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=position_ids(batch["attention_mask"])).logits
+    assert first == pytest.approx(float(sft_loss(logits, batch["labels"])), rel=1e-5)
+    last_only = collate_sft(tokenize_sft(pairs, TOK, 256, 256)[0], TOK.pad_token_id)
+    assert abs(first - float(sft_loss(logits, last_only["labels"]))) > 1e-3
+
+
 @pytest.mark.parametrize("step", [sft, reward])
 def test_without_held_out_pairs_there_is_nothing_to_refuse(step, tmp_path, capsys):
     """Nor a "nan" in the closing line, which a finite run otherwise never shows."""
