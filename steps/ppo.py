@@ -1324,11 +1324,13 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
     `ground_truth` (the gold score, when there is one) of answers sampled as in training
     with fixed row seeds (so two evaluations compare like with like), the same for greedy
     answers (`greedy_*`, what chat.py answers), and the `kl` to the reference, measured on
-    the sampled answers. `shown` gets the first ppo.log_answers greedy answers (this
+    the sampled answers, as is a reward ensemble's `reward_disagreement` (the std of its
+    models' scores). `shown` gets the first ppo.log_answers greedy answers (this
     process's) with their scores."""
     if not prompts.eval:
         return {}
-    totals = torch.zeros(5, dtype=torch.float64)
+    ensemble = models.rewards.ensemble
+    totals = torch.zeros(6, dtype=torch.float64)
     with models.actor.held_weights():   # one gather for the whole evaluation
         for batch_rows in batches(range(len(prompts.eval)), s.ppo.rollout_batch_size,
                                   shuffle=False, seed=0):
@@ -1338,7 +1340,8 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
             sampled = rollout(models, batch, s.sampling, row_seeds(s.seed, EVAL_STREAM, share.rows))
             greedy = rollout(models, batch, s.greedy, None)
             kl = masked_sum(_kl_to_reference(models, sampled, s, dp), sampled.answered, dim=1)
-            sums = [float(kl.sum())]
+            sums = [float(kl.sum()), float(_disagreement(models, sampled, s, dp).sum())
+                    if ensemble else 0.0]
             for answers in (sampled, greedy):
                 reward, gold = _scores(models, answers, s, dp), _gold(s, models.tokenizer, answers)
                 sums += [float(reward.sum()), float(gold.sum())]
@@ -1346,11 +1349,12 @@ def evaluate(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
             if shown is not None and not shown and s.ppo.log_answers:
                 # the loop's last scores are the greedy answers'
                 shown += _shown_answers(models.tokenizer, greedy, reward, gold, s)
-    kl, reward, gold, greedy_reward, greedy_gold = (
+    kl, disagreement, reward, gold, greedy_reward, greedy_gold = (
         total / len(prompts.eval) for total in dp.sum(*totals.tolist()))
     return {"reward": reward, **({"ground_truth": gold} if s.gold else {}),
             "greedy_reward": greedy_reward,
-            **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl}
+            **({"greedy_ground_truth": greedy_gold} if s.gold else {}), "kl": kl,
+            **({"reward_disagreement": disagreement} if ensemble else {})}
 
 
 def evaluate_shown(models: Models, prompts: Prompts, s: Settings, dp: DataParallel,
@@ -1406,6 +1410,15 @@ def _scores(models: Models, answers: Rollout, s: Settings, dp: DataParallel) -> 
                                                         answers.attention_mask[rows],
                                                         answers.prompt_len),
                             len(answers.sequences), s.ppo.forward_batch_size)
+
+
+def _disagreement(models: Models, answers: Rollout, s: Settings, dp: DataParallel
+                  ) -> torch.Tensor:
+    """[B] the reward ensemble's disagreement on each answer (Rewards.disagreement),
+    `ppo.forward_batch_size` rows at a time."""
+    return dp.by_row_chunks(lambda rows: models.rewards.disagreement(
+        answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len),
+        len(answers.sequences), s.ppo.forward_batch_size)
 
 
 @torch.no_grad()

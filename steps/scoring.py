@@ -105,9 +105,14 @@ class RewardEnsemble:
     def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
                  prompt_len: int) -> torch.Tensor:
         """[B] combined scores of rollouts [B, L], as RewardScorer reads them."""
-        scores = torch.stack([scorer(sequences, attention_mask, prompt_len).float()
-                              for scorer in self.scorers])   # [models, B]
-        return ensemble_scores(scores, self.how, self.coef)
+        return ensemble_scores(self.each(sequences, attention_mask, prompt_len), self.how,
+                               self.coef)
+
+    def each(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
+             ) -> torch.Tensor:
+        """[models, B] every model's scores of rollouts [B, L]."""
+        return torch.stack([scorer(sequences, attention_mask, prompt_len).float()
+                            for scorer in self.scorers])
 
 
 def ensemble_scores(scores: torch.Tensor, how: str, coef: float = 1.0) -> torch.Tensor:
@@ -241,3 +246,15 @@ class Rewards:
                                  "went NaN or inf weighting and adding the scores; lower "
                                  "ppo.reward_model_weight / ppo.reward_fn_weight")
         return total
+
+    @property
+    def ensemble(self) -> bool:
+        return isinstance(self.scorer, RewardEnsemble)
+
+    @torch.no_grad()
+    def disagreement(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     prompt_len: int) -> torch.Tensor:
+        """[B] the (population) std of a reward ensemble's scores of each rollout, over its
+        models: their disagreement, which grows where the policy leaves what they were
+        trained on (over-optimisation)."""
+        return self.scorer.each(sequences, attention_mask, prompt_len).std(0, correction=0)

@@ -25,7 +25,13 @@ from steps import ppo
 from steps.algorithms import model_paths
 from steps.config import RunConfig
 from steps.rlhf import masked_sum, tilted_kl
-from steps.scoring import RewardFunction, Rewards, RewardScorer, decode_rollouts
+from steps.scoring import (
+    RewardEnsemble,
+    RewardFunction,
+    Rewards,
+    RewardScorer,
+    decode_rollouts,
+)
 from steps.tokenize import collate_prompts
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
@@ -533,6 +539,33 @@ def test_an_evaluation_shows_its_first_greedy_answers_with_the_scores_it_average
     again, first = evaluated(1)
     assert first == shown[:1] and again == got   # what is shown changes no figure
     assert evaluated(0)[1] == []
+
+
+def test_an_evaluation_measures_a_reward_ensembles_disagreement_on_its_sampled_answers():
+    """eval/reward_disagreement: the mean over the sampled eval answers of the std of the
+    ensemble's scores; here one model scores an answer by the sum of its token ids / 100,
+    the other 1 (less than any here), so the std is half their difference. A single reward
+    model has none to report."""
+    tok, dp = byte_tokenizer(), DataParallel(CPU)
+    torch.manual_seed(0)
+    models = rule_models(tok)
+    prompt_ids = [tok(t)["input_ids"] for t in ["Q1:", "same a:", "Q22:"]]
+    eval_prompts = ppo.Prompts([], prompt_ids, [], {})
+
+    def id_sum(sequences, attention_mask, prompt_len):
+        return (sequences * attention_mask)[:, prompt_len:].sum(-1).float() / 100
+
+    ensemble = RewardEnsemble([id_sum, lambda *rollout: torch.ones(len(rollout[0]))])
+    s = settings(rollout_batch_size=2, max_new_tokens=6, temperature=1.0)
+    got = ppo.evaluate(models._replace(rewards=Rewards(tok, ensemble, 1.0, None, 0.0)),
+                       eval_prompts, s, dp)
+    sampled = ppo.rollout(models, collate_prompts(prompt_ids, PAD), s.sampling,
+                          ppo.row_seeds(s.seed, ppo.EVAL_STREAM, [0, 1, 2]))
+    scores = id_sum(sampled.sequences, sampled.attention_mask, sampled.prompt_len)
+    assert len(set(scores.tolist())) == 3 and bool((scores > 1).all())   # answers that differ
+    assert got["reward_disagreement"] == pytest.approx(float(scores.mean() - 1) / 2)
+    assert got["reward"] == pytest.approx(float(scores.mean() + 1) / 2)   # their mean
+    assert "reward_disagreement" not in ppo.evaluate(models, eval_prompts, s, dp)
 
 
 def test_dynamic_sampling_draws_until_enough_prompts_differ_and_keeps_the_first():
