@@ -217,12 +217,10 @@ class PPOConfig(OptimConfig):
     reward_fn_weight: float = val(1.0, ok=FINITE)
     reward_model_weight: float = val(1.0, "0: no reward model, reward_fn alone (step 2 not needed)",
                                      FINITE)
-    extra_reward_paths: list[str] = val([], "further reward model directories (each with "
-                                        "its tokenizer) scored beside "
-                                        "reward_path's and combined with it by "
-                                        "reward_ensemble: an ensemble over-optimises less "
-                                        "(Coste et al., 2023); the critic starts from "
-                                        "reward_path's")
+    # an ensemble over-optimises less than one reward model (Coste et al., 2023)
+    extra_reward_paths: list[str] = val([], "more reward model directories (each with its "
+                                        "tokenizer), scored beside reward_path's, combined by "
+                                        "reward_ensemble; the critic starts from reward_path's")
     reward_ensemble: str = val("mean", "how an ensemble's scores combine, per answer: mean | "
                                "min (the worst case) | mean_minus_std (uncertainty-weighted: "
                                "mean - reward_ensemble_coef x the std over the models)",

@@ -268,27 +268,36 @@ def test_neftune_reaches_step_1s_training_not_its_evaluation(tmp_path):
     assert summary["eval/perplexity"] == pytest.approx(clean, rel=1e-5)
 
 
+def step_1s_first_loss(tmp_path, pairs: list[PreferencePair], **sft_keys) -> float:
+    """The first logged loss of a step-1 run (seed 5) over `pairs` in one batch."""
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "actor_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 5,
+        "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
+        "sft": {"batch_size": len(pairs), "log_every": 1, **sft_keys}})
+    sft.run(cfg, pairs, CPU)
+    return read_metrics(tmp_path / "step1" / "metrics.jsonl")[0]["train/loss"]
+
+
+def initial_loss(examples: list) -> float:
+    """The seed-5 initial model's cross entropy over `examples`' labels, in one batch."""
+    start = load_causal_lm("tiny-llama", TOK, seed=5).requires_grad_(False)
+    batch = collate_sft(examples, TOK.pad_token_id)
+    logits = start(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=position_ids(batch["attention_mask"])).logits
+    return float(sft_loss(logits, batch["labels"]))
+
+
 def test_train_on_prompt_takes_step_1s_loss_over_the_prompt_too(tmp_path):
     """sft.train_on_prompt: every token is a target, and step 1's first loss, over all 4
     examples in one batch, is the initial model's cross entropy over them all, computed
     here; without it the prompt's tokens are not."""
     pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant:", " yes" * (i + 1), " no")
              for i in range(4)]
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
-        "actor_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 5,
-        "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
-        "sft": {"batch_size": 4, "log_every": 1, "train_on_prompt": True}})
-    sft.run(cfg, pairs, CPU)
-    first = read_metrics(tmp_path / "step1" / "metrics.jsonl")[0]["train/loss"]
+    first = step_1s_first_loss(tmp_path, pairs, train_on_prompt=True)
     examples = tokenize_sft(pairs, TOK, 256, 256, train_on_prompt=True)[0]
     assert all(ex.labels == ex.input_ids for ex in examples)
-    start = load_causal_lm("tiny-llama", TOK, seed=5).requires_grad_(False)
-    batch = collate_sft(examples, TOK.pad_token_id)
-    logits = start(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=position_ids(batch["attention_mask"])).logits
-    assert first == pytest.approx(float(sft_loss(logits, batch["labels"])), rel=1e-5)
-    answers_only = collate_sft(tokenize_sft(pairs, TOK, 256, 256)[0], TOK.pad_token_id)
-    assert abs(first - float(sft_loss(logits, answers_only["labels"]))) > 1e-3
+    assert first == pytest.approx(initial_loss(examples), rel=1e-5)
+    assert abs(first - initial_loss(tokenize_sft(pairs, TOK, 256, 256)[0])) > 1e-3
 
 
 def test_multiturn_takes_step_1s_loss_over_every_assistant_reply(tmp_path, capsys):
@@ -296,23 +305,13 @@ def test_multiturn_takes_step_1s_loss_over_every_assistant_reply(tmp_path, capsy
     initial model's cross entropy over both replies of each, computed here."""
     pairs = [PreferencePair(f"\n\nHuman: q{i}\n\nAssistant: {'ok ' * i}sure\n\nHuman: "
                             "and?\n\nAssistant:", " yes" * (i + 1), "") for i in range(4)]
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
-        "actor_model": "tiny-llama", "output_dir": str(tmp_path), "seed": 5,
-        "data": {"eval_fraction": 0.0}, "logging": {"progress": False},
-        "sft": {"batch_size": 4, "log_every": 1, "multiturn": True}})
-    sft.run(cfg, pairs, CPU)
+    first = step_1s_first_loss(tmp_path, pairs, multiturn=True)
     assert ("step 1 train: 4 examples, 4 earlier assistant replies trained on too "
             "(sft.multiturn)") in capsys.readouterr().out
-    first = read_metrics(tmp_path / "step1" / "metrics.jsonl")[0]["train/loss"]
     examples, stats = tokenize_sft(pairs, TOK, 256, 256, multiturn=True)
     assert stats.earlier_replies == 4
-    start = load_causal_lm("tiny-llama", TOK, seed=5).requires_grad_(False)
-    batch = collate_sft(examples, TOK.pad_token_id)
-    logits = start(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=position_ids(batch["attention_mask"])).logits
-    assert first == pytest.approx(float(sft_loss(logits, batch["labels"])), rel=1e-5)
-    last_only = collate_sft(tokenize_sft(pairs, TOK, 256, 256)[0], TOK.pad_token_id)
-    assert abs(first - float(sft_loss(logits, last_only["labels"]))) > 1e-3
+    assert first == pytest.approx(initial_loss(examples), rel=1e-5)
+    assert abs(first - initial_loss(tokenize_sft(pairs, TOK, 256, 256)[0])) > 1e-3
 
 
 @pytest.mark.parametrize("step", [sft, reward])
