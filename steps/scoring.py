@@ -217,12 +217,11 @@ def decode_rollouts(tokenizer, sequences: torch.Tensor, prompt_len: int
 
 
 class Rewards:
-    """The score of each rollout: `model_weight` x the reward model's score plus `fn_weight`
-    x the reward function's, either of them absent (None)."""
+    """The score of each rollout: `model_weight` x the reward model's (or ensemble's) score
+    plus `fn_weight` x the reward function's, either of them absent (None)."""
 
     def __init__(self, tokenizer, scorer: RewardScorer | RewardEnsemble | None,
-                 model_weight: float,
-                 fn: RewardFunction | None, fn_weight: float):
+                 model_weight: float, fn: RewardFunction | None, fn_weight: float):
         self.tokenizer, self.scorer, self.model_weight = tokenizer, scorer, model_weight
         self.fn, self.fn_weight = fn, fn_weight
 
