@@ -258,7 +258,8 @@ def check_config(cfg: DictConfig) -> None:
             raise UserError(f"{section}.warmup_steps={cfg[section].warmup_steps} and "
                             f"{section}.warmup_ratio={cfg[section].warmup_ratio}: give one "
                             "of them (the other 0)")
-    if 1 in steps and cfg.sft.multiturn and cfg.sft.train_on_prompt:
+    sft_loss_used = 1 in steps or (3 in steps and cfg.ppo.ptx.enabled)
+    if sft_loss_used and cfg.sft.multiturn and cfg.sft.train_on_prompt:
         raise UserError("sft.multiturn=true and sft.train_on_prompt=true: the prompt's tokens, "
                         "earlier replies included, are trained on already; give one of them")
     if 1 in steps and not cfg.actor_model:

@@ -296,9 +296,10 @@ def load_prompts(cfg: DictConfig, tokenizer, pairs: list[PreferencePair],
                if held_out is not None else "neither trained on nor evaluated (raise "
                "ppo.eval_prompts, or lower data.eval_fraction to train on them)"))
     ptx = []
-    if cfg.ppo.ptx.enabled:
+    if cfg.ppo.ptx.enabled:   # step 1's examples, with step 1's targets
         ptx, ptx_stats = tokenize_sft(ptx_pairs, tokenizer, data.max_prompt_len,
-                                      data.max_answer_len)
+                                      data.max_answer_len, cfg.sft.train_on_prompt,
+                                      cfg.sft.multiturn, data.apply_chat_template)
         report_tokenized("step 3 PTX", ptx_stats, data.max_prompt_len, data.max_answer_len)
         # ppo.ptx asked for: not trained without it unsaid
         require_examples(3, "PTX examples (step 1's share)", ptx_stats, data.max_prompt_len,

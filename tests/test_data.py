@@ -976,6 +976,24 @@ def test_ptx_with_every_example_dropped_is_refused():
     assert len(load_prompts(cfg, byte_tokenizer(), prompts, prompts).ptx) == 1
 
 
+@pytest.mark.parametrize("sft_keys, targets", [
+    ({}, [" yes"]), ({"multiturn": True}, [" sure", " yes"]),
+    ({"train_on_prompt": True}, ["<s>\n\nHuman: hi\n\nAssistant: sure\n\nHuman: and?"
+                                 "\n\nAssistant: yes"])])
+def test_ptx_trains_on_step_1s_targets(sft_keys, targets):
+    """ppo.ptx's examples have the targets step 1 trained on: the last reply, every reply
+    (sft.multiturn) or every token (sft.train_on_prompt)."""
+    from steps.ppo import load_prompts
+
+    tok = byte_tokenizer()
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {
+        "data": {"eval_fraction": 0.0}, "sft": sft_keys, "ppo": {"ptx": {"enabled": True}}})
+    dialogue = PreferencePair("\n\nHuman: hi\n\nAssistant: sure\n\nHuman: and?\n\nAssistant:",
+                              " yes", "")
+    (example,) = load_prompts(cfg, tok, [PreferencePair("Q", " a", " b")], [dialogue]).ptx
+    assert labelled(example, tok) == [*targets[:-1], targets[-1] + tok.eos_token]
+
+
 def _sentencepiece_like():
     """A tokenizer built as Llama-2's tokenizer.json is (a "▁" prepended to every text and
     standing for spaces, BPE within words, byte fallback), trained here on two lines."""
