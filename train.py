@@ -561,7 +561,7 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
     require_shares(cfg, steps, tuple(shares))   # data.path's shares alone, and counted alone
     if 1 in own and 1 in reads:
         shares[0] = load_sft_data(list(data.sft_path), data.sft_prompt_key,
-                                  data.sft_answer_key)
+                                  data.sft_answer_key, data.sft_input_key)
         log(f"step 1 examples {list(data.sft_path)}: {len(shares[0])}")
     if 3 in own and 3 in reads:
         shares[2] = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)

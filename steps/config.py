@@ -55,6 +55,8 @@ class DataConfig:
                               "messages)")
     sft_answer_key: str = val("response", "sft_path's answer field (absent: whole dialogues "
                               "in sft_prompt_key)")
+    sft_input_key: Optional[str] = val("input", "sft_path's input field (Alpaca's), joined "  # noqa: UP045
+                                       "to a text prompt after a blank line; null: not read")
     split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3",
                              each(NON_NEGATIVE))
     eval_path: list[str] = val([], "steps 1 and 2's held-out pairs from these sources "

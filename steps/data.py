@@ -222,25 +222,31 @@ def _prompts_from_columns(columns: dict[str, list[Any]], where: str, prompt_key:
     return (kept if keep_empty else [prompt for prompt in kept if prompt is not None]), skipped
 
 
-def load_sft_records(source: str, prompt_key: str = "prompt", answer_key: str = "response"
-                     ) -> tuple[list[PreferencePair], int]:
+def load_sft_records(source: str, prompt_key: str = "prompt", answer_key: str = "response",
+                     input_key: str | None = None) -> tuple[list[PreferencePair], int]:
     """Step 1's examples read from one source of data.sft_path (as load_pairs reads sources):
     each record's `prompt_key` field (as a step-3 prompt: hh-rlhf text as written, a bare
     text as one user turn, or chat messages) answered by its `answer_key` field (Alpaca's
     output, Dahoas/rm-static's response); or, without that field, whole dialogues in
-    `prompt_key` (UltraChat's messages) answered by their final assistant message. Returns
-    (examples as pairs with the answer as `chosen` and no `rejected`, the records skipped:
-    empty prompts or answers, dialogues that do not end in an assistant message)."""
+    `prompt_key` (UltraChat's messages) answered by their final assistant message; a text
+    prompt has its `input_key` field (Alpaca's input), where there is one, after a blank
+    line. Returns (examples as pairs with the answer as `chosen` and no `rejected`, the
+    records skipped: empty prompts or answers, dialogues that do not end in an assistant
+    message)."""
     return _records(source, "data.sft_path", lambda columns, where: _sft_from_columns(
-        columns, where, prompt_key, answer_key), "examples", "with an empty prompt or answer, "
-        "or a prompt ending in an assistant message")
+        columns, where, prompt_key, answer_key, input_key), "examples", "with an empty "
+        "prompt or answer, or a prompt ending in an assistant message")
 
 
 def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
-                      answer_key: str) -> tuple[list[PreferencePair], int]:
+                      answer_key: str, input_key: str | None = None
+                      ) -> tuple[list[PreferencePair], int]:
     """The SFT records of one table (see load_sft_records) and how many were skipped."""
     if not columns or not next(iter(columns.values())):
         return [], 0
+    if input_key in columns and input_key not in (prompt_key, answer_key) \
+            and prompt_key in columns:
+        columns = {**columns, prompt_key: _with_inputs(columns, where, prompt_key, input_key)}
     if answer_key in columns and _messages_in(columns, answer_key):   # TRL's completion
         raise DataError(f"{where}: field '{answer_key}' holds chat messages, not text answers; "
                         "set data.sft_answer_key to a field of text answers, or give whole "
@@ -262,6 +268,28 @@ def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str
     raise DataError(f"{where}: records have no '{answer_key}' field (columns: "
                     f"{', '.join(columns)}); set data.sft_answer_key to the field holding the "
                     "answers, or give whole chat dialogues in data.sft_prompt_key")
+
+
+def _with_inputs(columns: dict[str, list[Any]], where: str, prompt_key: str, input_key: str
+                 ) -> list[Any]:
+    """columns[prompt_key] with each record's `input_key` text (Alpaca's input: what the
+    instruction is to work on) after its text prompt and a blank line; an empty or null
+    input adds nothing. An input beside chat messages or hh turns is refused, naming the
+    record: which turn it belongs to is not for us to guess."""
+    prompts = list(columns[prompt_key])
+    for i, (prompt, given) in enumerate(zip(prompts, columns[input_key], strict=True)):
+        if given is None or (isinstance(given, str) and not given.strip()):
+            continue
+        fix = f"or set data.sft_input_key=null not to read '{input_key}'"
+        if not isinstance(given, str):
+            raise DataError(f"{where} record {i + 1}: field '{input_key}' is not text (got "
+                            f"{type(given).__name__}); fix that record, {fix}")
+        if isinstance(prompt, list) or (isinstance(prompt, str) and has_turns(prompt)):
+            raise DataError(f"{where} record {i + 1}: field '{input_key}' beside a prompt of "
+                            "chat messages or hh turns; join it into the prompt's turn, " + fix)
+        if isinstance(prompt, str):
+            prompts[i] = "\n\n".join(part for part in (prompt.rstrip(), given.strip()) if part)
+    return prompts
 
 
 def _following_cue(answer: str) -> str:
@@ -772,12 +800,12 @@ def load_eval_pairs(sources: Sequence[str], fields: Fields = FIELDS, split: str 
                          "malformed or empty records")
 
 
-def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str
-                  ) -> list[PreferencePair]:
+def load_sft_data(sources: Sequence[str], prompt_key: str, answer_key: str,
+                  input_key: str | None = None) -> list[PreferencePair]:
     """Every example of every source of data.sft_path (load_sft_records), in order; what
     was skipped is counted in a warning."""
     return _every_record(sources, lambda source: load_sft_records(source, prompt_key,
-                                                                  answer_key),
+                                                                  answer_key, input_key),
                          "records with an empty prompt or answer, or a dialogue that does "
                          "not end in an assistant message")
 

@@ -1204,6 +1204,33 @@ def test_multiturn_trains_on_every_assistant_reply_of_a_dialogue(tmp_path):
     assert stats.earlier_replies == 0
 
 
+def test_an_alpaca_input_follows_its_instruction_after_a_blank_line(tmp_path):
+    """data.sft_input_key (default input): Alpaca's input is what its instruction works on,
+    the user's turn after a blank line; it was dropped unsaid. Empty or null inputs add
+    nothing; beside chat messages or hh turns, or not text, one is refused naming the
+    record; data.sft_input_key=null reads none."""
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "Translate. ", "input": " Hallo\n", "output": "Hello"},
+        {"instruction": "Name a color.", "input": "", "output": "Blue"},
+        {"instruction": "Name a fruit.", "input": None, "output": "Apple"}])
+    examples, _ = load_sft_records(str(alpaca), "instruction", "output", "input")
+    assert [e.prompt for e in examples] == ["\n\nHuman: Translate.\n\nHallo\n\nAssistant:",
+                                            "\n\nHuman: Name a color.\n\nAssistant:",
+                                            "\n\nHuman: Name a fruit.\n\nAssistant:"]
+    assert examples[0].messages == ({"role": "user", "content": "Translate.\n\nHallo"},)
+    unread, _ = load_sft_records(str(alpaca), "instruction", "output", None)
+    assert unread[0].prompt == "\n\nHuman: Translate.\n\nAssistant:"
+    for record, why in [
+            ({"instruction": "\n\nHuman: hi\n\nAssistant:", "input": "x", "output": "y"},
+             "field 'input' beside a prompt of chat messages or hh turns"),
+            ({"instruction": _chat(("user", "hi")), "input": "x", "output": "y"},
+             "field 'input' beside a prompt of chat messages or hh turns"),
+            ({"instruction": "hi", "input": 3, "output": "y"}, r"field 'input' is not text")]:
+        bad = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "ok", "output": "y"}, record])
+        with pytest.raises(DataError, match=rf"record 2: {why}.*data.sft_input_key=null"):
+            load_sft_records(str(bad), "instruction", "output", "input")
+
+
 def test_a_bare_prompt_is_one_user_turn_in_every_step(tmp_path):
     """A prompt field of bare text (stack-exchange-paired's question) is asked as step 3
     asks ppo.prompt_data's and chat.py asks: "\\n\\nHuman: ...\\n\\nAssistant:", the

@@ -290,7 +290,8 @@ def test_sft_path_gives_step_1_its_examples_and_data_path_the_rest(tmp_path):
     """data.sft_path replaces step 1's share: data.path is split between steps 2 and 3
     alone (its first weight ignored), and read only when they (or nothing but step 1) run."""
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
-        {"instruction": f"Say {i}.", "output": f"{i}"} for i in range(5)])
+        {"instruction": f"Say {i}.", "input": "in French" if i == 1 else "", "output": f"{i}"}
+        for i in range(5)])
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [
         {"prompt": f"\n\nHuman: q{i}\n\nAssistant:", "chosen": " yes", "rejected": " no"}
         for i in range(10)])
@@ -300,6 +301,7 @@ def test_sft_path_gives_step_1_its_examples_and_data_path_the_rest(tmp_path):
     sft, reward, ppo = train.load_data(cfg, [1, 2, 3])
     assert [len(sft), len(reward), len(ppo)] == [5, 5, 5]
     assert sft[0][:3] == ("\n\nHuman: Say 0.\n\nAssistant:", " 0", "")
+    assert sft[1].prompt == "\n\nHuman: Say 1.\n\nin French\n\nAssistant:"   # data.sft_input_key
     offline = cfg.copy()
     offline.data.path = ["no-such/hub-dataset"]   # step 1 alone: data.path is not read
     assert [len(share) for share in train.load_data(offline, [1])] == [5, 0, 0]
