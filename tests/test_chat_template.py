@@ -32,6 +32,7 @@ from steps.data import DataError, PreferencePair
 from steps.scoring import RewardScorer
 from steps.tokenize import apply_chat_template, tokenize_pairs, tokenize_sft
 from tests.harness.in_process import train_here
+from tests.harness.sft_targets import target_texts
 
 CPU = Runtime(device=torch.device("cpu"), dtype=torch.float32)
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
@@ -126,13 +127,6 @@ def test_a_templated_answer_ends_with_the_turn_end_and_one_eos(eos, ending):
     assert turn_ends_with_eos(tok) == (eos == "<|im_end|>")
 
 
-def targets_of(example, tok) -> list[str]:
-    """The texts of an SFT example's runs of labelled tokens, special tokens written."""
-    said = "".join(tok.decode([token], skip_special_tokens=False) if label != -100 else "\0"
-                   for token, label in zip(example.input_ids, example.labels, strict=True))
-    return [run for run in said.split("\0") if run]
-
-
 def test_multiturn_trains_on_each_reply_as_the_template_writes_it():
     """sft.multiturn in a chat template: each earlier reply is a target with its turn's
     end token (the model learns to end its turns), as the last is; a template that writes
@@ -145,14 +139,14 @@ def test_multiturn_trains_on_each_reply_as_the_template_writes_it():
     tok = chatml()
     rendered, _ = apply_chat_template([pair], tok, OWNER)
     (example,), stats = tokenize_sft(rendered, tok, 256, 16, multiturn=True, templated=True)
-    assert targets_of(example, tok) == ["Hello!<|im_end|>", "4<|im_end|>", "6<|im_end|>"]
+    assert target_texts(example, tok) == ["Hello!<|im_end|>", "4<|im_end|>", "6<|im_end|>"]
     assert (stats.earlier_replies, stats.unplaced_replies) == (2, 0)
     capitalising = CHATML.replace("m['content']", "(m['content'] if m['role'] != 'assistant' "
                                   "or loop.last else m['content'].upper())")
     tok = chatml(template=capitalising)
     rendered, _ = apply_chat_template([pair], tok, OWNER)
     (example,), stats = tokenize_sft(rendered, tok, 256, 16, multiturn=True, templated=True)
-    assert targets_of(example, tok) == ["4<|im_end|>", "6<|im_end|>"]   # "4" is "4" still
+    assert target_texts(example, tok) == ["4<|im_end|>", "6<|im_end|>"]   # "4" is "4" still
     assert (stats.earlier_replies, stats.unplaced_replies) == (1, 1)
 
 

@@ -49,6 +49,7 @@ from steps.tokenize import (
     tokenize_prompts,
     tokenize_sft,
 )
+from tests.harness.sft_targets import target_texts
 
 PROMPT_RECORDS = [
     {"prompt": "Human: hi\n\nAssistant:", "chosen": " Hello!", "rejected": " Go away."},
@@ -991,7 +992,7 @@ def test_ptx_trains_on_step_1s_targets(sft_keys, targets):
     dialogue = PreferencePair("\n\nHuman: hi\n\nAssistant: sure\n\nHuman: and?\n\nAssistant:",
                               " yes", "")
     (example,) = load_prompts(cfg, tok, [PreferencePair("Q", " a", " b")], [dialogue]).ptx
-    assert labelled(example, tok) == [*targets[:-1], targets[-1] + tok.eos_token]
+    assert target_texts(example, tok) == [*targets[:-1], targets[-1] + tok.eos_token]
 
 
 def _sentencepiece_like():
@@ -1167,18 +1168,6 @@ def test_sft_records_of_their_own(tmp_path):
         load_sft_records(str(alpaca), "prompt", "output")
 
 
-def labelled(example, tok) -> list[str]:
-    """The texts of an SFT example's runs of labelled tokens (its targets), in order."""
-    runs, run = [], []
-    for token, label in zip(example.input_ids, example.labels, strict=True):
-        if label != -100:
-            assert label == token
-            run.append(token)
-        elif run:
-            runs, run = [*runs, run], []
-    return [tok.decode(ids) for ids in [*runs, run] if ids]
-
-
 def test_multiturn_trains_on_every_assistant_reply_of_a_dialogue(tmp_path):
     """sft.multiturn: a dialogue's earlier assistant replies are targets too, each as its
     "Assistant:" turn writes it (after the space), never the user's or system's turns or
@@ -1194,11 +1183,11 @@ def test_multiturn_trains_on_every_assistant_reply_of_a_dialogue(tmp_path):
               PreferencePair("\n\nHuman: one turn\n\nAssistant:", " yes", "")]
     examples, stats = tokenize_sft(pairs, tok, 256, 16, multiturn=True)
     eos = tok.eos_token
-    assert [labelled(example, tok) for example in examples] == [
+    assert [target_texts(example, tok) for example in examples] == [
         [" Hello!", " 4", " 6" + eos], [" b c", " e" + eos], [" b", " d" + eos], [" yes" + eos]]
     assert (stats.earlier_replies, stats.unplaced_replies) == (4, 0)
     alone, stats = tokenize_sft(pairs, tok, 256, 16)
-    assert [labelled(example, tok) for example in alone] == [
+    assert [target_texts(example, tok) for example in alone] == [
         [" 6" + eos], [" e" + eos], [" d" + eos], [" yes" + eos]]
     assert [ex.input_ids for ex in alone] == [ex.input_ids for ex in examples]
     assert stats.earlier_replies == 0
