@@ -1,4 +1,4 @@
-"""PPO / reward-model / SFT math as small pure functions (tensors in, tensors out).
+"""PPO / reward-model / DPO / SFT math as small pure functions (tensors in, tensors out).
 
 Masking convention (shared by every function below):
 
@@ -44,6 +44,13 @@ class PolicyLossOut(NamedTuple):
 class ValueLossOut(NamedTuple):
     loss: Tensor  # scalar, differentiable
     clip_fraction: Tensor  # scalar, detached: share of actions where the clipped term is used
+
+
+class DPOLossOut(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    chosen_rewards: Tensor  # [B] detached: beta * (log pi - log pi_ref) of each chosen answer
+    rejected_rewards: Tensor  # [B] detached: the same of each rejected answer
+    accuracy: Tensor  # scalar, detached: share of pairs whose chosen reward is the higher
 
 
 class RewardLossOut(NamedTuple):
@@ -746,6 +753,75 @@ def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor,
         chosen_mean = chosen.sum() / n
         rejected_mean = rejected.sum() / n
     return RewardLossOut(loss, accuracy, chosen_mean, rejected_mean)
+
+
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+             ref_rejected_logps: Tensor, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0, num_pairs: int | None = None) -> DPOLossOut:
+    """Direct preference optimisation's loss on (chosen, rejected) pairs, from the answers'
+    log-probabilities under the policy and the frozen reference. With the log-ratio margin
+    ``h = (chosen - ref_chosen) - (rejected - ref_rejected)``:
+
+    - ``sigmoid`` (DPO, Rafailov et al., 2023), with ``label_smoothing`` e the chance that a
+      pair's label is wrong (cDPO, Mitchell 2023): ``-(1 - e) logsigmoid(beta h) - e
+      logsigmoid(-beta h)``;
+    - ``ipo`` (Azar et al., 2023): ``(h - 1 / (2 beta))^2``, on log-probabilities that the
+      caller averages over each answer's tokens, as IPO's paper does;
+    - ``hinge`` (SLiC, Zhao et al., 2023): ``relu(1 - beta h)``.
+
+    Args:
+        chosen_logps, rejected_logps: [B] float, the answers' log-probabilities under the
+            policy (differentiable). ref_chosen_logps, ref_rejected_logps: [B], the
+            reference's.
+        beta: the strength of the implied KL constraint, > 0.
+        num_pairs: the count the means divide by; default B (the whole batch's count when
+            these pairs are one rank's share of it).
+
+    Returns:
+        DPOLossOut: the loss (the per-pair losses' sum over ``num_pairs``), each answer's
+        implicit reward ``beta * (logp - ref_logp)`` and the share of pairs whose chosen
+        answer's is higher (ties count wrong), over ``num_pairs``.
+    """
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"loss_type {loss_type!r}: choose one of {', '.join(DPO_LOSSES)}")
+    chosen_ratio = chosen_logps.float() - ref_chosen_logps.float()
+    rejected_ratio = rejected_logps.float() - ref_rejected_logps.float()
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h)
+                  - label_smoothing * F.logsigmoid(-beta * h))
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = F.relu(1 - beta * h)
+    n = num_pairs or len(h)
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        accuracy = (chosen_rewards > rejected_rewards).float().sum() / n
+    return DPOLossOut(losses.sum() / n, chosen_rewards, rejected_rewards, accuracy)
+
+
+def sequence_logprobs(token_logprobs: Tensor, labels: Tensor, ignore_index: int = -100
+                      ) -> tuple[Tensor, Tensor]:
+    """Each row's answer log-probability: the sum of its target tokens' log-probs, and their
+    count.
+
+    Args:
+        token_logprobs: [B, T] float; column t is the log-prob of ``labels[:, t + 1]`` (the
+            next token's), the last column is never read. Values at ignored positions may be
+            anything (they are selected away).
+        labels: [B, T] LongTensor aligned with the input ids; ``ignore_index`` off the answer.
+
+    Returns:
+        ([B] float32 sums, [B] float32 token counts).
+    """
+    trained = labels[:, 1:] != ignore_index
+    kept = torch.where(trained, token_logprobs[:, :-1].float(),
+                       torch.zeros((), device=token_logprobs.device))
+    return kept.sum(1), trained.sum(1).float()
 
 
 def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100,

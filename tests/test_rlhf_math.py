@@ -1,4 +1,4 @@
-"""Hand-computed checks of the PPO / reward-model / SFT math in steps/rlhf.py."""
+"""Hand-computed checks of the PPO / reward-model / DPO / SFT math in steps/rlhf.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from steps.rlhf import (
     LOSS_AGGREGATIONS,
     answer_mask,
+    dpo_loss,
     ema_update,
     gae,
     kl_penalized_rewards,
@@ -21,6 +22,7 @@ from steps.rlhf import (
     overlong_penalty,
     pairwise_reward_loss,
     policy_loss,
+    sequence_logprobs,
     sft_loss,
     statistic_weights,
     value_loss,
@@ -542,6 +544,52 @@ def test_pairwise_reward_loss_hand_computed():
     margined = pairwise_reward_loss(chosen, rejected, margins=torch.tensor([0.5, 0.0, 1.0]))
     close(margined.loss, 0.9204719)
     close(margined.accuracy, 1.0 / 3.0)   # the scores' order, the margin aside
+
+
+def test_dpo_losses_hand_computed():
+    chosen = torch.tensor([-1.0, -2.0], requires_grad=True)
+    rejected = torch.tensor([-1.5, -1.0])
+    ref_chosen, ref_rejected = torch.tensor([-1.2, -2.0]), torch.tensor([-1.2, -1.5])
+    # log-ratios: chosen 0.2, 0.0; rejected -0.3, 0.5; margins h = 0.5, -0.5; beta h = +-0.25
+    out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.5)
+    # -log sigmoid(0.25) = log(1 + e^-0.25) = 0.5759394; -log sigmoid(-0.25) = 0.8259394
+    close(out.loss, (0.5759394 + 0.8259394) / 2)
+    close(out.chosen_rewards, [0.1, 0.0])
+    close(out.rejected_rewards, [-0.15, 0.25])
+    close(out.accuracy, 0.5)
+    assert out.loss.requires_grad and not out.chosen_rewards.requires_grad
+    # d/d chosen of -log sigmoid(beta h) / 2 = -beta sigmoid(-beta h) / 2
+    (grad,) = torch.autograd.grad(out.loss, chosen)
+    close(grad, [-0.25 * 0.4378235, -0.25 * 0.5621765])
+    # a rank's share: the sum over the whole batch's count
+    close(dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.5, num_pairs=4).loss,
+          (0.5759394 + 0.8259394) / 4)
+    # cDPO: 0.9 x -log sigmoid(0.25) + 0.1 x -log sigmoid(-0.25), the first pair alone
+    smoothed = dpo_loss(chosen[:1], rejected[:1], ref_chosen[:1], ref_rejected[:1], 0.5,
+                        label_smoothing=0.1)
+    close(smoothed.loss, 0.9 * 0.5759394 + 0.1 * 0.8259394)
+    # IPO: (h - 1 / (2 beta))^2 = (0.5 - 1)^2, (-0.5 - 1)^2
+    close(dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.5, "ipo").loss,
+          (0.25 + 2.25) / 2)
+    # hinge: relu(1 - beta h) = 0.75, 1.25
+    close(dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.5, "hinge").loss, 1.0)
+    # the policy still at the reference: log 2 a pair, every implicit reward 0
+    start = dpo_loss(ref_chosen, ref_rejected, ref_chosen, ref_rejected, 0.1)
+    close(start.loss, math.log(2))
+    close(start.accuracy, 0.0)   # ties count wrong
+    with pytest.raises(ValueError, match="loss_type 'kto'"):
+        dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.5, "kto")
+
+
+def test_sequence_logprobs_sum_each_rows_answer_tokens():
+    # column t is the log-prob of labels[:, t + 1]; the last column is never read
+    token_logprobs = torch.tensor([[-0.1, -0.2, -0.3, float("nan")],
+                                   [-0.5, float("inf"), -0.7, -9.0]])
+    labels = torch.tensor([[7, -100, 5, 6],       # targets 5, 6: columns 1, 2
+                           [3, 4, -100, -100]])   # target 4: column 0
+    sums, counts = sequence_logprobs(token_logprobs, labels)
+    close(sums, [-0.5, -0.5])
+    close(counts, [2.0, 1.0])
 
 
 def test_sft_loss_ignores_minus100_and_shifts():
