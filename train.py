@@ -37,6 +37,7 @@ from omegaconf.errors import (
 )
 
 from engine.errors import OneLineParser, UserError
+from steps.algorithms import OFFLINE
 from steps.config import (
     DEFAULTS,
     FINISHED,
@@ -253,7 +254,8 @@ def check_config(cfg: DictConfig) -> None:
         raise UserError(f"data.split={list(cfg.data.split)}: give at least one weight above 0")
     check_launch(cfg)
     check_zeropp(cfg)
-    for step, section in ((1, "sft"), (2, "rm"), (3, "ppo")):
+    dpo = cfg.ppo.algorithm in OFFLINE   # step 3 trains by DPO, on the dpo section's keys
+    for step, section in ((1, "sft"), (2, "rm"), (3, "dpo" if dpo else "ppo")):
         if step in steps and cfg[section].warmup_steps and cfg[section].warmup_ratio:
             raise UserError(f"{section}.warmup_steps={cfg[section].warmup_steps} and "
                             f"{section}.warmup_ratio={cfg[section].warmup_ratio}: give one "
@@ -290,12 +292,15 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.data.demo_task not in TASKS:
         raise UserError(f"data.demo_task={cfg.data.demo_task}: choose one of {', '.join(TASKS)}")
     if 3 in steps:
-        from steps.algorithms import check_settings, model_paths
+        from steps.algorithms import check_dpo, check_settings, model_paths
 
-        check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
+        if dpo:
+            check_dpo(cfg)
+        else:
+            check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
         made = tuple(s for s in steps if s < 3)   # checked now, not after hours of steps 1-2
         paths = model_paths(cfg, made=made)
-        if not needs_launcher(cfg):   # needs transformers: torchrun's ranks check it at start
+        if not dpo and not needs_launcher(cfg):   # needs transformers: torchrun's ranks check it at start
             from steps.ppo import check_rollout_fits
 
             check_rollout_fits(cfg, *paths, made)
@@ -387,11 +392,13 @@ def check_zeropp(cfg: DictConfig) -> None:
                         "--actor-zero-stage 3 and/or --reward-zero-stage 3")
     q = cfg.engine.quantized_base
     lora_dims = {1: [cfg.sft.lora.dim], 2: [cfg.rm.lora.dim],
-                 3: [cfg.ppo.actor_lora.dim, cfg.ppo.critic_lora.dim]}
+                 3: [cfg.dpo.lora.dim] if cfg.ppo.algorithm in OFFLINE
+                 else [cfg.ppo.actor_lora.dim, cfg.ppo.critic_lora.dim]}
     if q.enabled and not any(dim > 0 for step in cfg.steps for dim in lora_dims[step]):
         raise UserError("engine.quantized_base (--zero-quantized-nontrainable-weights) quantizes "
                         "the frozen base under LoRA, and no model of this run has LoRA: set "
-                        "sft.lora.dim, rm.lora.dim, ppo.actor_lora.dim or ppo.critic_lora.dim")
+                        "sft.lora.dim, rm.lora.dim, ppo.actor_lora.dim or ppo.critic_lora.dim "
+                        "(dpo.lora.dim with ppo.algorithm=dpo)")
 
 
 def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
@@ -436,7 +443,7 @@ def plan_steps(cfg: DictConfig) -> list[tuple[int, str]]:
 # change on resume: by name in any section, or by their whole key (ppo.eval_every stays: it
 # decides which policies export=best can pick).
 RUN_SHAPING = {1: ("actor_model", "tokenizer", "sft"), 2: ("reward_model", "tokenizer", "rm"),
-               3: ("tokenizer", "ppo")}
+               3: ("tokenizer", "ppo", "dpo")}
 FREE_ON_RESUME = {"log_every", "log_answers", "eval_batch_size", "profile", "forward_batch_size",
                   "sft.eval_every", "rm.eval_every"}
 
@@ -477,8 +484,8 @@ def _finished(cfg: DictConfig, step: int) -> bool:
 
     if (step_dir(cfg, step) / FINISHED).exists():
         return True
-    names = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm in CRITIC_FREE \
-        else MODEL_DIRS[step]   # (critic-free algorithms write no critic)
+    names = MODEL_DIRS[step][:1] if step == 3 and cfg.ppo.algorithm in (*CRITIC_FREE, *OFFLINE) \
+        else MODEL_DIRS[step]   # (critic-free algorithms and DPO write no critic)
     return all((Path(cfg.output_dir) / name).exists() for name in names)
 
 
@@ -579,13 +586,15 @@ def load_held_out(cfg: DictConfig, steps: list[int]) -> dict[int, list]:
     from steps.data import Fields, load_eval_pairs, load_prompt_data
 
     data, ppo, held_out = cfg.data, cfg.ppo, {}
-    if data.eval_path and {1, 2} & set(steps):
+    on_pairs = (1, 2, 3) if ppo.algorithm in OFFLINE else (1, 2)   # DPO's step 3 too
+    if data.eval_path and set(on_pairs) & set(steps):
         pairs = load_eval_pairs(list(data.eval_path), Fields(data.prompt_key, data.chosen_key,
                                                              data.rejected_key, data.margin_key),
                                 data.eval_split)
-        evaluated = [step for step in (1, 2) if step in steps]
+        evaluated = [step for step in on_pairs if step in steps]
         log(f"held-out pairs {list(data.eval_path)}: {len(pairs)}, for step"
-            + ("s 1 and 2" if len(evaluated) == 2 else f" {evaluated[0]}"))
+            + (f"s {', '.join(map(str, evaluated[:-1]))} and {evaluated[-1]}"
+               if len(evaluated) > 1 else f" {evaluated[0]}"))
         held_out.update({step: pairs for step in evaluated})
     if ppo.eval_prompt_data and 3 in steps:
         held_out[3] = load_prompt_data(list(ppo.eval_prompt_data), ppo.prompt_key,
@@ -601,7 +610,7 @@ def run(cfg: DictConfig) -> dict[int, float]:
     from engine.comm_meter import logged_comm
     from engine.errors import NonFiniteError
     from engine.runtime import seed_everything, setup_runtime
-    from steps import ppo, reward, sft
+    from steps import dpo, ppo, reward, sft
     from steps.common import log
     from steps.data import DataError
 
@@ -635,6 +644,8 @@ def run(cfg: DictConfig) -> dict[int, float]:
                     sft.run(cfg, sft_pairs, rt, resume, held_out.get(1))
                 elif step == 2:
                     reward.run(cfg, rm_pairs, rt, resume, held_out.get(2))
+                elif cfg.ppo.algorithm in OFFLINE:
+                    dpo.run(cfg, ppo_pairs, rt, resume, held_out.get(3))
                 else:
                     ppo.run(cfg, ppo_pairs, sft_pairs, rt, resume, held_out.get(3))
             except (UserError, DataError) as err:

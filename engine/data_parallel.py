@@ -73,6 +73,16 @@ class DataParallel:
                 flags.to(self.device, torch.float64)
         return self.runtime.all_sum(local) > 0
 
+    def batch_values(self, share: Share, values: torch.Tensor, size: int) -> torch.Tensor:
+        """[size, ...] float64 over a batch of `size` rows dealt by `share(batch)`: each
+        process's `values` [its rows, ...] in its rows' places, one collective (a stand-in
+        adds nothing): what every process computed of a batch, whole on each."""
+        local = torch.zeros((size, *values.shape[1:]), dtype=torch.float64, device=self.device)
+        if share.weight:
+            local[torch.tensor(share.index, device=self.device)] = \
+                values.to(self.device, torch.float64)
+        return self.runtime.all_sum(local)
+
     def redeal(self, fields: Sequence[torch.Tensor], places: torch.Tensor, group: int = 1
                ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Groups of rows kept wherever they were made, dealt again as `share` deals a

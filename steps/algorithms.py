@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from engine.errors import UserError
 
@@ -33,6 +33,8 @@ ALGORITHMS = {
     "reinforce_pp_baseline": Algorithm("REINFORCE++-baseline", critic=False, groups=True,
                                        kl_in_loss=False),
 }
+# trained offline on preference pairs (steps/dpo.py): no sampling, reward model or critic
+OFFLINE = ("dpo",)
 CRITIC_FREE = tuple(key for key, algorithm in ALGORITHMS.items() if not algorithm.critic)
 
 
@@ -62,9 +64,10 @@ def model_paths(cfg: DictConfig, made: tuple[int, ...] = ()) -> tuple[str, str |
 
     out, ppo = Path(cfg.output_dir), cfg.ppo
     actor_path = ppo.actor_path or str(out / "actor")
-    reward_path = (ppo.reward_path or str(out / "reward")) if ppo.reward_model_weight != 0 \
-        else None
-    critic_path = ppo.critic_path if ALGORITHMS[ppo.algorithm].critic else None
+    offline = ppo.algorithm in OFFLINE
+    reward_path = (ppo.reward_path or str(out / "reward")) \
+        if ppo.reward_model_weight != 0 and not offline else None
+    critic_path = ppo.critic_path if not offline and ALGORITHMS[ppo.algorithm].critic else None
     to_come = {_resolved(out / name) for step, name in ((1, "actor"), (2, "reward"))
                if step in made}
     extras = [(path, "reward model", f"ppo.extra_reward_paths[{i}]")
@@ -145,6 +148,38 @@ def _expanded(path: str | Path) -> Path:
 
 def _resolved(path: str | Path) -> Path:
     return _expanded(path).resolve()
+
+
+# What ppo.algorithm=dpo does not read, and what to do instead: set, it would be ignored
+NOT_READ_BY_DPO = {
+    "ppo.prompt_data": "it trains on step 3's share of data.path's pairs",
+    "ppo.eval_prompt_data": "its held-out pairs are data.eval_path's, or data.eval_fraction "
+                            "of its share",
+    "ppo.reward_path": "it reads no reward model",
+    "ppo.extra_reward_paths": "it reads no reward model",
+    "ppo.critic_path": "it trains no critic",
+    "ppo.reward_fn": "it samples nothing to reward (ppo.eval_reward_fn scores its "
+                     "evaluations)",
+    "ppo.ptx.enabled": "it takes no pretraining loss; dpo.nll_coef adds the chosen answers' "
+                       "cross entropy",
+    "ppo.actor_lora.dim": "its LoRA is dpo.lora's",
+    "ppo.ema.enabled": "it keeps no EMA of the actor",
+    "ppo.export": "it exports the policy it ends with",
+    "ppo.export_weights": "it exports the actor merged, a plain Hugging Face directory",
+}
+
+
+def check_dpo(cfg: DictConfig) -> None:
+    """Refuse the step-3 keys that DPO would ignore (NOT_READ_BY_DPO), set to other than
+    their defaults, each named with what DPO reads instead."""
+    from steps.config import DEFAULTS, as_yaml
+
+    for key, instead in NOT_READ_BY_DPO.items():
+        value = OmegaConf.select(cfg, key)
+        if value != DEFAULTS[key]:
+            shown = as_yaml(list(value) if isinstance(value, ListConfig) else value)
+            raise UserError(f"{key}={shown}: ppo.algorithm=dpo does not read it ({instead}); "
+                            "drop it, or choose another ppo.algorithm")
 
 
 def check_settings(ppo, quantized_base: bool = False) -> None:

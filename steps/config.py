@@ -59,9 +59,9 @@ class DataConfig:
                                        "to a text prompt after a blank line; null: not read")
     split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3",
                              each(NON_NEGATIVE))
-    eval_path: list[str] = val([], "steps 1 and 2's held-out pairs from these sources "
-                               "(every record, read as data.path's; e.g. a test split), "
-                               "not data.eval_fraction of their training pairs (OpenRLHF's "
+    eval_path: list[str] = val([], "steps 1 and 2's (and DPO's step 3's) held-out pairs "
+                               "from these sources (every record, read as data.path's; e.g. "
+                               "a test split), not data.eval_fraction of their training pairs (OpenRLHF's "
                                "--eval_dataset)")
     eval_split: str = val("test", "the split data.eval_path and ppo.eval_prompt_data read of "
                           "sources that hold splits: hub datasets, save_to_disk "
@@ -149,6 +149,30 @@ class RewardTrainConfig(TrainConfig):
 
 
 @dataclass
+class DPOTrainConfig(TrainConfig):
+    """Step 3's with ppo.algorithm=dpo: step 1's shape, and what only DPO's loss takes."""
+
+    beta: float = val(0.1, "how far the policy may move from the reference (step 1's "
+                      "actor): an answer's implicit reward is beta x log(pi / pi_ref)",
+                      POSITIVE)
+    loss: str = val("sigmoid", "sigmoid: DPO (Rafailov et al., 2023) | ipo: IPO (Azar et al., "
+                    "2023), on per-token mean log-probs | hinge: SLiC (Zhao et al., 2023)",
+                    one_of("sigmoid", "ipo", "hinge"))
+    label_smoothing: float = val(0.0, "sigmoid: the chance that a pair's label is wrong "
+                                 "(cDPO; TRL's label_smoothing, OpenRLHF's "
+                                 "--label_smoothing); 0: labels trusted",
+                                 within(0, 0.5, high_open=True))
+    nll_coef: float = val(0.0, "adds this x the chosen answers' token cross entropy (RPO, "
+                          "Pang et al., 2024; OpenRLHF's --nll_loss_coef); 0: off",
+                          NON_NEGATIVE)
+    eval_prompts: int = val(64, "held-out pairs whose prompts get sampled answers (their KL to "
+                            "the reference measured, which is kept for it) and greedy ones, "
+                            "both scored by the ground truth (ppo.eval_reward_fn, or the "
+                            "demo's) at every evaluation; 0: none, and the reference is "
+                            "dropped once its log-probs are computed", NON_NEGATIVE)
+
+
+@dataclass
 class EmaConfig:
     enabled: bool = False
     beta: float = val(0.992, ok=within(0, 1, high_open=True))
@@ -199,8 +223,11 @@ class PPOConfig(OptimConfig):
     critic_lr: float = val(5e-6, ok=LEARNING_RATE)
     lr_scheduler: str = val("linear", ok=SCHEDULERS)   # OptimConfig's key, its own default
     algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp | reinforce_pp_baseline (all "
-                         "but ppo train no critic)",
-                         one_of("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"))
+                         "but ppo train no critic) | dpo: offline, on step 3's share of "
+                         "data.path's pairs against step 1's actor, no reward model (the "
+                         "dpo section)",
+                         one_of("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                "dpo"))
     samples_per_prompt: int = val(1, "answers sampled per prompt, a group (grpo, rloo and "
                                   "reinforce_pp_baseline need >= 2); rollout_batch_size "
                                   "counts prompts", COUNT)
@@ -395,6 +422,8 @@ class RunConfig:
     sft: SFTTrainConfig = val(SFTTrainConfig)
     rm: RewardTrainConfig = val(lambda: RewardTrainConfig(lr=5e-6, weight_decay=0.1))
     ppo: PPOConfig = val(PPOConfig)
+    dpo: DPOTrainConfig = val(lambda: DPOTrainConfig(lr=5e-7, warmup_ratio=0.1),
+                              "step 3 with ppo.algorithm=dpo")
     logging: LoggingConfig = val(LoggingConfig)
 
 

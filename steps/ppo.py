@@ -1074,9 +1074,9 @@ def _policy_and_reference(models: Models, sequences: torch.Tensor, mask: torch.T
                                        temperature, packed=packed)
         return torch.stack([logprobs, ref_logprobs, torch.zeros_like(logprobs), entropy], 1)
     answers = F.pad(sequences[:, prompt_len:], (0, 1))
-    logits = _answer_head(models.actor, sequences, mask, prompt_len, packed)
+    logits = answer_head(models.actor, sequences, mask, prompt_len, packed)
     logprobs = logprobs_of_tokens(logits, answers, temperature)[:, :-1]
-    ref_logits = _answer_head(models.reference, sequences, mask, prompt_len, packed)
+    ref_logits = answer_head(models.reference, sequences, mask, prompt_len, packed)
     ref_logprobs = logprobs_of_tokens(ref_logits, answers, temperature)[:, :-1]
     vocab_kl = token_kl(logits[:, :-1], ref_logits[:, :-1], temperature)
     entropy = token_entropy(logits[:, :-1], temperature)
@@ -1274,7 +1274,7 @@ def _answer_reduced(model, sequences: torch.Tensor, attention_mask: torch.Tensor
     return model.head_reduced(*args, packed=packed)   # a TrainEngine, or a LoRA model's base
 
 
-def _answer_head(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
+def answer_head(model, sequences: torch.Tensor, attention_mask: torch.Tensor,
                  prompt_len: int, packed: bool = False) -> torch.Tensor:
     """[B, N + 1, V] logits at the answer's positions: position t is the distribution
     answer token t was drawn from, the last one what would follow the answer. The model's
@@ -1396,8 +1396,8 @@ def _kl_to_reference(models: Models, answers: Rollout, s: Settings, dp: DataPara
     def both(rows: slice) -> torch.Tensor:
         args = (answers.sequences[rows], answers.attention_mask[rows], answers.prompt_len,
                 s.ppo.packing)
-        return token_kl(_answer_head(models.actor, *args)[:, :-1],
-                        _answer_head(models.reference, *args)[:, :-1], s.sampling.temperature)
+        return token_kl(answer_head(models.actor, *args)[:, :-1],
+                        answer_head(models.reference, *args)[:, :-1], s.sampling.temperature)
 
     models.actor.eval()
     kl = dp.by_row_chunks(both, len(answers.sequences), s.ppo.forward_batch_size)

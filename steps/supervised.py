@@ -1,6 +1,6 @@
-"""The supervised loop shared by step 1 (SFT) and step 2 (reward model): epochs of shuffled
-batches, a loss per batch, an optimizer step per accumulation window, metrics, checkpoints,
-then evaluation and export. A step passes what differs as a `Task`."""
+"""The supervised loop shared by step 1 (SFT), step 2 (reward model) and step 3 by DPO:
+epochs of shuffled batches, a loss per batch, an optimizer step per accumulation window,
+metrics, checkpoints, then evaluation and export. A step passes what differs as a `Task`."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ NOT_EVALUATED = "not evaluated (no held-out examples: data.eval_fraction)"
 
 
 class Task(NamedTuple):
-    step: int                    # 1 or 2
+    step: int                    # 1, 2 or 3 (DPO)
     name: str                    # what it trains, for the closing line: "SFT", "reward model"
     role: str                    # what the trained model is called: "actor" or "reward"
     family: str                  # its placement family (engine/placement.py): "policy", "scorer"
-    section: TrainConfig         # cfg.sft or cfg.rm, as its schema object
+    section: TrainConfig         # cfg.sft, cfg.rm or cfg.dpo, as its schema object
     examples: list               # tokenized training examples
     collate: Callable[[list], dict[str, torch.Tensor]]
     loss: LossFn
@@ -56,6 +56,12 @@ class Task(NamedTuple):
     export_dir: Path
     # fields the exported config.json gains, from the summary (step 2: its score statistics)
     export_config: Callable[[dict], dict] = lambda summary: {}
+    # the engine placed, before training: the examples to train on (DPO's, given the
+    # reference's log-probs); called on resume too, so it must be deterministic
+    prepare: Callable[[TrainEngine], list] | None = None
+    generates: bool = False      # the model generates in `evaluate` (a HybridEngine)
+    # also evaluated before the first update: the summary gains its metrics as <name>_before
+    evaluate_first: bool = False
 
 
 def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
@@ -68,22 +74,33 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     engine = place.trainer(model, section, num_batches(section.epochs * steps_per_epoch,
                                                        section.grad_accum),
                            family=task.family, name=task.role, lr=section.lr,
-                           lora_lr=section.lora.learning_rate, grad_accum=section.grad_accum)
-    bigger = "train on a machine with more memory (steps 1 and 2 write whole models)"
+                           lora_lr=section.lora.learning_rate, grad_accum=section.grad_accum,
+                           generates=task.generates)
+    bigger = f"train on a machine with more memory (step {task.step} writes whole models)"
     check_export_fits(*engine.merged_size(), out, f"step {task.step}'s export", bigger,
                       "write it elsewhere (--output-dir)")
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
+    if task.prepare is not None:
+        task = task._replace(examples=task.prepare(engine))
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=task.step),
                       enabled=dp.reports, keep_rows=metrics_rows,
                       tensorboard=cfg.logging.tensorboard)
-    position = _train(cfg, task, engine, dp, ckpt, tracker, position)
+    before = position.get("before", {})   # (a checkpoint keeps the start's evaluation)
+    if task.evaluate_first and "before" not in position:
+        engine.eval()
+        start_metrics = task.evaluate(engine)
+        engine.train()
+        tracker.log(start_metrics, 0)
+        before = {f"{name}_before": value for name, value in start_metrics.items()}
+    position = {**_train(cfg, task, engine, dp, ckpt, tracker, {**position, "before": before}),
+                "before": before}
 
     engine.eval()
     metrics = task.evaluate(engine)
     elapsed = position["seconds"]
-    summary = {**metrics, "train/loss": position["loss"], "time/seconds": elapsed,
+    summary = {**before, **metrics, "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
     _refuse_non_finite(task, metrics, tracker, engine.steps, ckpt.checkpointer.latest())
     # the model first: a run killed before the summary row has not finished, on the page
@@ -191,6 +208,6 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
         epoch_done = index == steps_per_epoch
         ckpt.save_if_due(engine.steps, {
             "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
-            "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start},
-            tracker)
+            "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start,
+            "before": position.get("before", {})}, tracker)
     return {"tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start}

@@ -36,6 +36,14 @@ class PairExample(NamedTuple):
     margin: float = 0.0       # the pair's margin (data.margin_key)
 
 
+class DPOExample(NamedTuple):
+    prompt_len: int           # the prompt's tokens at the head of both rows
+    chosen_ids: list[int]     # prompt + chosen answer token ids
+    rejected_ids: list[int]   # prompt + rejected answer token ids
+    ref_chosen: float = 0.0   # the answers' log-probs under the reference (filled before training)
+    ref_rejected: float = 0.0
+
+
 class TokenizeStats(NamedTuple):
     kept: int                  # examples returned
     dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
@@ -262,6 +270,17 @@ def tokenize_preferences(pairs: Sequence[PreferencePair], tokenizer: Any, max_pr
     return tokenize_pairs(pairs, tokenizer, max_prompt_len, max_answer_len, drop_tied=True)
 
 
+def tokenize_dpo(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
+                 max_answer_len: int) -> tuple[list[DPOExample], TokenizeStats]:
+    """DPO examples: the prompt ids and both answers' (+ EOS, as step 1 trains them: a cut
+    answer keeps no EOS, so no ending is taught where the text went on); pairs whose answers
+    are the same ids once cut are dropped and counted (their log-ratios cancel)."""
+    return _examples(pairs, tokenizer, max_prompt_len, max_answer_len, ("chosen", "rejected"),
+                     lambda pair, prompt, chosen, rejected: DPOExample(
+                         len(prompt), prompt + chosen, prompt + rejected),
+                     drop_tied=True)
+
+
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
                      ) -> tuple[list[list[int]], TokenizeStats]:
     """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
@@ -306,6 +325,19 @@ def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tens
     ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
     return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
             **_margins(batch)}
+
+
+def collate_dpo(batch: list[DPOExample], pad_token_id: int) -> dict[str, Tensor]:
+    """input_ids [2B,T] = all chosen rows then all rejected rows, right padded; attention_mask
+    [2B,T]; labels [2B,T], -100 over the prompts and the padding; ref_logps [2B] float32, the
+    reference's log-probs of those answers, in that order."""
+    ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
+    labels = [[IGNORE_INDEX] * ex.prompt_len + row[ex.prompt_len:]
+              for ex, row in zip(batch + batch, ids, strict=True)]
+    ref = [ex.ref_chosen for ex in batch] + [ex.ref_rejected for ex in batch]
+    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
+            "labels": _pad(labels, IGNORE_INDEX),
+            "ref_logps": torch.tensor(ref, dtype=torch.float32)}
 
 
 def _margins(batch: list[PairExample]) -> dict[str, Tensor]:

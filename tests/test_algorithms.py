@@ -342,7 +342,7 @@ def settings(**changes):
 @pytest.mark.parametrize("changes, said", [
     (dict(algorithm="grpo"), "ppo.samples_per_prompt=1: grpo"),
     (dict(algorithm="rloo", samples_per_prompt=1), "ppo.samples_per_prompt=1: rloo"),
-    (dict(algorithm="dpo"), "ppo.algorithm=dpo: choose one of ppo, grpo, rloo, reinforce_pp"),
+    (dict(algorithm="kto"), "ppo.algorithm=kto: choose one of ppo, grpo, rloo, reinforce_pp"),
     (dict(kl_estimator="k4"), "ppo.kl_estimator=k4"),
     (dict(loss_aggregation="sum"), "ppo.loss_aggregation=sum"),
     (dict(reward_model_weight=0.0), "ppo.reward_model_weight=0 leaves nothing"),
@@ -387,7 +387,8 @@ def test_bad_settings_are_refused_naming_the_key(changes, said):
 
 def test_the_schema_accepts_every_algorithm_of_the_table():
     rule = next(f for f in fields(PPOConfig) if f.name == "algorithm").metadata["ok"]
-    assert all(rule.test(name) for name in algorithms.ALGORITHMS) and not rule.test("dpo")
+    assert all(rule.test(name) for name in (*algorithms.ALGORITHMS, *algorithms.OFFLINE))
+    assert not rule.test("kto")
     assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
     assert ppo.ESTIMATORS.keys() == algorithms.ALGORITHMS.keys()   # each has its estimator
 

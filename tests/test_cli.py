@@ -418,7 +418,7 @@ def test_step3_algorithm_errors_name_the_key(capsys, tmp_path, argv, names):
     ("ppo.profile=[3,2]", "ppo.profile=[3, 2]: give [] or [first, last] with 1 <= first"),
     ("ppo.forward_batch_size=0", "ppo.forward_batch_size=0: give 1 or more"),
     ("sft.lr_scheduler=sine", "sft.lr_scheduler=sine: choose one of linear, cosine"),
-    ("ppo.algorithm=dpo", "ppo.algorithm=dpo: choose one of ppo, grpo, rloo, reinforce_pp"),
+    ("ppo.algorithm=kto", "ppo.algorithm=kto: choose one of ppo, grpo, rloo, reinforce_pp"),
     ("engine.max_skipped_steps=0", "engine.max_skipped_steps=0: give 1 or more"),
     ("ppo.actor_lora.dropout=1", "ppo.actor_lora.dropout=1.0: give a number in [0, 1)"),
     ("actor_zero_stage=5", "actor_zero_stage=5 (--actor-zero-stage): choose one of 0, 1, 2, 3"),

@@ -276,7 +276,7 @@ def test_packed_step3_logprobs_entropy_and_logits_equal_padded(plain_head, monke
     """The actor's log-probs and entropy of each answer token (with their gradients, as the
     update takes them) and the answers' logits (the KL controller's), run packed, equal
     the padded forward's to rounding; so does a head reduced whole (`plain_head` off)."""
-    from steps.ppo import _answer_head, answer_logprobs, answer_logprobs_and_entropy
+    from steps.ppo import answer_head, answer_logprobs, answer_logprobs_and_entropy
     if not plain_head:
         monkeypatch.setattr("engine.models.PLAIN_HEAD_MODEL_TYPES", frozenset())
     ids, mask, prompt_len = _rollouts()
@@ -293,7 +293,7 @@ def test_packed_step3_logprobs_entropy_and_logits_equal_padded(plain_head, monke
         with torch.no_grad():
             alone = answer_logprobs(model, ids, mask, prompt_len, 0.7, packed=packed)
             torch.testing.assert_close(alone[real], logprobs[real].detach())
-            logits = _answer_head(model, ids, mask, prompt_len, packed)
+            logits = answer_head(model, ids, mask, prompt_len, packed)
         results[-2] += (logits[mask[:, prompt_len - 1:].bool()],)
     (padded, packed), (padded_grads, packed_grads) = results[::2], results[1::2]
     for want, got in zip(padded, packed, strict=True):

@@ -1,0 +1,297 @@
+"""Step 3 by direct preference optimisation (ppo.algorithm=dpo; Rafailov et al., 2023):
+the step-1 actor trained offline on step 3's share of the preference pairs, against
+itself frozen as the reference, with no reward model and no sampling. The reference's
+log-probs of every pair are computed once, before the first update (TRL's
+precompute_ref_log_probs); the reference is kept after that only to measure the KL of the
+evaluations' sampled answers (dpo.eval_prompts). Judged by held-out implicit-reward
+accuracy and, where there is a ground truth (ppo.eval_reward_fn, or the demo's), by the
+sampled and greedy answers' scores before and after, at their KL to the reference: the
+figures step 3's PPO evaluations report, on the same prompts and sampling seeds."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from engine.data_parallel import DataParallel
+from engine.generation import SamplingSettings
+from engine.models import disable_dropout, head_reduced, require_positions
+from engine.packing import require_packing
+from engine.runtime import Runtime
+from engine.trainer import TrainEngine
+from steps import supervised
+from steps.algorithms import model_paths
+from steps.common import (
+    batches,
+    in_chat_format,
+    log,
+    placement,
+    require_trained_format,
+    saving_chat_format,
+    to_device,
+    train_eval_examples,
+)
+from steps.config import DPOTrainConfig
+from steps.data import PreferencePair
+from steps.ppo import DEMO_GOLD, EVAL_STREAM, answer_head, model_tokenizer, row_seeds
+from steps.rlhf import (
+    answer_mask,
+    dpo_loss,
+    logprobs_of_tokens,
+    masked_sum,
+    sequence_logprobs,
+    token_kl,
+)
+from steps.scoring import RewardFunction, decode_rollouts
+from steps.tokenize import IGNORE_INDEX, DPOExample, collate_dpo, collate_prompts, tokenize_dpo
+
+
+def answer_logprobs(model, batch: dict[str, torch.Tensor], packed: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([rows] fp32 sums of each row's answer-token log-probs, [rows] their counts) under
+    `model` (a TrainEngine, a frozen causal LM, or a LoRA model's BaseWithoutAdapters) for
+    collate_dpo's right-padded rows. The head runs a few rows at a time: the [rows, T, V]
+    logits are never made whole (engine.models.head_reduced)."""
+    labels = batch["labels"]
+    # column t's target is token t + 1 (the last column's, a stand-in, is never read)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).clamp(min=0)
+
+    def taken(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        return logprobs_of_tokens(logits, targets[rows])
+
+    args = (batch["input_ids"], batch["attention_mask"], labels.shape[1], taken)
+    reduced = (head_reduced(model, *args, packed=packed) if isinstance(model, torch.nn.Module)
+               else model.head_reduced(*args, packed=packed))
+    return sequence_logprobs(reduced, labels)
+
+
+def pair_logps(sums: torch.Tensor, counts: torch.Tensor, per_token: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen [B], rejected [B]) of collate_dpo's rows [2B]: the answers' log-probs, or with
+    `per_token` (IPO) their means over each answer's tokens."""
+    values = sums / counts.clamp(min=1) if per_token else sums
+    chosen, rejected = values.chunk(2)
+    return chosen, rejected
+
+
+def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample],
+               dpo: DPOTrainConfig) -> tuple[torch.Tensor, dict]:
+    """This process's share of the DPO loss (with dpo.nll_coef's term) and its statistics
+    over `examples` (the batch, or its accumulation window)."""
+    sums, counts = answer_logprobs(model, batch, packed=dpo.packing)
+    per_token = dpo.loss == "ipo"
+    chosen, rejected = pair_logps(sums, counts, per_token)
+    ref_chosen, ref_rejected = pair_logps(batch["ref_logps"], counts, per_token)
+    n = len(examples)
+    out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
+                   dpo.label_smoothing, num_pairs=n)
+    stats = {"train/accuracy": out.accuracy,
+             "train/chosen_reward": out.chosen_rewards.sum() / n,
+             "train/rejected_reward": out.rejected_rewards.sum() / n,
+             "train/margin": (out.chosen_rewards - out.rejected_rewards).sum() / n}
+    loss = out.loss
+    if dpo.nll_coef:   # the chosen answers' mean token cross entropy over the window
+        nll = -sums.chunk(2)[0].sum() / max(chosen_tokens(examples), 1)
+        loss = loss + dpo.nll_coef * nll
+        stats["train/nll"] = nll.detach()
+    return loss, stats
+
+
+def chosen_tokens(examples: list[DPOExample]) -> int:
+    """The chosen answers' predicted tokens (a row's first token is predicted by none)."""
+    return sum(len(ex.chosen_ids) - max(ex.prompt_len, 1) for ex in examples)
+
+
+@torch.no_grad()
+def with_reference(model, examples: list[DPOExample], pad_token_id: int, batch_size: int,
+                   dp: DataParallel, packed: bool = False) -> list[DPOExample]:
+    """`examples` with their answers' log-probs under the frozen reference `model` filled
+    in, the same on every process (`packed`: dpo.packing's forwards)."""
+    filled = []
+    for batch in batches(examples, batch_size, shuffle=False, seed=0):
+        share = dp.share(batch)
+        rows = to_device(collate_dpo(share.rows, pad_token_id), dp.device)
+        sums, _ = answer_logprobs(model, rows, packed)
+        values = dp.batch_values(share, torch.stack(sums.chunk(2), 1), len(batch))
+        filled += [ex._replace(ref_chosen=chosen, ref_rejected=rejected)
+                   for ex, (chosen, rejected) in zip(batch, values.tolist(), strict=True)]
+    return filled
+
+
+@torch.no_grad()
+def evaluate(engine: TrainEngine, reference, examples: list[DPOExample], dpo: DPOTrainConfig,
+             tokenizer, gold: RewardFunction | None, sampling: SamplingSettings, seed: int,
+             dp: DataParallel) -> dict[str, float]:
+    """On held-out pairs: the DPO loss, the share whose chosen answer's implicit reward is
+    the higher (`accuracy`), the mean rewards and their margin; on answers to the first
+    dpo.eval_prompts pairs' prompts, sampled as step 3's evaluations sample them
+    (`sampling`, rows seeded from `seed`), their KL to the `reference` and, with a `gold`
+    function, their mean gold score and the greedy answers' (what chat.py answers)."""
+    if not examples:
+        return {}
+    totals = torch.zeros(4, dtype=torch.float64)
+    per_token = dpo.loss == "ipo"
+    for batch in batches(examples, dpo.eval_batch_size, shuffle=False, seed=0):
+        share = dp.share(batch)
+        rows = to_device(collate_dpo(share.rows, tokenizer.pad_token_id), dp.device)
+        sums, counts = answer_logprobs(engine, rows, dpo.packing)
+        chosen, rejected = pair_logps(sums, counts, per_token)
+        ref_chosen, ref_rejected = pair_logps(rows["ref_logps"], counts, per_token)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
+                       dpo.label_smoothing, num_pairs=1)
+        totals += share.weight * torch.tensor(
+            [float(out.loss), float(out.accuracy), float(out.chosen_rewards.sum()),
+             float(out.rejected_rewards.sum())], dtype=torch.float64)
+    loss, accuracy, chosen, rejected = (total / len(examples)
+                                        for total in dp.sum(*totals.tolist()))
+    metrics = {"eval/loss": loss, "eval/accuracy": accuracy, "eval/chosen_reward": chosen,
+               "eval/rejected_reward": rejected, "eval/margin": chosen - rejected}
+    prompts = [ex.chosen_ids[:ex.prompt_len] for ex in examples[:dpo.eval_prompts]]
+    if prompts:
+        metrics |= sampled_answers(engine, reference, prompts, tokenizer, gold, sampling, seed,
+                                   dp, dpo.eval_batch_size)
+    return metrics
+
+
+def sampled_answers(engine, reference, prompts: list[list[int]], tokenizer,
+                    gold: RewardFunction | None, sampling: SamplingSettings, seed: int,
+                    dp: DataParallel, batch_size: int) -> dict[str, float]:
+    """Over answers to `prompts` (token ids) generated from the engine's inference form: the
+    mean KL(policy || reference) per sampled answer (over the vocabulary, as step 3's
+    evaluations measure it: steps.rlhf.token_kl) and, with `gold`, the mean gold scores of
+    the sampled and of the greedy answers. A prompt's sample is seeded by its place
+    (steps.ppo.row_seeds' evaluation stream), so evaluations compare like with like."""
+    totals = torch.zeros(3, dtype=torch.float64)
+    greedy = SamplingSettings(sampling.max_new_tokens, do_sample=False)
+    with engine.held_weights():   # one gather for all the batches
+        for start, batch in zip(range(0, len(prompts), batch_size),
+                                batches(prompts, batch_size, shuffle=False, seed=0),
+                                strict=True):
+            share = dp.share(batch)
+            rows = to_device(collate_prompts(share.rows, tokenizer.pad_token_id), dp.device)
+            seeds = row_seeds(seed, EVAL_STREAM, [start + i for i in share.index])
+            for column, (settings, row_seed) in enumerate(((sampling, seeds), (greedy, None))):
+                sequences = engine.generate(rows["input_ids"], rows["attention_mask"],
+                                            settings, eos_token_id=tokenizer.eos_token_id,
+                                            pad_token_id=tokenizer.pad_token_id,
+                                            row_seeds=row_seed)
+                prompt_len = rows["input_ids"].shape[1]
+                if gold is not None:
+                    texts = decode_rollouts(tokenizer, sequences, prompt_len)
+                    totals[column] += share.weight * sum(gold(*texts))
+                if column == 0:
+                    totals[2] += share.weight * float(answers_kl(
+                        engine, reference, sequences, rows["attention_mask"], tokenizer,
+                        sampling.temperature).sum())
+    sampled, greedy_total, kl = (total / len(prompts) for total in dp.sum(*totals.tolist()))
+    return {"eval/kl": kl, **({"eval/ground_truth": sampled,
+                               "eval/greedy_ground_truth": greedy_total} if gold else {})}
+
+
+def answers_kl(engine, reference, sequences: torch.Tensor, prompt_mask: torch.Tensor,
+               tokenizer, temperature: float) -> torch.Tensor:
+    """[B] KL(policy || reference) of each generated answer in `sequences` [B, P + N] after
+    its left-padded prompt (`prompt_mask` [B, P]): token_kl summed over the answer up to its
+    EOS."""
+    prompt_len = prompt_mask.shape[1]
+    answered = answer_mask(sequences[:, prompt_len:], tokenizer.eos_token_id)
+    args = (sequences, torch.cat([prompt_mask, answered.long()], 1), prompt_len)
+    kl = token_kl(answer_head(engine, *args)[:, :-1], answer_head(reference, *args)[:, :-1],
+                  temperature)
+    return masked_sum(kl, answered, dim=1)
+
+
+def results(summary: dict, evaluated: bool) -> str:
+    """The closing line's eval results: accuracy and margin, the greedy answers' gold
+    score before -> after."""
+    if not evaluated:
+        return supervised.NOT_EVALUATED
+    line = (f"eval accuracy {summary['eval/accuracy']:.3f} (implicit reward margin "
+            f"{summary['eval/margin']:.3f})")
+    for name, what in (("ground_truth", "ground truth"), ("greedy_ground_truth", "greedy"),
+                       ("kl", "KL to the reference")):
+        if f"eval/{name}" in summary:
+            before = summary.get(f"eval/{name}_before")
+            line += f", {what} " + (f"{before:.3f} -> " if before is not None else "") \
+                + f"{summary[f'eval/{name}']:.3f}"
+    return line
+
+
+def dpo_examples(cfg: DictConfig, actor_path: str, pairs: list[PreferencePair],
+                 held_out: list[PreferencePair] | None) -> tuple[object, list, list]:
+    """(the actor's tokenizer in the run's chat format, training examples, held-out
+    examples) of `pairs` and `held_out` (None: data.eval_fraction of `pairs`)."""
+    tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")
+    require_trained_format(cfg, tokenizer, actor_path, "step 3")
+    tokenizer = saving_chat_format(cfg, tokenizer)
+    owner = f"the step-3 actor {actor_path}"
+    pairs = in_chat_format(cfg, "step 3", pairs, tokenizer, owner)
+    if held_out is not None:
+        held_out = in_chat_format(cfg, "step 3 held-out", held_out, tokenizer, owner)
+    train, evals = train_eval_examples(cfg, 3, "training pairs", pairs, tokenizer,
+                                       tokenize_dpo, held_out)
+    return tokenizer, train, evals
+
+
+def load_policy(cfg: DictConfig, place, actor_path: str, tokenizer, dpo: DPOTrainConfig
+                ) -> torch.nn.Module:
+    """The step-1 actor to train, with dpo.lora's adapters, checked against the run's
+    lengths and dpo.packing, its dropout off with ppo.disable_dropout."""
+    model = place.causal_lm(actor_path, tokenizer, trained=True, seed=cfg.seed, lora=dpo.lora,
+                            lora_key="dpo.lora", flag="ppo.actor_path", trained_head=True,
+                            trust_remote_code=cfg.trust_remote_code)
+    require_positions(model, cfg.data.max_prompt_len + cfg.data.max_answer_len,
+                      f"data.max_prompt_len={cfg.data.max_prompt_len} + data.max_answer_len="
+                      f"{cfg.data.max_answer_len}", f"ppo.actor_path {actor_path}")
+    if dpo.packing:
+        require_packing(model, "dpo.packing=true", f"ppo.actor_path {actor_path}")
+    if cfg.ppo.disable_dropout:   # else the policy's log-probs at the start are not the reference's
+        disable_dropout(model)
+    return model
+
+
+def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool = False,
+        held_out: list[PreferencePair] | None = None) -> dict:
+    """Train step 1's actor by DPO on `pairs`, evaluate on `held_out` (data.eval_path's
+    pairs; None: data.eval_fraction of `pairs`), export it as <output_dir>/step3/actor."""
+    actor_path, _ = model_paths(cfg)
+    dpo: DPOTrainConfig = OmegaConf.to_object(cfg.dpo)
+    dp, place = DataParallel(rt), placement(cfg, rt)
+    tokenizer, train, evals = dpo_examples(cfg, actor_path, pairs, held_out)
+    ppo, demo = cfg.ppo, list(cfg.data.path) == ["demo"]
+    spec = ppo.eval_reward_fn or (DEMO_GOLD if demo else None)
+    gold = RewardFunction.named(spec, "ppo.eval_reward_fn") if spec else None
+    # evaluations sample as step 3's do
+    sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
+    model = load_policy(cfg, place, actor_path, tokenizer, dpo)
+    pad, reference = tokenizer.pad_token_id, None
+
+    def prepare(engine: TrainEngine) -> list[DPOExample]:
+        """The reference's log-probs of every pair: the policy as it starts, frozen (LoRA
+        over a frozen base: the base, adapters off). It is kept only to measure the KL of
+        sampled answers (dpo.eval_prompts)."""
+        nonlocal evals, reference
+        reference = place.frozen_start(engine, actor_path, tokenizer, flag="ppo.actor_path",
+                                       trained_head=True, trust_remote_code=cfg.trust_remote_code)
+        filled = with_reference(reference, train, pad, dpo.eval_batch_size, dp, dpo.packing)
+        evals = with_reference(reference, evals, pad, dpo.eval_batch_size, dp, dpo.packing)
+        log(f"step 3 (DPO): the reference's log-probs of {len(filled)} training and "
+            f"{len(evals)} held-out pairs computed")
+        if not (dpo.eval_prompts and evals):
+            reference = None
+        return filled
+
+    task = supervised.Task(
+        step=3, name="DPO", role="actor", family="policy", section=dpo, examples=train,
+        collate=partial(collate_dpo, pad_token_id=pad), loss=partial(batch_loss, dpo=dpo),
+        tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
+        evaluate=lambda engine: evaluate(engine, reference, evals, dpo, tokenizer, gold,
+                                         sampling, cfg.seed, dp),
+        results=lambda summary: results(summary, bool(evals)),
+        tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "step3" / "actor",
+        prepare=prepare, generates=True, evaluate_first=True)
+    return supervised.run(cfg, task, model, dp, place, resume)

@@ -1,0 +1,158 @@
+"""Step 3 by DPO (ppo.algorithm=dpo, steps/dpo.py): its examples and their masks, the
+answers' log-probs against a full log-softmax by hand, the reference's log-probs being the
+starting policy's (so its loss starts at log 2), the keys it refuses before anything runs,
+and a LoRA run whose reference is the base under the adapters. That DPO raises the demo's
+ground truth is test_demo_learns'; that it shards exactly, test_distributed's."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import train
+from engine.data_parallel import DataParallel
+from engine.models import byte_tokenizer, load_causal_lm
+from engine.runtime import setup_runtime
+from steps import demo
+from steps.config import DPOTrainConfig
+from steps.data import PreferencePair
+from steps.dpo import answer_logprobs, batch_loss, with_reference
+from steps.tokenize import IGNORE_INDEX, collate_dpo, tokenize_dpo
+from tests.harness.in_process import train_here
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def test_dpo_examples_mask_the_prompt_and_drop_tied_pairs(tok):
+    pairs = [PreferencePair("ab", "cd", "e"), PreferencePair("x", "same", "same"),
+             PreferencePair("long prompt", "y", "z")]
+    examples, stats = tokenize_dpo(pairs, tok, max_prompt_len=4, max_answer_len=8)
+    assert (stats.kept, stats.dropped_tied, stats.dropped_long_prompt) == (1, 1, 1)
+    (ex,) = examples
+    prompt = tok("ab")["input_ids"]   # <s> a b
+    assert ex.prompt_len == len(prompt) == 3
+    eos = tok.eos_token_id
+    assert ex.chosen_ids == prompt + tok("cd", add_special_tokens=False)["input_ids"] + [eos]
+    assert ex.rejected_ids == prompt + tok("e", add_special_tokens=False)["input_ids"] + [eos]
+    batch = collate_dpo([ex._replace(ref_chosen=-1.5, ref_rejected=-2.5)], tok.pad_token_id)
+    # chosen row, then rejected row padded to its width; labels only over the answers
+    assert batch["input_ids"].tolist() == [ex.chosen_ids, ex.rejected_ids + [tok.pad_token_id]]
+    assert batch["labels"].tolist() == [
+        [IGNORE_INDEX] * 3 + ex.chosen_ids[3:],
+        [IGNORE_INDEX] * 3 + ex.rejected_ids[3:] + [IGNORE_INDEX]]
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1] * 5 + [0]]
+    assert batch["ref_logps"].tolist() == [-1.5, -2.5]
+    # a cut answer keeps no EOS, as step 1 trains it
+    cut, stats = tokenize_dpo(pairs[:1], tok, max_prompt_len=4, max_answer_len=1)
+    assert cut[0].chosen_ids == prompt + [tok("c", add_special_tokens=False)["input_ids"][0]]
+    assert stats.truncated_answer == 2
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    torch.manual_seed(0)
+    return load_causal_lm("tiny-llama", tok, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def examples(tok):
+    pairs = demo.make_pairs(6, seed=3)
+    return tokenize_dpo(pairs, tok, max_prompt_len=64, max_answer_len=12)[0]
+
+
+def test_answer_logprobs_sum_each_answers_tokens_as_a_full_log_softmax_does(model, tok,
+                                                                           examples):
+    """Padded or packed (dpo.packing), each row's answer log-prob is its tokens' under a
+    full log-softmax of the row run alone."""
+    batch = collate_dpo(examples, tok.pad_token_id)
+    with torch.no_grad():
+        sums, counts = answer_logprobs(model, batch)
+        packed = answer_logprobs(model, batch, packed=True)   # dpo.packing's forwards
+    torch.testing.assert_close(packed, (sums, counts), atol=1e-5, rtol=0)
+    rows = [ex.chosen_ids for ex in examples] + [ex.rejected_ids for ex in examples]
+    starts = [ex.prompt_len for ex in examples] * 2
+    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        ids = torch.tensor([row])
+        with torch.no_grad():   # the row alone, unpadded
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+        by_hand = sum(float(logp[t - 1, row[t]]) for t in range(start, len(row)))
+        assert float(sums[i]) == pytest.approx(by_hand, abs=1e-4), i
+        assert counts[i] == len(row) - start
+
+
+def test_the_reference_is_the_starting_policy_so_the_loss_starts_at_log_2(model, tok,
+                                                                          examples):
+    dp = DataParallel(setup_runtime("cpu", "float32", 0))
+    filled = with_reference(model, examples, tok.pad_token_id, batch_size=4, dp=dp)
+    batch = collate_dpo(filled, tok.pad_token_id)
+    sums, _ = answer_logprobs(model, batch)
+    torch.testing.assert_close(batch["ref_logps"], sums.detach(), atol=1e-5, rtol=0)
+    for loss_type, start in (("sigmoid", math.log(2)), ("hinge", 1.0),
+                             ("ipo", (1 / (2 * 0.1)) ** 2)):
+        dpo = DPOTrainConfig(beta=0.1, loss=loss_type)
+        loss, stats = batch_loss(model, batch, filled, dpo)
+        assert float(loss.detach()) == pytest.approx(start, abs=1e-4), loss_type
+        assert float(stats["train/margin"]) == pytest.approx(0.0, abs=1e-5)
+    # with dpo.nll_coef, the chosen answers' token cross entropy is added
+    chosen_sum = float(sums.detach().chunk(2)[0].sum())
+    tokens = sum(len(ex.chosen_ids) - ex.prompt_len for ex in filled)
+    loss, stats = batch_loss(model, batch, filled, DPOTrainConfig(beta=0.1, nll_coef=0.5))
+    assert float(stats["train/nll"]) == pytest.approx(-chosen_sum / tokens, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(math.log(2) - 0.5 * chosen_sum / tokens, rel=1e-5)
+
+
+def _refusal(capsys, tmp_path, *overrides: str) -> str:
+    code = train.main(["--step", "3", "--output-dir", str(tmp_path / "out"),
+                       "ppo.algorithm=dpo", *overrides])
+    assert code == 2
+    return capsys.readouterr().err.strip()
+
+
+def test_dpo_refuses_the_step_3_keys_it_would_ignore_and_needs_no_reward_model(
+        capsys, tmp_path):
+    assert _refusal(capsys, tmp_path, "ppo.prompt_data=[p.jsonl]") == (
+        "train.py: ppo.prompt_data=[p.jsonl]: ppo.algorithm=dpo does not read it (it trains "
+        "on step 3's share of data.path's pairs); drop it, or choose another ppo.algorithm")
+    assert "ppo.actor_lora.dim=8: ppo.algorithm=dpo does not read it (its LoRA is " \
+        "dpo.lora's)" in _refusal(capsys, tmp_path, "ppo.actor_lora.dim=8")
+    assert "ppo.ptx.enabled=true: ppo.algorithm=dpo does not read it" in \
+        _refusal(capsys, tmp_path, "ppo.ptx.enabled=true")
+    assert "dpo.warmup_steps=5 and dpo.warmup_ratio=0.1: give one" in \
+        _refusal(capsys, tmp_path, "dpo.warmup_steps=5")
+    assert "dpo.label_smoothing=0.5:" in _refusal(capsys, tmp_path, "dpo.label_smoothing=0.5")
+    # the actor is all it needs: named, with no word of a reward model
+    assert "step 3 needs the step-1 actor at" in _refusal(capsys, tmp_path)
+    cfg = train.build_config(train.parse_args(
+        ["--step", "1", "3", "--output-dir", str(tmp_path / "out"), "ppo.algorithm=dpo"]))
+    train.check_config(cfg)   # step 1 makes the actor; no step 2, no reward model
+
+
+def test_a_lora_dpo_run_starts_at_its_base_and_exports_a_merged_actor(tmp_path, tok):
+    """LoRA over a frozen base: the reference is the base with the adapters off (no second
+    copy), so the first evaluation reads log 2 and a KL of 0; the actor exported merged
+    loads as a plain causal LM, and no critic is written."""
+    actor = tmp_path / "sft"
+    load_causal_lm("tiny-llama", tok, dtype=torch.float32).save_pretrained(actor)
+    tok.save_pretrained(actor)
+    out = tmp_path / "out"
+    run = train_here(["--step", "3", "--output-dir", out, f"ppo.actor_path={actor}",
+                      "ppo.algorithm=dpo", "data.demo_pairs=200", "dpo.lora.dim=4",
+                      "dpo.lora.only_optimize_lora=true", "dpo.lr=1e-3", "dpo.eval_prompts=4",
+                      "data.max_answer_len=8", "logging.progress=false"]).check()
+    assert "step 3 (DPO) done" in run.stdout
+    rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()]
+    assert rows[0]["step"] == 0
+    assert rows[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[0]["eval/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[-1]["eval/loss"] < math.log(2)   # it learned to prefer the chosen answers
+    assert rows[-1]["eval/kl"] > 0
+    exported = load_causal_lm(str(out / "step3" / "actor"), tok, dtype=torch.float32)
+    assert not any("lora" in name for name, _ in exported.named_parameters())
+    assert not (out / "step3" / "critic").exists()
+    assert (out / "step3" / "finished").exists()
