@@ -31,9 +31,16 @@ that many groups score alike) beside plain GRPO, with the learning rate's linear
 Per run: the ground truth before -> after and exported (its iteration and KL), the
 iterations, the final learning rate and step 3's time.
 
-Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|all] [--seeds 1,2,3]
+--part dpo: DPO (ppo.algorithm=dpo: offline, on step 3's share of the pairs, no reward
+model) at several betas and losses, beside PPO (the demo recipe's step 3), each from one
+demo step-1/2 run per seed (DPO reads its actor alone). Per run: the ground truth of the
+held-out prompts' sampled answers before -> after (PPO: after, and the policy it exports),
+the greedy answers' after, the sampled answers' KL to the SFT model, and step 3's time.
+
+Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|dpo|all] [--seeds 1,2,3]
       [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline,gspo] [--rewards rm,fn]
-      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min for 3 seeds on 2 cores, alone)
+      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min, dpo ~20 min for 3 seeds on 2
+      cores, alone)
 """
 
 from __future__ import annotations
@@ -65,13 +72,15 @@ REWARDS = {"rm": [], "fn": ["ppo.reward_fn=steps.demo:score", "ppo.reward_model_
 DYNAMIC = {"grpo": [], "dynamic": ["ppo.dynamic_sampling=true"],
            "constant lr": ["ppo.dynamic_sampling=true", "ppo.lr_scheduler=constant"],
            "dynamic, 3 ep": ["ppo.dynamic_sampling=true", "ppo.epochs=3"]}
+DPO = {"dpo": [], "dpo beta 0.5": ["dpo.beta=0.5"], "dpo beta 1": ["dpo.beta=1"],
+       "cdpo 0.1": ["dpo.label_smoothing=0.1"], "ipo beta 1": ["dpo.loss=ipo", "dpo.beta=1"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
           "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "algorithms", "hacking", "dynamic"],
+    parser.add_argument("--part", choices=["all", "algorithms", "hacking", "dynamic", "dpo"],
                         default="all")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--algorithms", default=",".join(SETTINGS))
@@ -87,6 +96,8 @@ def main() -> None:
         algorithms(root, seeds, args.algorithms.split(","), args.rewards.split(","))
     if args.part in ("all", "dynamic"):
         dynamic_sampling(root, seeds)
+    if args.part in ("all", "dpo"):
+        dpo(root, seeds)
 
 
 def hacking(root: Path, seeds: list[int]) -> None:
@@ -176,6 +187,44 @@ def dynamic_sampling(root: Path, seeds: list[int]) -> None:
     for name, runs in finals.items():
         print(f"{name:<14}{statistics.fmean(a for a, _ in runs):>11.3f}"
               f"{statistics.fmean(e for _, e in runs):>15.3f}")
+
+
+def dpo(root: Path, seeds: list[int]) -> None:
+    lines, finals = [], {name: [] for name in ("ppo", *DPO)}
+    for seed in seeds:
+        base = demo_steps12(root, seed)
+        out = root / f"dpo-ppo-{seed}"
+        if not (out / "step3" / "finished").exists():
+            train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
+                  f"ppo.reward_path={base / 'reward'}")
+        final = rows(out / "step3" / "metrics.jsonl")[-1]
+        finals["ppo"].append(final["eval/ground_truth_exported"])
+        lines.append(
+            f"{seed:>5}  {'ppo':<14}{final['eval/ground_truth_before']:>9.3f} -> "
+            f"{final['eval/ground_truth_after']:.3f} (exported "
+            f"{final['eval/ground_truth_exported']:.3f})"
+            f"{final['eval/greedy_ground_truth_after']:>9.3f}"
+            f"{final['eval/kl_after']:>8.3f} (exported {final['eval/kl_exported']:.3f})"
+            f"{final['time/seconds']:>8.1f}")
+        print(lines[-1], flush=True)
+        for name, flags in DPO.items():
+            out = root / f"dpo-{name.replace(' ', '-')}-{seed}"
+            train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
+                  "ppo.algorithm=dpo", *flags)
+            final = rows(out / "step3" / "metrics.jsonl")[-1]
+            finals[name].append(final["eval/ground_truth"])
+            lines.append(
+                f"{seed:>5}  {name:<14}{final['eval/ground_truth_before']:>9.3f} -> "
+                f"{final['eval/ground_truth']:.3f}{'':>19}"
+                f"{final['eval/greedy_ground_truth']:>9.3f}{final['eval/kl']:>8.3f}{'':>19}"
+                f"{final['time/seconds']:>8.1f}")
+            print(lines[-1], flush=True)
+    print(f"\n{'seed':>5}  {'run':<14}{'ground truth (sampled)':>37}{'greedy':>9}"
+          f"{'KL':>8}{'':>19}{'s':>8}")
+    print("\n".join(lines))
+    print(f"\n{'run':<14}{'mean final':>11}  (PPO: exported)")
+    for name, runs in finals.items():
+        print(f"{name:<14}{statistics.fmean(runs):>11.3f}")
 
 
 def demo_steps12(root: Path, seed: int) -> Path:
