@@ -73,7 +73,12 @@ DYNAMIC = {"grpo": [], "dynamic": ["ppo.dynamic_sampling=true"],
            "constant lr": ["ppo.dynamic_sampling=true", "ppo.lr_scheduler=constant"],
            "dynamic, 3 ep": ["ppo.dynamic_sampling=true", "ppo.epochs=3"]}
 DPO = {"dpo": [], "dpo beta 0.5": ["dpo.beta=0.5"], "dpo beta 1": ["dpo.beta=1"],
-       "cdpo 0.1": ["dpo.label_smoothing=0.1"], "ipo beta 1": ["dpo.loss=ipo", "dpo.beta=1"]}
+       "cdpo 0.1": ["dpo.label_smoothing=0.1"], "ipo beta 1": ["dpo.loss=ipo", "dpo.beta=1"],
+       # reference-free: SimPO at its paper's beta and a margin of 1 (at 1e-3 it drifts to a
+       # KL of 36), ORPO with the NLL term its paper adds, its odds-ratio weight 1 (0.1 barely
+       # moves the SFT model)
+       "simpo": ["dpo.loss=simpo", "dpo.beta=2", "dpo.simpo_gamma=1", "dpo.lr=1e-4"],
+       "orpo beta 1": ["dpo.loss=orpo", "dpo.beta=1", "dpo.nll_coef=1"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
           "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
 

@@ -156,12 +156,17 @@ class DPOTrainConfig(TrainConfig):
                       "actor): an answer's implicit reward is beta x log(pi / pi_ref)",
                       POSITIVE)
     loss: str = val("sigmoid", "sigmoid: DPO (Rafailov et al., 2023) | ipo: IPO (Azar et al., "
-                    "2023), on per-token mean log-probs | hinge: SLiC (Zhao et al., 2023)",
-                    one_of("sigmoid", "ipo", "hinge"))
+                    "2023) | hinge: SLiC (Zhao et al., 2023) | simpo: SimPO (Meng et al., "
+                    "2024; e.g. beta 2, simpo_gamma 1) | orpo: ORPO (Hong et al., 2024; with "
+                    "nll_coef 1, as its paper); ipo, simpo and orpo on per-token mean "
+                    "log-probs, simpo and orpo without a reference",
+                    one_of("sigmoid", "ipo", "hinge", "simpo", "orpo"))
     label_smoothing: float = val(0.0, "sigmoid: the chance that a pair's label is wrong "
                                  "(cDPO; TRL's label_smoothing, OpenRLHF's "
                                  "--label_smoothing); 0: labels trusted",
                                  within(0, 0.5, high_open=True))
+    simpo_gamma: float = val(0.5, "simpo: the margin the chosen answer's reward must pass "
+                             "(TRL's simpo_gamma)", NON_NEGATIVE)
     nll_coef: float = val(0.0, "adds this x the chosen answers' token cross entropy (RPO, "
                           "Pang et al., 2024; OpenRLHF's --nll_loss_coef); 0: off",
                           NON_NEGATIVE)

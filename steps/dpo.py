@@ -1,9 +1,9 @@
 """Step 3 by direct preference optimisation (ppo.algorithm=dpo; Rafailov et al., 2023):
 the step-1 actor trained offline on step 3's share of the preference pairs, against
-itself frozen as the reference, with no reward model and no sampling. The reference's
-log-probs of every pair are computed once, before the first update (TRL's
-precompute_ref_log_probs); the reference is kept after that only to measure the KL of the
-evaluations' sampled answers (dpo.eval_prompts). Judged by held-out implicit-reward
+itself frozen as the reference (or without one: SimPO, ORPO), with no reward model and no
+sampling. The reference's log-probs of every pair are computed once, before the first
+update (TRL's precompute_ref_log_probs); the reference is kept after that only to measure
+the KL of the evaluations' sampled answers (dpo.eval_prompts). Judged by held-out implicit-reward
 accuracy and, where there is a ground truth (ppo.eval_reward_fn, or the demo's), by the
 sampled and greedy answers' scores before and after, at their KL to the reference: the
 figures step 3's PPO evaluations report, on the same prompts and sampling seeds."""
@@ -39,6 +39,8 @@ from steps.config import DPOTrainConfig
 from steps.data import PreferencePair
 from steps.ppo import DEMO_GOLD, EVAL_STREAM, answer_head, model_tokenizer, row_seeds
 from steps.rlhf import (
+    PER_TOKEN,
+    REFERENCE_FREE,
     answer_mask,
     dpo_loss,
     logprobs_of_tokens,
@@ -83,12 +85,12 @@ def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample]
     """This process's share of the DPO loss (with dpo.nll_coef's term) and its statistics
     over `examples` (the batch, or its accumulation window)."""
     sums, counts = answer_logprobs(model, batch, packed=dpo.packing)
-    per_token = dpo.loss == "ipo"
+    per_token = dpo.loss in PER_TOKEN
     chosen, rejected = pair_logps(sums, counts, per_token)
     ref_chosen, ref_rejected = pair_logps(batch["ref_logps"], counts, per_token)
     n = len(examples)
     out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
-                   dpo.label_smoothing, num_pairs=n)
+                   dpo.label_smoothing, num_pairs=n, gamma=dpo.simpo_gamma)
     stats = {"train/accuracy": out.accuracy,
              "train/chosen_reward": out.chosen_rewards.sum() / n,
              "train/rejected_reward": out.rejected_rewards.sum() / n,
@@ -134,7 +136,7 @@ def evaluate(engine: TrainEngine, reference, examples: list[DPOExample], dpo: DP
     if not examples:
         return {}
     totals = torch.zeros(4, dtype=torch.float64)
-    per_token = dpo.loss == "ipo"
+    per_token = dpo.loss in PER_TOKEN
     for batch in batches(examples, dpo.eval_batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
         rows = to_device(collate_dpo(share.rows, tokenizer.pad_token_id), dp.device)
@@ -142,7 +144,7 @@ def evaluate(engine: TrainEngine, reference, examples: list[DPOExample], dpo: DP
         chosen, rejected = pair_logps(sums, counts, per_token)
         ref_chosen, ref_rejected = pair_logps(rows["ref_logps"], counts, per_token)
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
-                       dpo.label_smoothing, num_pairs=1)
+                       dpo.label_smoothing, num_pairs=1, gamma=dpo.simpo_gamma)
         totals += share.weight * torch.tensor(
             [float(out.loss), float(out.accuracy), float(out.chosen_rewards.sum()),
              float(out.rejected_rewards.sum())], dtype=torch.float64)
@@ -271,17 +273,22 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     pad, reference = tokenizer.pad_token_id, None
 
     def prepare(engine: TrainEngine) -> list[DPOExample]:
-        """The reference's log-probs of every pair: the policy as it starts, frozen (LoRA
-        over a frozen base: the base, adapters off). It is kept only to measure the KL of
-        sampled answers (dpo.eval_prompts)."""
+        """The reference's log-probs of every pair (but for a reference-free loss): the
+        policy as it starts, frozen (LoRA over a frozen base: the base, adapters off). It is
+        kept only to measure the KL of sampled answers (dpo.eval_prompts)."""
         nonlocal evals, reference
+        kl_measured = bool(dpo.eval_prompts and evals)
+        if dpo.loss in REFERENCE_FREE and not kl_measured:
+            return train
         reference = place.frozen_start(engine, actor_path, tokenizer, flag="ppo.actor_path",
                                        trained_head=True, trust_remote_code=cfg.trust_remote_code)
+        if dpo.loss in REFERENCE_FREE:
+            return train
         filled = with_reference(reference, train, pad, dpo.eval_batch_size, dp, dpo.packing)
         evals = with_reference(reference, evals, pad, dpo.eval_batch_size, dp, dpo.packing)
         log(f"step 3 (DPO): the reference's log-probs of {len(filled)} training and "
             f"{len(evals)} held-out pairs computed")
-        if not (dpo.eval_prompts and evals):
+        if not kl_measured:
             reference = None
         return filled
 

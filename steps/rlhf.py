@@ -755,12 +755,15 @@ def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor,
     return RewardLossOut(loss, accuracy, chosen_mean, rejected_mean)
 
 
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")   # their losses read no reference log-probs
+PER_TOKEN = ("ipo", "simpo", "orpo")  # on each answer's mean token log-prob, not its sum
 
 
-def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
-             ref_rejected_logps: Tensor, beta: float, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0, num_pairs: int | None = None) -> DPOLossOut:
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
+             ref_rejected_logps: Tensor | None, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0, num_pairs: int | None = None,
+             gamma: float = 0.0) -> DPOLossOut:
     """Direct preference optimisation's loss on (chosen, rejected) pairs, from the answers'
     log-probabilities under the policy and the frozen reference. With the log-ratio margin
     ``h = (chosen - ref_chosen) - (rejected - ref_rejected)``:
@@ -768,40 +771,71 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     - ``sigmoid`` (DPO, Rafailov et al., 2023), with ``label_smoothing`` e the chance that a
       pair's label is wrong (cDPO, Mitchell 2023): ``-(1 - e) logsigmoid(beta h) - e
       logsigmoid(-beta h)``;
-    - ``ipo`` (Azar et al., 2023): ``(h - 1 / (2 beta))^2``, on log-probabilities that the
-      caller averages over each answer's tokens, as IPO's paper does;
+    - ``ipo`` (Azar et al., 2023): ``(h - 1 / (2 beta))^2``;
     - ``hinge`` (SLiC, Zhao et al., 2023): ``relu(1 - beta h)``.
+
+    Reference-free (the reference's log-probs unread, may be None; h = chosen - rejected):
+
+    - ``simpo`` (Meng et al., 2024): ``-logsigmoid(beta h - gamma)``;
+    - ``orpo`` (Hong et al., 2024): ``-beta logsigmoid(log odds(chosen) - log odds(rejected))``
+      with ``log odds(x) = x - log(1 - e^x)``; its paper adds the chosen answers' NLL
+      (the caller's).
+
+    ``ipo``, ``simpo`` and ``orpo`` take log-probabilities that the caller averages over
+    each answer's tokens (PER_TOKEN), as their papers do.
 
     Args:
         chosen_logps, rejected_logps: [B] float, the answers' log-probabilities under the
             policy (differentiable). ref_chosen_logps, ref_rejected_logps: [B], the
             reference's.
-        beta: the strength of the implied KL constraint, > 0.
+        beta: the strength of the implied KL constraint (SimPO: the reward's scale;
+            ORPO: the odds-ratio term's weight), > 0.
         num_pairs: the count the means divide by; default B (the whole batch's count when
             these pairs are one rank's share of it).
+        gamma: SimPO's target margin.
 
     Returns:
         DPOLossOut: the loss (the per-pair losses' sum over ``num_pairs``), each answer's
-        implicit reward ``beta * (logp - ref_logp)`` and the share of pairs whose chosen
-        answer's is higher (ties count wrong), over ``num_pairs``.
+        implicit reward ``beta * (logp - ref_logp)`` (reference-free: ``beta * logp``) and
+        the share of pairs whose chosen answer's is higher (ties count wrong), over
+        ``num_pairs``.
     """
     if loss_type not in DPO_LOSSES:
         raise ValueError(f"loss_type {loss_type!r}: choose one of {', '.join(DPO_LOSSES)}")
-    chosen_ratio = chosen_logps.float() - ref_chosen_logps.float()
-    rejected_ratio = rejected_logps.float() - ref_rejected_logps.float()
-    h = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h)
-                  - label_smoothing * F.logsigmoid(-beta * h))
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    else:
-        losses = F.relu(1 - beta * h)
-    n = num_pairs or len(h)
+    chosen_ratio, rejected_ratio = chosen_logps.float(), rejected_logps.float()
+    if loss_type not in REFERENCE_FREE:
+        chosen_ratio = chosen_ratio - ref_chosen_logps.float()
+        rejected_ratio = rejected_ratio - ref_rejected_logps.float()
+    losses = _pair_losses(chosen_ratio, rejected_ratio, beta, loss_type, label_smoothing, gamma)
+    n = num_pairs or len(losses)
     with torch.no_grad():
         chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
         accuracy = (chosen_rewards > rejected_rewards).float().sum() / n
     return DPOLossOut(losses.sum() / n, chosen_rewards, rejected_rewards, accuracy)
+
+
+def _pair_losses(chosen: Tensor, rejected: Tensor, beta: float, loss_type: str,
+                 label_smoothing: float, gamma: float) -> Tensor:
+    """[B] dpo_loss's per-pair losses, from each answer's log-ratio to the reference (the
+    log-prob itself without one)."""
+    h = chosen - rejected
+    if loss_type == "sigmoid":
+        return (-(1 - label_smoothing) * F.logsigmoid(beta * h)
+                - label_smoothing * F.logsigmoid(-beta * h))
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+    if loss_type == "hinge":
+        return F.relu(1 - beta * h)
+    if loss_type == "simpo":
+        return -F.logsigmoid(beta * h - gamma)
+    return -beta * F.logsigmoid(_log_odds(chosen) - _log_odds(rejected))   # orpo
+
+
+def _log_odds(logp: Tensor) -> Tensor:
+    """log(p / (1 - p)) of probabilities given as log-probs, log(1 - p) as log(-expm1(logp));
+    held below log 1, where a sure answer's odds would be infinite."""
+    logp = logp.clamp(max=-1e-6)
+    return logp - torch.log(-torch.expm1(logp))
 
 
 def sequence_logprobs(token_logprobs: Tensor, labels: Tensor, ignore_index: int = -100

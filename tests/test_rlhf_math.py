@@ -577,6 +577,20 @@ def test_dpo_losses_hand_computed():
     start = dpo_loss(ref_chosen, ref_rejected, ref_chosen, ref_rejected, 0.1)
     close(start.loss, math.log(2))
     close(start.accuracy, 0.0)   # ties count wrong
+    # SimPO, reference-free (the reference unread): -log sigmoid(beta h - gamma), h = 0.5, -1
+    simpo = dpo_loss(chosen, rejected, None, None, beta=2.0, loss_type="simpo", gamma=0.5)
+    # -log sigmoid(0.5) = 0.4740770, -log sigmoid(-2.5) = log(1 + e^2.5) = 2.5788897
+    close(simpo.loss, (0.4740770 + 2.5788897) / 2)
+    close(simpo.chosen_rewards, [-2.0, -4.0])   # beta x the (mean) log-probs
+    close(simpo.accuracy, 0.5)
+    # ORPO: -beta log sigmoid(log odds(chosen) - log odds(rejected)),
+    # log odds(x) = x - log(1 - e^x): -1 -> -0.5413249, -1.5 -> -1.2475532, -2 -> -1.8545865
+    orpo = dpo_loss(chosen, rejected, None, None, beta=0.1, loss_type="orpo")
+    odds = [-0.5413249 + 1.2475532, -1.8545865 + 0.5413249]
+    close(orpo.loss, 0.1 * sum(math.log1p(math.exp(-x)) for x in odds) / 2)
+    # a sure answer (log-prob 0) has infinite odds: held finite
+    assert torch.isfinite(dpo_loss(torch.zeros(1), torch.tensor([-1.0]), None, None, 0.1,
+                                   "orpo").loss)
     with pytest.raises(ValueError, match="loss_type 'kto'"):
         dpo_loss(chosen, rejected, ref_chosen, ref_rejected, 0.5, "kto")
 
