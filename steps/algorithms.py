@@ -164,7 +164,7 @@ NOT_READ_BY_DPO = {
                        "cross entropy",
     "ppo.actor_lora.dim": "its LoRA is dpo.lora's",
     "ppo.ema.enabled": "it keeps no EMA of the actor",
-    "ppo.export": "it exports the policy it ends with",
+    "ppo.export": "it exports the policy it ends with, as ppo.export=last does",
     "ppo.export_weights": "it exports the actor merged, a plain Hugging Face directory",
 }
 
@@ -176,7 +176,7 @@ def check_dpo(cfg: DictConfig) -> None:
 
     for key, instead in NOT_READ_BY_DPO.items():
         value = OmegaConf.select(cfg, key)
-        if value != DEFAULTS[key]:
+        if value != DEFAULTS[key] and not (key == "ppo.export" and value == "last"):
             shown = as_yaml(list(value) if isinstance(value, ListConfig) else value)
             raise UserError(f"{key}={shown}: ppo.algorithm=dpo does not read it ({instead}); "
                             "drop it, or choose another ppo.algorithm")

@@ -137,6 +137,8 @@ def test_dpo_refuses_the_step_3_keys_it_would_ignore_and_needs_no_reward_model(
         "dpo.lora's)" in _refusal(capsys, tmp_path, "ppo.actor_lora.dim=8")
     assert "ppo.ptx.enabled=true: ppo.algorithm=dpo does not read it" in \
         _refusal(capsys, tmp_path, "ppo.ptx.enabled=true")
+    assert "ppo.export=best: ppo.algorithm=dpo does not read it (it exports the policy it " \
+        "ends with, as ppo.export=last does)" in _refusal(capsys, tmp_path, "ppo.export=best")
     assert "dpo.warmup_steps=5 and dpo.warmup_ratio=0.1: give one" in \
         _refusal(capsys, tmp_path, "dpo.warmup_steps=5")
     assert "dpo.label_smoothing=0.5:" in _refusal(capsys, tmp_path, "dpo.label_smoothing=0.5")

@@ -652,6 +652,30 @@ def test_real_hh_rlhf_data_with_opt_tokenizer(hh_run):
     assert rows and all(0 < row["answer/length"] <= 8 for row in rows)
 
 
+def test_dpo_on_real_hh_rlhf_pairs_with_opt_tokenizer(hh_run, opt_tokenizer, tmp_path):
+    """DPO from the hh-rlhf step-1 actor on the same file's pairs (its own split: ~38 for
+    step 3): the transcripts read and filtered as for steps 1 and 2, the held-out pairs (a
+    third of them) evaluated, the sampled answers' KL measured (no ground truth: not the
+    demo's data), and an export in the actor's tokenizer with no critic."""
+    actor, _, _ = hh_run
+    out = tmp_path / "dpo"
+    settings = {**BASE, "data.path": f"[{shared(HH_RLHF)}]", "data.max_prompt_len": 128,
+                "data.max_answer_len": 32, "ppo.max_new_tokens": 8, "dpo.eval_prompts": 2,
+                "dpo.batch_size": 4, "dpo.lr": 1e-4, "data.eval_fraction": 0.3}
+    run = run_train("--step", "3", "--output-dir", out, "ppo.algorithm=dpo",
+                    f"ppo.actor_path={actor / 'actor'}", settings=settings,
+                    **{"data.split": "[30,29,1]"}).check()
+    assert dropped(run.stdout, "step 3 train") > 0
+    summary = metrics(out / "step3" / "metrics.jsonl")[-1]
+    assert {"eval/accuracy", "eval/margin", "eval/kl", "eval/loss_before"} <= summary.keys()
+    assert "eval/ground_truth" not in summary and summary["eval/kl"] >= 0
+    assert_model_dir(out / "step3" / "actor")
+    assert AutoTokenizer.from_pretrained(out / "step3" / "actor")("Hello world")[
+        "input_ids"] == OPT_HELLO_WORLD
+    assert not (out / "step3" / "critic").exists()
+    assert_no_leftovers(out)
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. Actor and reward model with different tokenizers
 
