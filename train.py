@@ -1,10 +1,11 @@
-"""Train a chat model with the InstructGPT recipe: SFT, reward model, PPO.
+"""Train a chat model with the InstructGPT recipe: SFT, reward model, PPO (or DPO).
 
     python train.py                                     # the built-in demo, CPU, minutes
     python train.py --actor-model facebook/opt-1.3b --reward-model facebook/opt-350m \\
         data.path=[Dahoas/rm-static] ppo.kl_coef=0.05
     python train.py --deployment-type single_node --actor-zero-stage 3 ...  # all GPUs here
     python train.py engine.device=cpu engine.procs=4    # 4 CPU processes (gloo)
+    python train.py --actor-model ... --step 1 3 ppo.algorithm=dpo   # DPO: no reward model
 
 Flags follow DeepSpeed-Chat; every further `key=value` argument is a Hydra override of a
 key of steps/config.py (see --help for all keys).
@@ -127,8 +128,10 @@ def _flag_help(key: str, options: dict, text: str) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="RLHF in three steps: 1 SFT, 2 reward model, 3 PPO. With no model flags "
-                    "it runs the built-in demo (tiny models, generated data, CPU-friendly).",
+        description="RLHF in three steps: 1 SFT, 2 reward model, 3 PPO (or GRPO, RLOO, "
+                    "REINFORCE++; or DPO on the pairs alone: ppo.algorithm=dpo, no step 2). "
+                    "With no model flags it runs the built-in demo (tiny models, generated "
+                    "data, CPU-friendly).",
         epilog="Hydra overrides: any `key=value` after the flags sets a config key, e.g.\n"
                "  ppo.kl_coef=0.05 sft.epochs=2 'data.path=[a.jsonl,b.parquet]' recipe=demo\n"
                "Unknown keys are refused. With no model flags, recipe=demo "
