@@ -149,19 +149,23 @@ def test_dpo_refuses_the_step_3_keys_it_would_ignore_and_needs_no_reward_model(
     train.check_config(cfg)   # step 1 makes the actor; no step 2, no reward model
 
 
-def test_a_lora_dpo_run_starts_at_its_base_and_exports_a_merged_actor(tmp_path, tok):
-    """LoRA over a frozen base: the reference is the base with the adapters off (no second
-    copy), so the first evaluation reads log 2 and a KL of 0; the actor exported merged
-    loads as a plain causal LM, and no critic is written."""
+@pytest.mark.parametrize("base", ["fp32", "int8"])
+def test_a_lora_dpo_run_starts_at_its_base_and_exports_a_merged_actor(tmp_path, tok, base):
+    """LoRA over a frozen base (fp32, or INT8 under engine.quantized_base): the reference is
+    the base with the adapters off (no second copy; the integers the policy starts from,
+    not the full-precision model), so the first evaluation reads log 2 and a KL of 0; the
+    actor exported merged loads as a plain causal LM, and no critic is written."""
     actor = tmp_path / "sft"
     load_causal_lm("tiny-llama", tok, dtype=torch.float32).save_pretrained(actor)
     tok.save_pretrained(actor)
     out = tmp_path / "out"
+    quantized = ["engine.quantized_base.enabled=true"] if base == "int8" else []
     run = train_here(["--step", "3", "--output-dir", out, f"ppo.actor_path={actor}",
                       "ppo.algorithm=dpo", "data.demo_pairs=200", "dpo.lora.dim=4",
                       "dpo.lora.only_optimize_lora=true", "dpo.lr=1e-3", "dpo.eval_prompts=4",
-                      "data.max_answer_len=8", "logging.progress=false"]).check()
+                      "data.max_answer_len=8", "logging.progress=false", *quantized]).check()
     assert "step 3 (DPO) done" in run.stdout
+    assert ("as int8" in run.stdout) == (base == "int8"), run.stdout
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()]
     assert rows[0]["step"] == 0
     assert rows[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
