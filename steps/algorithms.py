@@ -164,7 +164,7 @@ NOT_READ_BY_DPO = {
                        "cross entropy",
     "ppo.actor_lora.dim": "its LoRA is dpo.lora's",
     "ppo.ema.enabled": "it keeps no EMA of the actor",
-    "ppo.export": "it exports the policy it ends with, as ppo.export=last does",
+    "ppo.export": "its export is dpo.export's",
     "ppo.export_weights": "it exports the actor merged, a plain Hugging Face directory",
 }
 
@@ -180,6 +180,10 @@ def check_dpo(cfg: DictConfig) -> None:
             shown = as_yaml(list(value) if isinstance(value, ListConfig) else value)
             raise UserError(f"{key}={shown}: ppo.algorithm=dpo does not read it ({instead}); "
                             "drop it, or choose another ppo.algorithm")
+    if cfg.dpo.export == "best" and not (cfg.dpo.eval_every and cfg.dpo.eval_prompts):
+        raise UserError(f"dpo.export=best chooses among the evaluations by their KL: give "
+                        f"dpo.eval_every > 0 (it is {cfg.dpo.eval_every}) and dpo.eval_prompts "
+                        f"> 0 (it is {cfg.dpo.eval_prompts})")
 
 
 def check_settings(ppo, quantized_base: bool = False) -> None:

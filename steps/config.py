@@ -170,6 +170,11 @@ class DPOTrainConfig(TrainConfig):
     nll_coef: float = val(0.0, "adds this x the chosen answers' token cross entropy (RPO, "
                           "Pang et al., 2024; OpenRLHF's --nll_loss_coef); 0: off",
                           NON_NEGATIVE)
+    export: str = val("last", "last: the policy it ends with | best: the evaluated policy "
+                      "(every eval_every updates, the start included) with the highest "
+                      "ground truth (else accuracy) whose sampled answers' KL is within "
+                      "ppo.kl_budget (null: best-of-n's, as PPO's export=best)",
+                      one_of("last", "best"))
     eval_prompts: int = val(64, "held-out pairs whose prompts get sampled answers (their KL to "
                             "the reference measured, which is kept for it) and greedy ones, "
                             "both scored by the ground truth (ppo.eval_reward_fn, or the "

@@ -37,7 +37,15 @@ from steps.common import (
 )
 from steps.config import DPOTrainConfig
 from steps.data import PreferencePair
-from steps.ppo import DEMO_GOLD, EVAL_STREAM, answer_head, model_tokenizer, row_seeds
+from steps.ppo import (
+    DEFAULT_BEST_OF_N,
+    DEMO_GOLD,
+    EVAL_STREAM,
+    answer_head,
+    best_of_n_kl,
+    model_tokenizer,
+    row_seeds,
+)
 from steps.rlhf import (
     PER_TOKEN,
     REFERENCE_FREE,
@@ -207,6 +215,16 @@ def answers_kl(engine, reference, sequences: torch.Tensor, prompt_mask: torch.Te
     return masked_sum(kl, answered, dim=1)
 
 
+def standing(metrics: dict[str, float], budget: float) -> tuple[float, float] | None:
+    """dpo.export=best's standing of an evaluation: (ground truth, accuracy), or (accuracy,
+    -loss) without a ground truth; None past the KL `budget`."""
+    if metrics.get("eval/kl", float("inf")) > budget:
+        return None
+    if "eval/ground_truth" in metrics:
+        return metrics["eval/ground_truth"], metrics["eval/accuracy"]
+    return metrics["eval/accuracy"], -metrics["eval/loss"]
+
+
 def results(summary: dict, evaluated: bool) -> str:
     """The closing line's eval results: accuracy and margin, the greedy answers' gold
     score before -> after."""
@@ -220,6 +238,12 @@ def results(summary: dict, evaluated: bool) -> str:
             before = summary.get(f"eval/{name}_before")
             line += f", {what} " + (f"{before:.3f} -> " if before is not None else "") \
                 + f"{summary[f'eval/{name}']:.3f}"
+    if "eval/step_exported" in summary:   # dpo.export=best
+        shown = [f"ground truth {summary['eval/ground_truth_exported']:.3f}"
+                 ] if "eval/ground_truth_exported" in summary else []
+        shown.append(f"KL {summary['eval/kl_exported']:.3f}")
+        line += (f"; exported the policy of update {summary['eval/step_exported']} "
+                 f"({', '.join(shown)})")
     return line
 
 
@@ -300,5 +324,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                                          sampling, cfg.seed, dp),
         results=lambda summary: results(summary, bool(evals)),
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "step3" / "actor",
-        prepare=prepare, generates=True, evaluate_first=True)
+        prepare=prepare, generates=True, evaluate_first=True,
+        standing=partial(standing, budget=ppo.kl_budget or best_of_n_kl(
+            ppo.best_of_n or DEFAULT_BEST_OF_N)) if dpo.export == "best" else None)
     return supervised.run(cfg, task, model, dp, place, resume)

@@ -62,6 +62,33 @@ class Task(NamedTuple):
     generates: bool = False      # the model generates in `evaluate` (a HybridEngine)
     # also evaluated before the first update: the summary gains its metrics as <name>_before
     evaluate_first: bool = False
+    # export=best: an evaluation's standing (higher is better), None where its policy may
+    # not be exported (e.g. past a KL budget); the step exports the best evaluated policy
+    standing: Callable[[dict], tuple | None] | None = None
+
+
+class BestKept:
+    """The evaluated weights whose metrics rank highest by `standing` (Task.standing), kept
+    to export instead of the last ones; `record` (checkpointed with the position) says
+    which: its place in the standing, its update and its metrics."""
+
+    def __init__(self, engine: TrainEngine, standing: Callable[[dict], tuple | None]):
+        # the start's weights (trainable ones alone: a frozen base never moves)
+        self.weights = engine.copy_weights(trainable_only=True)
+        self.standing, self.record = standing, None
+
+    def consider(self, engine: TrainEngine, metrics: dict) -> None:
+        place = self.standing(metrics) if metrics else None
+        if place is not None and (self.record is None or list(place) > self.record["place"]):
+            self.weights.load_state_dict(engine.copy_weights(trainable_only=True).tensors)
+            self.record = {"place": list(place), "step": engine.steps, "metrics": metrics}
+
+    def exported(self) -> dict[str, float]:
+        """The summary's fields of the exported policy: its metrics as <name>_exported."""
+        if self.record is None:
+            return {}
+        return {**{f"{name}_exported": value for name, value in self.record["metrics"].items()},
+                "eval/step_exported": self.record["step"]}
 
 
 def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
@@ -79,9 +106,13 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     bigger = f"train on a machine with more memory (step {task.step} writes whole models)"
     check_export_fits(*engine.merged_size(), out, f"step {task.step}'s export", bigger,
                       "write it elsewhere (--output-dir)")
-    ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine})
+    kept = BestKept(engine, task.standing) if task.standing else None
+    ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine},
+                           extra={"best": kept.weights} if kept else None)
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
+    if kept is not None:
+        kept.record = position.get("best")
     if task.prepare is not None:
         task = task._replace(examples=task.prepare(engine))
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=task.step),
@@ -94,18 +125,24 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
         engine.train()
         tracker.log(start_metrics, 0)
         before = {f"{name}_before": value for name, value in start_metrics.items()}
-    position = {**_train(cfg, task, engine, dp, ckpt, tracker, {**position, "before": before}),
-                "before": before}
+        if kept is not None:
+            kept.consider(engine, start_metrics)
+    position = {**_train(cfg, task, engine, dp, ckpt, tracker, {**position, "before": before},
+                         kept), "before": before}
 
     engine.eval()
     metrics = task.evaluate(engine)
+    if kept is not None:
+        kept.consider(engine, metrics)
     elapsed = position["seconds"]
-    summary = {**before, **metrics, "train/loss": position["loss"], "time/seconds": elapsed,
+    summary = {**before, **metrics, **(kept.exported() if kept else {}),
+               "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
     _refuse_non_finite(task, metrics, tracker, engine.steps, ckpt.checkpointer.latest())
     # the model first: a run killed before the summary row has not finished, on the page
     counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
-    engine.export(task.tokenizer, task.export_dir, config=task.export_config(summary))
+    engine.export(task.tokenizer, task.export_dir, config=task.export_config(summary),
+                  weights=kept.weights if kept is not None and kept.record else None)
     tracker.log(summary, engine.steps, sources=counted)
     tracker.close()
     ckpt.clear()
@@ -134,11 +171,15 @@ def _refuse_non_finite(task: Task, metrics: dict[str, float], tracker: Tracker,
                              f"learning rate (or check the data), then run the step again{afresh}")
 
 
-def _evaluate_during(task: Task, engine: TrainEngine, tracker: Tracker) -> None:
-    """An evaluation between updates (sft/rm.eval_every), logged and said; training goes on
-    in train mode. It draws no random numbers, so the run trains as it would without it."""
+def _evaluate_during(task: Task, engine: TrainEngine, tracker: Tracker,
+                     kept: BestKept | None) -> None:
+    """An evaluation between updates (sft/rm.eval_every), logged and said, and `kept` if it
+    ranks best; training goes on in train mode. It draws no random numbers, so the run
+    trains as it would without it."""
     engine.eval()
     metrics = task.evaluate(engine)
+    if kept is not None:
+        kept.consider(engine, metrics)
     engine.train()
     if metrics:
         tracker.log(metrics, engine.steps)
@@ -167,7 +208,8 @@ def _windows(cfg: DictConfig, task: Task, position: dict, dp: DataParallel
 
 
 def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
-           ckpt: StepCheckpoints, tracker: Tracker, position: dict) -> dict:
+           ckpt: StepCheckpoints, tracker: Tracker, position: dict,
+           kept: BestKept | None = None) -> dict:
     """The accumulation windows from `position` on, an optimizer step each; returns the
     final position. Each batch's loss is its share of the window's mean (over all of the
     window's answer tokens or pairs), so k batches of b train what one batch of k*b does,
@@ -204,10 +246,11 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
                              "train/scale_overflows": scale.overflows} if scale.enabled else {})},
                         engine.steps)
         if section.eval_every and engine.steps % section.eval_every == 0:
-            _evaluate_during(task, engine, tracker)
+            _evaluate_during(task, engine, tracker, kept)
         epoch_done = index == steps_per_epoch
         ckpt.save_if_due(engine.steps, {
             "epoch": epoch + epoch_done, "batch": 0 if epoch_done else index,
             "tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start,
-            "before": position.get("before", {})}, tracker)
+            "before": position.get("before", {}),
+            **({"best": kept.record} if kept is not None else {})}, tracker)
     return {"tokens": tokens, "loss": loss, "seconds": time.perf_counter() - start}

@@ -214,14 +214,16 @@ def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_one, tmp_p
 
 
 # DPO: step 3 from the one-process run's step-1 actor alone, with gradient accumulation, the
-# NLL term and a last batch of one pair (a stand-in on rank 1); ARGS' PPO-only keys off
+# NLL term, a last batch of one pair (a stand-in on rank 1) and export=best (its kept weights
+# checkpointed); ARGS' PPO-only keys off
 def _dpo(single: Path, out: Path, *extra: str, fault: str = "", here: bool = False
          ) -> Finished:
     args = ("--step", "3", f"ppo.actor_path={single / 'actor'}", "ppo.algorithm=dpo",
             "ppo.actor_lora.dim=0", "ppo.ptx.enabled=false", "ppo.ema.enabled=false",
             "dpo.batch_size=5",
             "dpo.grad_accum=2", "dpo.lr=1e-3", "dpo.nll_coef=0.1", "dpo.log_every=1",
-            "dpo.eval_every=2", "dpo.eval_prompts=3", "dpo.eval_batch_size=3", *extra)
+            "dpo.eval_every=2", "dpo.eval_prompts=3", "dpo.eval_batch_size=3",
+            "dpo.export=best", "ppo.kl_budget=1000", *extra)
     if here:
         return train_here(["--output-dir", out, *ARGS, *args])
     return _train(out, *args, fault=fault)
@@ -242,12 +244,13 @@ def test_dpo_on_two_ranks_matches_one_process(single, dpo_one, tmp_path):
                      weight_mean=1e-6, steps=(3,), models=("step3/actor",))
     rows = _rows(dpo_one, 3)
     assert rows[0]["step"] == 0 and "eval/kl" in rows[0] and "train/nll" in rows[1]
+    assert 0 < rows[-1]["eval/step_exported"] < rows[-1]["step"]   # an earlier policy won
 
 
 def test_dpo_killed_run_resumes_to_the_same_end(single, dpo_one, tmp_path):
     """Killed after its second checkpoint, DPO resumes with the reference's log-probs
-    computed again and the evaluation before training kept (not made again from the
-    trained weights), to the uninterrupted run's end."""
+    computed again, the evaluation before training kept (not made again from the trained
+    weights) and export=best's kept policy restored, to the uninterrupted run's end."""
     assert _dpo(single, tmp_path, fault="kill:3:2").returncode != 0
     resumed = _ok(_dpo(single, tmp_path, "--resume", here=True))
     assert "step 3: resumed from" in resumed.stdout

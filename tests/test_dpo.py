@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import train
 from engine.data_parallel import DataParallel
@@ -137,8 +138,10 @@ def test_dpo_refuses_the_step_3_keys_it_would_ignore_and_needs_no_reward_model(
         "dpo.lora's)" in _refusal(capsys, tmp_path, "ppo.actor_lora.dim=8")
     assert "ppo.ptx.enabled=true: ppo.algorithm=dpo does not read it" in \
         _refusal(capsys, tmp_path, "ppo.ptx.enabled=true")
-    assert "ppo.export=best: ppo.algorithm=dpo does not read it (it exports the policy it " \
-        "ends with, as ppo.export=last does)" in _refusal(capsys, tmp_path, "ppo.export=best")
+    assert "ppo.export=best: ppo.algorithm=dpo does not read it (its export is " \
+        "dpo.export's)" in _refusal(capsys, tmp_path, "ppo.export=best")
+    assert "dpo.export=best chooses among the evaluations by their KL: give dpo.eval_every " \
+        "> 0 (it is 0)" in _refusal(capsys, tmp_path, "dpo.export=best")
     assert "dpo.warmup_steps=5 and dpo.warmup_ratio=0.1: give one" in \
         _refusal(capsys, tmp_path, "dpo.warmup_steps=5")
     assert "dpo.label_smoothing=0.5:" in _refusal(capsys, tmp_path, "dpo.label_smoothing=0.5")
@@ -176,3 +179,43 @@ def test_a_lora_dpo_run_starts_at_its_base_and_exports_a_merged_actor(tmp_path, 
     assert not any("lora" in name for name, _ in exported.named_parameters())
     assert not (out / "step3" / "critic").exists()
     assert (out / "step3" / "finished").exists()
+
+
+@pytest.fixture(scope="module")
+def sft_actor(tmp_path_factory, tok):
+    actor = tmp_path_factory.mktemp("sft") / "actor"
+    torch.manual_seed(0)
+    load_causal_lm("tiny-llama", tok, dtype=torch.float32).save_pretrained(actor)
+    tok.save_pretrained(actor)
+    return actor
+
+
+def _best_run(out, actor, budget: float) -> list[dict]:
+    train_here(["--step", "3", "--output-dir", out, f"ppo.actor_path={actor}",
+                "ppo.algorithm=dpo", "data.demo_pairs=200", "dpo.lr=1e-3", "dpo.batch_size=4",
+                "dpo.eval_every=5", "dpo.eval_prompts=6", "dpo.export=best",
+                f"ppo.kl_budget={budget}", "data.max_answer_len=8",
+                "logging.progress=false"]).check()
+    return [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()]
+
+
+def test_export_best_writes_the_top_evaluated_policy_within_the_kl_budget(tmp_path,
+                                                                         sft_actor):
+    """dpo.export=best: the evaluation (the start's included) with the highest ground truth
+    within ppo.kl_budget is what is written, and the summary names it; a budget that only
+    the start meets exports the SFT model's own weights."""
+    rows = _best_run(tmp_path / "wide", sft_actor, 1e9)
+    evaluations = [row for row in rows if "eval/ground_truth" in row][:-1]   # not the summary
+    summary = rows[-1]
+    top = max(evaluations, key=lambda row: (row["eval/ground_truth"], row["eval/accuracy"]))
+    assert len(evaluations) > 3 and summary["eval/step_exported"] == top["step"]
+    assert summary["eval/ground_truth_exported"] == top["eval/ground_truth"]
+    assert summary["eval/kl_exported"] == top["eval/kl"]
+
+    rows = _best_run(tmp_path / "tight", sft_actor, 1e-9)
+    assert rows[-1]["eval/step_exported"] == 0 and rows[-1]["eval/kl"] > 1e-9
+    exported = load_file(tmp_path / "tight" / "step3" / "actor" / "model.safetensors")
+    start = load_file(sft_actor / "model.safetensors")
+    assert exported.keys() == start.keys()
+    for name, value in start.items():
+        assert torch.equal(exported[name], value), name
