@@ -3,10 +3,11 @@ the step-1 actor trained offline on step 3's share of the preference pairs, agai
 itself frozen as the reference (or without one: SimPO, ORPO), with no reward model and no
 sampling. The reference's log-probs of every pair are computed once, before the first
 update (TRL's precompute_ref_log_probs); the reference is kept after that only to measure
-the KL of the evaluations' sampled answers (dpo.eval_prompts). Judged by held-out implicit-reward
-accuracy and, where there is a ground truth (ppo.eval_reward_fn, or the demo's), by the
-sampled and greedy answers' scores before and after, at their KL to the reference: the
-figures step 3's PPO evaluations report, on the same prompts and sampling seeds."""
+the KL of the evaluations' sampled answers (dpo.eval_prompts). Judged by held-out
+implicit-reward accuracy and, where there is a ground truth (ppo.eval_reward_fn, or the
+demo's), by the sampled and greedy answers' scores before and after, at their KL to the
+reference: the figures step 3's PPO evaluations report, on the same prompts and sampling
+seeds; dpo.export=best exports the best of them within the KL budget, as PPO does."""
 
 from __future__ import annotations
 
