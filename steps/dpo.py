@@ -11,6 +11,7 @@ seeds; dpo.export=best exports the best of them within the KL budget, as PPO doe
 
 from __future__ import annotations
 
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -328,4 +329,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         prepare=prepare, generates=True, evaluate_first=True,
         standing=partial(standing, budget=ppo.kl_budget or best_of_n_kl(
             ppo.best_of_n or DEFAULT_BEST_OF_N)) if dpo.export == "best" else None)
-    return supervised.run(cfg, task, model, dp, place, resume)
+    summary = supervised.run(cfg, task, model, dp, place, resume)
+    # an earlier run's critic and EMA (overwrite=true) must not pass for this run's
+    for stale in ("critic", "actor_ema"):
+        dp.write_once(partial(shutil.rmtree, task.export_dir.parent / stale, ignore_errors=True))
+    return summary

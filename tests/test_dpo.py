@@ -157,16 +157,21 @@ def test_a_lora_dpo_run_starts_at_its_base_and_exports_a_merged_actor(tmp_path, 
     """LoRA over a frozen base (fp32, or INT8 under engine.quantized_base): the reference is
     the base with the adapters off (no second copy; the integers the policy starts from,
     not the full-precision model), so the first evaluation reads log 2 and a KL of 0; the
-    actor exported merged loads as a plain causal LM, and no critic is written."""
+    actor exported merged loads as a plain causal LM, and no critic is left (an earlier
+    PPO run's, overwrite=true, is removed)."""
     actor = tmp_path / "sft"
     load_causal_lm("tiny-llama", tok, dtype=torch.float32).save_pretrained(actor)
     tok.save_pretrained(actor)
     out = tmp_path / "out"
+    for earlier in ("actor", "critic", "actor_ema"):   # as a finished PPO run leaves them
+        (out / "step3" / earlier).mkdir(parents=True)
+        (out / "step3" / earlier / "config.json").write_text("{}")
     quantized = ["engine.quantized_base.enabled=true"] if base == "int8" else []
     run = train_here(["--step", "3", "--output-dir", out, f"ppo.actor_path={actor}",
                       "ppo.algorithm=dpo", "data.demo_pairs=200", "dpo.lora.dim=4",
                       "dpo.lora.only_optimize_lora=true", "dpo.lr=1e-3", "dpo.eval_prompts=4",
-                      "data.max_answer_len=8", "logging.progress=false", *quantized]).check()
+                      "data.max_answer_len=8", "logging.progress=false", "overwrite=true",
+                      *quantized]).check()
     assert "step 3 (DPO) done" in run.stdout
     assert ("as int8" in run.stdout) == (base == "int8"), run.stdout
     rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()]
@@ -178,6 +183,7 @@ def test_a_lora_dpo_run_starts_at_its_base_and_exports_a_merged_actor(tmp_path, 
     exported = load_causal_lm(str(out / "step3" / "actor"), tok, dtype=torch.float32)
     assert not any("lora" in name for name, _ in exported.named_parameters())
     assert not (out / "step3" / "critic").exists()
+    assert not (out / "step3" / "actor_ema").exists()
     assert (out / "step3" / "finished").exists()
 
 
