@@ -51,6 +51,7 @@ from steps.ppo import (
 from steps.rlhf import (
     PER_TOKEN,
     REFERENCE_FREE,
+    DPOLossOut,
     answer_mask,
     dpo_loss,
     logprobs_of_tokens,
@@ -90,17 +91,24 @@ def pair_logps(sums: torch.Tensor, counts: torch.Tensor, per_token: bool
     return chosen, rejected
 
 
+def pair_loss(sums: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor,
+              dpo: DPOTrainConfig, num_pairs: int) -> DPOLossOut:
+    """dpo.loss on collate_dpo's rows [2B]: the policy's answer log-prob sums and token
+    counts, and the reference's sums (`ref_logps`), per token where the loss takes them."""
+    per_token = dpo.loss in PER_TOKEN
+    chosen, rejected = pair_logps(sums, counts, per_token)
+    ref_chosen, ref_rejected = pair_logps(ref_logps, counts, per_token)
+    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
+                    dpo.label_smoothing, num_pairs=num_pairs, gamma=dpo.simpo_gamma)
+
+
 def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample],
                dpo: DPOTrainConfig) -> tuple[torch.Tensor, dict]:
     """This process's share of the DPO loss (with dpo.nll_coef's term) and its statistics
     over `examples` (the batch, or its accumulation window)."""
     sums, counts = answer_logprobs(model, batch, packed=dpo.packing)
-    per_token = dpo.loss in PER_TOKEN
-    chosen, rejected = pair_logps(sums, counts, per_token)
-    ref_chosen, ref_rejected = pair_logps(batch["ref_logps"], counts, per_token)
     n = len(examples)
-    out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
-                   dpo.label_smoothing, num_pairs=n, gamma=dpo.simpo_gamma)
+    out = pair_loss(sums, counts, batch["ref_logps"], dpo, n)
     stats = {"train/accuracy": out.accuracy,
              "train/chosen_reward": out.chosen_rewards.sum() / n,
              "train/rejected_reward": out.rejected_rewards.sum() / n,
@@ -146,15 +154,11 @@ def evaluate(engine: TrainEngine, reference, examples: list[DPOExample], dpo: DP
     if not examples:
         return {}
     totals = torch.zeros(4, dtype=torch.float64)
-    per_token = dpo.loss in PER_TOKEN
     for batch in batches(examples, dpo.eval_batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
         rows = to_device(collate_dpo(share.rows, tokenizer.pad_token_id), dp.device)
         sums, counts = answer_logprobs(engine, rows, dpo.packing)
-        chosen, rejected = pair_logps(sums, counts, per_token)
-        ref_chosen, ref_rejected = pair_logps(rows["ref_logps"], counts, per_token)
-        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
-                       dpo.label_smoothing, num_pairs=1, gamma=dpo.simpo_gamma)
+        out = pair_loss(sums, counts, rows["ref_logps"], dpo, num_pairs=1)
         totals += share.weight * torch.tensor(
             [float(out.loss), float(out.accuracy), float(out.chosen_rewards.sum()),
              float(out.rejected_rewards.sum())], dtype=torch.float64)
