@@ -23,6 +23,8 @@ class Algorithm(NamedTuple):
     critic: bool                  # trains a critic (PPO's value model)
     groups: bool                  # compares the answers to one prompt: samples_per_prompt >= 2
     kl_in_loss: bool              # where ppo.kl_penalty=auto puts the KL: a loss term
+    pairs: bool = False           # trains on each group's best and worst answers as a
+                                  # preference pair, by DPO's loss: its beta is the KL's weight
 
 
 ALGORITHMS = {
@@ -32,6 +34,9 @@ ALGORITHMS = {
     "reinforce_pp": Algorithm("REINFORCE++", critic=False, groups=False, kl_in_loss=False),
     "reinforce_pp_baseline": Algorithm("REINFORCE++-baseline", critic=False, groups=True,
                                        kl_in_loss=False),
+    # Guo et al., 2024 (TRL's OnlineDPOTrainer); OpenRLHF's iterative DPO ranks best of n
+    "online_dpo": Algorithm("online DPO", critic=False, groups=True, kl_in_loss=False,
+                            pairs=True),
 }
 # trained offline on preference pairs (steps/dpo.py): no sampling, reward model or critic
 OFFLINE = ("dpo",)
@@ -186,6 +191,41 @@ def check_dpo(cfg: DictConfig) -> None:
                         f"> 0 (it is {cfg.dpo.eval_prompts})")
 
 
+# online DPO's loss has no advantage, ratio clip or token aggregation, and its KL is beta's
+NOT_READ_BY_ONLINE_DPO = {
+    "clip_range_high": "its loss has no ratio to clip",
+    "dual_clip": "its loss has no ratio to clip",
+    "kl_target": "the DPO loss's ppo.dpo_beta weighs the KL: there is no penalty to control",
+}
+
+
+def check_online_dpo(ppo) -> None:
+    """Refuse what online DPO would ignore or cannot do, naming the key."""
+    for key, why in NOT_READ_BY_ONLINE_DPO.items():
+        if getattr(ppo, key) not in (None, 0):
+            raise UserError(f"ppo.{key}={getattr(ppo, key)} is not read by "
+                            f"ppo.algorithm=online_dpo ({why}): drop it")
+    for key, value, default in (("kl_penalty", ppo.kl_penalty, "auto"),
+                                ("importance_ratio", ppo.importance_ratio, "token"),
+                                ("loss_aggregation", ppo.loss_aggregation, "token-mean")):
+        if value != default:
+            raise UserError(f"ppo.{key}={value} is not read by ppo.algorithm=online_dpo "
+                            f"(its loss is one per pair, its KL ppo.dpo_beta's): drop it")
+    if ppo.entropy_coef:
+        raise UserError(f"ppo.entropy_coef={ppo.entropy_coef}: online DPO's loss is one per "
+                        "pair and takes no entropy bonus; set ppo.entropy_coef=0")
+    if ppo.mask_truncated:
+        raise UserError("ppo.mask_truncated=true would leave a pair with one answer: with "
+                        "ppo.algorithm=online_dpo give ppo.missing_eos_penalty (e.g. 1.0), so "
+                        "that a cut-off answer loses its pair instead")
+    group = ppo.samples_per_prompt
+    for key in ("micro_batch_size", "forward_batch_size"):
+        size = getattr(ppo, key)
+        if size is not None and size % group:
+            raise UserError(f"ppo.{key}={size}: online DPO pairs the answers to one prompt, "
+                            f"so give a multiple of ppo.samples_per_prompt ({group})")
+
+
 def check_settings(ppo, quantized_base: bool = False) -> None:
     """Refuse step-3 settings that cannot work together, naming the keys (each key's own
     range is the schema's: steps/config.py). `quantized_base`: the actor's base is frozen
@@ -198,6 +238,14 @@ def check_settings(ppo, quantized_base: bool = False) -> None:
     if ALGORITHMS[ppo.algorithm].groups and ppo.samples_per_prompt < 2:
         raise UserError(f"ppo.samples_per_prompt={ppo.samples_per_prompt}: {ppo.algorithm} "
                         "compares the answers to one prompt; give 2 or more (e.g. 4)")
+    if ALGORITHMS[ppo.algorithm].pairs:
+        check_online_dpo(ppo)
+    else:
+        for key in ("dpo_beta", "dpo_loss"):
+            if getattr(ppo, key) is not None:
+                raise UserError(f"ppo.{key} sets online DPO's loss, and ppo.algorithm="
+                                f"{ppo.algorithm} does not read it: drop it, or set "
+                                "ppo.algorithm=online_dpo (offline DPO: the dpo section)")
     if ppo.dynamic_sampling and not ALGORITHMS[ppo.algorithm].groups:
         raise UserError(f"ppo.dynamic_sampling drops the prompts whose answers all score the "
                         f"same, which only a group algorithm learns nothing from: set "

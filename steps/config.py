@@ -232,15 +232,21 @@ class PPOConfig(OptimConfig):
     actor_lr: float = val(9.65e-6, ok=LEARNING_RATE)
     critic_lr: float = val(5e-6, ok=LEARNING_RATE)
     lr_scheduler: str = val("linear", ok=SCHEDULERS)   # OptimConfig's key, its own default
-    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp | reinforce_pp_baseline (all "
-                         "but ppo train no critic) | dpo: offline, on step 3's share of "
-                         "data.path's pairs against step 1's actor, no reward model (the "
-                         "dpo section)",
+    algorithm: str = val("ppo", "ppo | grpo | rloo | reinforce_pp | reinforce_pp_baseline | "
+                         "online_dpo: each group's best and worst answer by the reward, "
+                         "trained as a DPO pair (all but ppo train no critic) | dpo: "
+                         "offline, on step 3's share of data.path's pairs against step 1's "
+                         "actor, no reward model (the dpo section)",
                          one_of("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                                "dpo"))
+                                "online_dpo", "dpo"))
     samples_per_prompt: int = val(1, "answers sampled per prompt, a group (grpo, rloo and "
                                   "reinforce_pp_baseline need >= 2); rollout_batch_size "
                                   "counts prompts", COUNT)
+    dpo_beta: Optional[float] = val(None, "online_dpo: the DPO loss's beta, the weight of "  # noqa: UP045
+                                    "the KL to the reference; null: 0.1", POSITIVE)
+    dpo_loss: Optional[str] = val(None, "online_dpo: sigmoid (DPO) | ipo | hinge (SLiC), "  # noqa: UP045
+                                  "as the dpo section's loss; null: sigmoid",
+                                  one_of("sigmoid", "ipo", "hinge"))
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
     dynamic_sampling: bool = val(False, "DAPO's dynamic sampling (grpo, rloo, "
                                  "reinforce_pp_baseline): drop the prompts whose answers "

@@ -23,7 +23,10 @@ evaluations.
 `grpo` (rewards normalised within each prompt's group of `ppo.samples_per_prompt`
 answers), `rloo` (leave-one-out baseline within the group), `reinforce_pp` (discounted
 returns with a per-token KL penalty, normalised over the batch) and `reinforce_pp_baseline`
-(the same, each score less its group's mean first). The loop is the same.
+(the same, each score less its group's mean first). The loop is the same. `online_dpo`
+replaces the estimator and the clipped loss: each group's best and worst answer by the
+reward form a pair, trained by DPO's loss against the reference, whose `ppo.dpo_beta` is
+then the KL's weight (no penalty in the reward).
 
 All tensors of a rollout are answer-aligned [B, N] (see steps/rlhf.py): column j is answer
 token j of `sequences[:, P + j]`; the logits and values that belong to it sit at P+j-1.
@@ -108,7 +111,9 @@ from steps.rlhf import (
     loss_weights,
     masked_sum,
     overlong_penalty,
+    paired_dpo_loss,
     policy_loss,
+    preference_pairs,
     returns_to_go,
     sequence_rewards,
     statistic_weights,
@@ -157,6 +162,7 @@ KL_START_HORIZONS = 20        # the start's floor holds at most this many horizo
 # coefficients searched for the one whose optimum sits at the KL target (see best_of_n)
 KL_COEF_GRID = torch.logspace(-3, 3, 121, dtype=torch.float64)
 DEMO_GOLD = "steps.demo:score"
+DEFAULT_DPO_BETA = 0.1        # online DPO's, with ppo.dpo_beta null (TRL's and the dpo section's)
 
 
 class Settings(NamedTuple):
@@ -190,7 +196,8 @@ def resolve(cfg: DictConfig, total_samples: int = 0, labels: dict[str, Any] | No
     # must not turn off the KL controller and the budget with it
     budget = ppo.kl_budget or best_of_n_kl(ppo.best_of_n or DEFAULT_BEST_OF_N)
     target = ppo.kl_target if ppo.kl_target is not None else KL_TARGET_SHARE * budget
-    target = target if ppo.kl_coef > 0 else 0.0   # a coefficient of 0: no KL penalty at all
+    # a coefficient of 0: no KL penalty at all; online DPO's KL is its loss's beta's
+    target = target if ppo.kl_coef > 0 and not ALGORITHMS[ppo.algorithm].pairs else 0.0
     per_round = ppo.rollout_batch_size * ppo.samples_per_prompt
     horizon = ppo.kl_horizon or max(KL_HORIZON_SHARE * total_samples, per_round)
     sampling = SamplingSettings(ppo.max_new_tokens, ppo.temperature, ppo.top_p, ppo.top_k)
@@ -250,6 +257,15 @@ def _per_answer(baseline):
     return estimate
 
 
+def _preference_pairs(ppo, rewards, scores, penalty, kl, values, actions, kl_coef,
+                      group_size, dp):
+    """Online DPO's "advantages": each answer's pair label (rlhf.preference_pairs) on its
+    tokens, by its clipped score less its penalty (no KL: the loss holds it)."""
+    per_answer = sequence_rewards(scores, kl, actions, 0.0, ppo.score_clip, penalty)
+    labels = preference_pairs(per_answer, group_size)
+    return labels[:, None] * actions, per_answer[:, None] * actions
+
+
 # by ppo.algorithm (what each one is: steps/algorithms.py)
 ESTIMATORS = {
     "ppo": _gae,
@@ -258,6 +274,7 @@ ESTIMATORS = {
     "rloo": _per_answer(lambda r, g, ppo: leave_one_out_advantages(r, g)),
     "reinforce_pp": _returns_to_go,
     "reinforce_pp_baseline": _returns_to_go_baseline,
+    "online_dpo": _preference_pairs,
 }
 
 
@@ -579,7 +596,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
     engines = {"actor": models.actor, **({"critic": models.critic} if models.critic else {})}
     ckpt = StepCheckpoints(cfg, 3, rt, engines, extra={k: v for k, v in kept._asdict().items()
                                                        if v is not None})
-    position, metrics_rows = ckpt.restore(Progress(kl_coef=s.ppo.kl_coef)._asdict(), resume)
+    start_coef = 0.0 if s.algorithm.pairs else s.ppo.kl_coef   # online DPO: beta's, not a penalty
+    position, metrics_rows = ckpt.restore(Progress(kl_coef=start_coef)._asdict(), resume)
     tracker = Tracker(out, wandb_settings=cfg.logging.wandb, config=dict(step=3),
                       enabled=dp.reports, keep_rows=metrics_rows,
                       tensorboard=cfg.logging.tensorboard)
@@ -769,7 +787,8 @@ class Experience(NamedTuple):
     ref_logprobs: torch.Tensor    # [B, N] reference log-probs
     values: torch.Tensor          # [B, N] critic values (0 without a critic)
     rewards: torch.Tensor         # [B, N] KL penalty + clipped score on the last action
-    advantages: torch.Tensor      # [B, N]
+    advantages: torch.Tensor      # [B, N] (online DPO: each answer's pair label, 1 chosen,
+                                  # -1 rejected, 0 neither, on its actions)
     returns: torch.Tensor         # [B, N] the critic's targets
     scores: torch.Tensor          # [B] score of each answer (reward model and/or function)
     kl: torch.Tensor              # [B, N] per-token KL estimate actor/reference
@@ -892,7 +911,7 @@ def experience_of(models: Models, sampled: Sampled, s: Settings, dp: DataParalle
         values = values * actions
         critic.train()
     scores, penalty = sampled.scores, sampled.penalty
-    reward_kl_coef = 0.0 if s.kl.in_loss else kl_coef
+    reward_kl_coef = 0.0 if s.kl.in_loss or s.algorithm.pairs else kl_coef
     rewards, kl = kl_penalized_rewards(scores, logprobs, ref_logprobs, actions, reward_kl_coef,
                                        s.ppo.score_clip, s.kl.estimator, penalty)
     advantages, returns = ESTIMATORS[s.ppo.algorithm](
@@ -1097,7 +1116,8 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
     updates, stopped, tokens = 0, False, 0.0
     actor_trains = iteration >= s.ppo.critic_warmup   # else the critic alone learns
     for ppo_epoch in range(s.ppo.ppo_epochs):
-        order = torch.tensor(permutation(batch_size, s.seed + iteration * 131 + ppo_epoch))
+        order = micro_batch_order(batch_size, s.group if s.algorithm.pairs else 1,
+                                  s.seed + iteration * 131 + ppo_epoch)
         for micro in order.split(s.ppo.micro_batch_size) if batch_size else ():
             index, weight = dp.pick(share, micro)
             rows = exp.rows(index) if weight else exp.rows(index).without_actions()
@@ -1105,14 +1125,17 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
                                                 s.ppo.max_new_tokens)
             weights = (weights, statistic_weights(rows.loss_mask, s.ppo.loss_aggregation))
             count = dp.sum(float(local_count))[0]
-            if not count:   # every answer masked (ppo.mask_truncated): Adam would still move
+            pairs = dp.sum(float(_pairs_in(rows)))[0] if s.algorithm.pairs else None
+            # every answer masked (ppo.mask_truncated), or no pair (online DPO: every group
+            # tied): nothing to learn, and Adam would still move
+            if not count or pairs == 0:
                 continue
             ptx_batch = None
             if ptx and actor_trains:
                 ptx_batch = ptx_rows(ptx, ptx_batches, s.ppo.ptx.batch_size, s.seed,
                                      models.tokenizer.pad_token_id, dp)
             trained = train_on(rows, models, s, kl_coef, weights, count, ptx_batch, dp,
-                               train_actor=actor_trains)
+                               train_actor=actor_trains, pairs=pairs)
             if trained is None:   # target_kl: nothing trained, the PTX batch waits
                 stopped = True
                 break
@@ -1134,15 +1157,30 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
             "trained_tokens": tokens}, ptx_batches
 
 
+def micro_batch_order(batch_size: int, group: int, seed: int) -> torch.Tensor:
+    """[batch_size] a seeded order of a round's rows for its micro-batches: of whole groups
+    of `group` consecutive rows (each kept in its order), so that a micro-batch of a
+    multiple of `group` rows holds a prompt's answers together (online DPO's pairs)."""
+    groups = torch.tensor(permutation(batch_size // group, seed))
+    return (groups[:, None] * group + torch.arange(group)).flatten()
+
+
+def _pairs_in(rows: Experience) -> int:
+    """Online DPO: the pairs these rows hold (their chosen answers; a stand-in's: none)."""
+    return int(((rows.advantages.sum(1) > 0) & (rows.loss_mask != 0).any(1)).sum())
+
+
 def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float,
              weights: tuple[torch.Tensor, torch.Tensor], count: float, ptx: PtxRows | None,
-             dp: DataParallel, *, train_actor: bool = True
+             dp: DataParallel, *, train_actor: bool = True, pairs: float | None = None
              ) -> tuple[dict[str, float], dict[str, float]] | None:
     """One optimisation step of the actor (unless not `train_actor`: ppo.critic_warmup) and
     critic on this process's rows of a micro-batch, in forwards of `ppo.forward_batch_size`
     rows whose gradients add up.
     `weights` ([B, N] loss and statistics weights), `count`: the micro-batch's divisor over
     all processes (loss_weights), so the parts' losses and statistics sum to its own.
+    Online DPO: its loss on the micro-batch's `pairs` (all processes'; the forward chunks
+    hold whole groups) instead of the clipped one.
     Returns this process's shares of the statistics (their sums over processes are the
     micro-batch's), and the gradient norms (the whole micro-batch's already: NaN or inf
     where the update was skipped); None, with nothing updated, when the policy is already
@@ -1157,13 +1195,19 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     for i, (rows, real) in enumerate(chunks if train_actor else []):
         last, part_weights = i == len(chunks) - 1, action_weights[rows] * real
         logprobs, entropy = _policy_logprobs(actor, exp, rows, s)
-        actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
-                                part_weights, s.ppo.clip_range, count,
-                                s.ppo.clip_range_high, s.ppo.dual_clip,
-                                stat_weights[rows] * real,
-                                sequence_ratio=s.ppo.importance_ratio == "sequence")
-        for name, value in zip(("train/policy_loss", "train/clip_fraction", "train/approx_kl",
-                                "train/ratio"), actor_out, strict=True):
+        if s.algorithm.pairs:
+            actor_out = _pair_loss(logprobs, exp, rows, real, stat_weights, count, pairs, s)
+            names = ("train/policy_loss", "train/approx_kl", "train/pair_accuracy",
+                     "train/pair_margin")
+        else:
+            actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
+                                    part_weights, s.ppo.clip_range, count,
+                                    s.ppo.clip_range_high, s.ppo.dual_clip,
+                                    stat_weights[rows] * real,
+                                    sequence_ratio=s.ppo.importance_ratio == "sequence")
+            names = ("train/policy_loss", "train/clip_fraction", "train/approx_kl",
+                     "train/ratio")
+        for name, value in zip(names, actor_out, strict=True):
             add(name, value)
         # the whole micro-batch's KL from the sampling policy is known at its last part:
         # past the bound, the parts already backpropagated are dropped and nothing moves
@@ -1192,6 +1236,31 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
         norms["train/critic_grad_norm"] = _critic_step(models.critic, exp, chunks, weights,
                                                        count, s, add)
     return stats, norms
+
+
+class PairLossOut(NamedTuple):
+    loss: torch.Tensor           # scalar, differentiable: these rows' share of the DPO loss
+    approx_kl: torch.Tensor      # their share of the k3 KL per token from the sampling policy
+    accuracy: torch.Tensor       # their share of the pairs ranked right
+    margin: torch.Tensor         # their share of the mean implicit-reward margin
+
+
+def _pair_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool,
+               stat_weights: torch.Tensor, count: float, pairs: float, s: Settings
+               ) -> PairLossOut:
+    """train_on's online-DPO loss on rows `rows` (whole groups) of a micro-batch of `pairs`
+    pairs and `count` loss tokens (all processes'): rlhf.paired_dpo_loss with the
+    experience's reference log-probs (at the sampling temperature, as the policy's)."""
+    mask = exp.loss_mask[rows] * real
+    labels = torch.sign(exp.advantages[rows].sum(1))
+    out = paired_dpo_loss(logprobs, exp.ref_logprobs[rows], labels, mask, s.group,
+                          s.ppo.dpo_beta or DEFAULT_DPO_BETA, s.ppo.dpo_loss or "sigmoid",
+                          num_pairs=pairs)
+    with torch.no_grad():   # what target_kl reads, as policy_loss's approx_kl
+        log_ratio = torch.where(mask != 0, logprobs - exp.logprobs[rows], 0.0)
+        approx_kl = masked_sum(torch.exp(log_ratio) - 1.0 - log_ratio,
+                               stat_weights[rows] * real) / max(count, 1.0)
+    return PairLossOut(out.loss, approx_kl, out.accuracy, out.margin)
 
 
 def _policy_logprobs(actor: TrainEngine, exp: Experience, rows: slice, s: Settings

@@ -488,6 +488,30 @@ def informative_groups(scores: Tensor, group_size: int, score_clip: float,
     return groups.amax(dim=1) > groups.amin(dim=1)
 
 
+@torch.no_grad()
+def preference_pairs(rewards: Tensor, group_size: int) -> Tensor:
+    """Online DPO's pairs (Guo et al., 2024; best against worst of n, as OpenRLHF's iterative
+    DPO and Xiong et al., 2024 rank them): in each group the answer with the highest reward
+    is chosen and the one with the lowest rejected. A group whose rewards are all equal
+    states no preference and gives no pair. Ties for the top or the bottom go to the first
+    such answer.
+
+    Args:
+        rewards: [B] one reward per answer, B = prompts * group_size, each prompt's answers
+            consecutive. group_size: answers per prompt (>= 2).
+
+    Returns:
+        [B] float32 labels: 1 chosen, -1 rejected, 0 in no pair; a group holds one 1 and
+        one -1, or only zeros.
+    """
+    groups = _groups(rewards, group_size)
+    differ = (groups.amax(1) > groups.amin(1)).float()[:, None]
+    labels = torch.zeros(groups.shape, dtype=torch.float32, device=rewards.device)
+    labels.scatter_(1, groups.argmax(1, keepdim=True), differ)
+    labels.scatter_(1, groups.argmin(1, keepdim=True), -differ)
+    return labels.flatten()
+
+
 KL_PROPORTIONAL_GAIN = 1.0   # the coefficient's immediate answer to a KL e times the target: x e
 KL_INTEGRAL_GAIN = 0.2       # its drift per horizon at that error (Ziegler's most per horizon)
 
@@ -812,6 +836,53 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
         chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
         accuracy = (chosen_rewards > rejected_rewards).float().sum() / n
     return DPOLossOut(losses.sum() / n, chosen_rewards, rejected_rewards, accuracy)
+
+
+class PairedLossOut(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    accuracy: Tensor  # scalar, detached: share of the pairs (of num_pairs) dpo_loss ranks right
+    margin: Tensor  # scalar, detached: the chosen less the rejected implicit reward, summed
+                    # over these pairs / num_pairs
+    pairs: Tensor  # scalar: the pairs in these rows
+
+
+def paired_dpo_loss(logprobs: Tensor, ref_logprobs: Tensor, labels: Tensor, mask: Tensor,
+                    group_size: int, beta: float, loss_type: str = "sigmoid",
+                    num_pairs: float | None = None) -> PairedLossOut:
+    """Online DPO's loss over rollouts: dpo_loss on the pairs that ``labels`` mark
+    (preference_pairs), each answer's log-probability the sum of its tokens' (ipo: their
+    mean) under ``mask``.
+
+    Args:
+        logprobs: [B, N] the policy's log-prob of each answer token (differentiable).
+        ref_logprobs: [B, N] the reference's. labels: [B] 1 chosen, -1 rejected, 0 neither.
+        mask: [B, N] the answers' tokens; a row without any is in no pair (a stand-in).
+        group_size: the rows are whole groups of this many answers to one prompt, each
+            group's consecutive; a pair's two rows are in one group.
+        num_pairs: the count the means divide by; default these rows' pairs (give the
+            whole batch's when these rows are one part of it).
+
+    Returns:
+        PairedLossOut; 0 loss, not NaN, without a pair.
+    """
+    keep = mask != 0
+    real = keep.any(1)
+    chosen, rejected = (labels > 0) & real, (labels < 0) & real
+    groups = torch.arange(len(labels), device=labels.device) // group_size
+    if len(labels) % group_size or not torch.equal(groups[chosen], groups[rejected]):
+        raise ValueError(f"the pairs of {len(labels)} rows are not within groups of "
+                         f"{group_size} consecutive rows: give whole groups")
+    zeros = torch.zeros((), device=logprobs.device)
+    policy = torch.where(keep, logprobs.float(), zeros).sum(1)
+    reference = torch.where(keep, ref_logprobs.float(), zeros).sum(1)
+    if loss_type in PER_TOKEN:
+        tokens = keep.sum(1).clamp(min=1)
+        policy, reference = policy / tokens, reference / tokens
+    n = num_pairs or max(int(chosen.sum()), 1)
+    out = dpo_loss(policy[chosen], policy[rejected], reference[chosen], reference[rejected],
+                   beta, loss_type, num_pairs=n)
+    margin = (out.chosen_rewards - out.rejected_rewards).sum() / n
+    return PairedLossOut(out.loss, out.accuracy, margin, chosen.sum().float())
 
 
 def _pair_losses(chosen: Tensor, rejected: Tensor, beta: float, loss_type: str,

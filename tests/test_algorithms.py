@@ -374,6 +374,29 @@ def settings(**changes):
     (dict(normalize_reward=True, reward_model_weight=0.0, reward_fn="steps.demo:score"),
      "ppo.normalize_reward=true standardises the reward model's scores, and "
      "ppo.reward_model_weight=0 uses no reward model"),
+    (dict(algorithm="online_dpo"), "ppo.samples_per_prompt=1: online_dpo compares"),
+    (dict(algorithm="online_dpo", samples_per_prompt=3, micro_batch_size=8),
+     "ppo.micro_batch_size=8: online DPO pairs the answers to one prompt, so give a multiple "
+     "of ppo.samples_per_prompt (3)"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, forward_batch_size=2),
+     "ppo.forward_batch_size=2: online DPO pairs"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, kl_target=1.0),
+     "ppo.kl_target=1.0 is not read by ppo.algorithm=online_dpo (the DPO loss's ppo.dpo_beta "
+     "weighs the KL"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, dual_clip=3.0), "ppo.dual_clip=3.0 is "
+     "not read"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, kl_penalty="loss"),
+     "ppo.kl_penalty=loss is not read by ppo.algorithm=online_dpo"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, loss_aggregation="seq-mean"),
+     "ppo.loss_aggregation=seq-mean is not read"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, entropy_coef=0.01),
+     "ppo.entropy_coef=0.01: online DPO's loss is one per pair"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, mask_truncated=True),
+     "ppo.mask_truncated=true would leave a pair with one answer"),
+    (dict(algorithm="grpo", samples_per_prompt=4, dpo_beta=0.5), "ppo.dpo_beta sets online "
+     "DPO's loss, and ppo.algorithm=grpo does not read it"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, dpo_loss="simpo"),
+     "ppo.dpo_loss=simpo: choose one of sigmoid, ipo, hinge"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
     """Each key's own range is the schema's (steps/config.py), the rules between keys
@@ -389,7 +412,8 @@ def test_the_schema_accepts_every_algorithm_of_the_table():
     rule = next(f for f in fields(PPOConfig) if f.name == "algorithm").metadata["ok"]
     assert all(rule.test(name) for name in (*algorithms.ALGORITHMS, *algorithms.OFFLINE))
     assert not rule.test("kto")
-    assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    assert algorithms.CRITIC_FREE == ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                                      "online_dpo")
     assert ppo.ESTIMATORS.keys() == algorithms.ALGORITHMS.keys()   # each has its estimator
 
 

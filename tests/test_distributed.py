@@ -22,6 +22,7 @@ process); being deterministic, its kill-and-resume is still exact to 1e-6.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -211,6 +212,24 @@ def test_grpo_killed_run_resumes_with_its_kl_coefficient(single, grpo_one, tmp_p
     assert "step 3: resumed from" in resumed.stdout and "iteration 4" in resumed.stdout
     _assert_same_run(tmp_path, grpo_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
                      weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
+
+
+def test_online_dpo_on_two_ranks_matches_one_process(single, tmp_path):
+    """Online DPO's pairs (groups of 2, with ARGS' LoRA, EMA, PTX and forward chunks of one
+    group) stay on the rank that sampled them: a micro-batch of two groups is one rank's
+    or both ranks', and its loss is over all its pairs. ZeRO-3 on two ranks ends where one
+    process does."""
+    args = ("--step", "3", f"ppo.actor_path={single / 'actor'}",
+            f"ppo.reward_path={single / 'reward'}", "ppo.algorithm=online_dpo",
+            "ppo.samples_per_prompt=2", "ppo.missing_eos_penalty=0.5", "ppo.dpo_beta=0.2")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _ok(train_here(["--output-dir", one, *ARGS, *args]))
+    _ok(_train(two, *args, "engine.procs=2", "--actor-zero-stage", "3"))
+    _assert_same_run(two, one, rtol=1e-5, atol=1e-5, weight_max=2e-4, weight_mean=1e-6,
+                     steps=(3,), models=("step3/actor", "step3/actor_ema"))
+    rows = [r for r in _rows(one, 3) if "train/pair_accuracy" in r]
+    assert rows and all(r["kl_coef"] == 0 for r in rows) and "train/ptx_loss" in rows[0]
+    assert rows[0]["train/policy_loss"] == pytest.approx(math.log(2), abs=0.05)
 
 
 # DPO: step 3 from the one-process run's step-1 actor alone, with gradient accumulation, the
