@@ -6,6 +6,7 @@
     python train.py --deployment-type single_node --actor-zero-stage 3 ...  # all GPUs here
     python train.py engine.device=cpu engine.procs=4    # 4 CPU processes (gloo)
     python train.py --actor-model ... --step 1 3 ppo.algorithm=dpo   # DPO: no reward model
+    python train.py ... ppo.algorithm=online_dpo ppo.samples_per_prompt=4   # pairs sampled
 
 Flags follow DeepSpeed-Chat; every further `key=value` argument is a Hydra override of a
 key of steps/config.py (see --help for all keys).
@@ -129,7 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(
         prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="RLHF in three steps: 1 SFT, 2 reward model, 3 PPO (or GRPO, RLOO, "
-                    "REINFORCE++; or DPO on the pairs alone: ppo.algorithm=dpo, no step 2). "
+                    "REINFORCE++, online DPO on the reward model's ranking of sampled "
+                    "answers; or DPO on the pairs alone: ppo.algorithm=dpo, no step 2). "
                     "With no model flags it runs the built-in demo (tiny models, generated "
                     "data, CPU-friendly).",
         epilog="Hydra overrides: any `key=value` after the flags sets a config key, e.g.\n"

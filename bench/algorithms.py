@@ -37,10 +37,18 @@ demo step-1/2 run per seed (DPO reads its actor alone). Per run: the ground trut
 held-out prompts' sampled answers before -> after (PPO: after, and the policy it exports),
 the greedy answers' after, the sampled answers' KL to the SFT model, and step 3's time.
 
-Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|dpo|all] [--seeds 1,2,3]
+--part online: online DPO (ppo.algorithm=online_dpo: each group's best and worst answer by
+the step-2 reward model, a DPO pair) at several betas, beside PPO and the SFT model's
+best-of-16, each from one demo step-1/2 run per seed, with the demo recipe's step 3
+otherwise (16 prompts x 4 answers a round, export=best within best-of-16's KL). Per run:
+the ground truth of the held-out sampled answers before -> after and of the policy it
+exports, with the KL of each, and step 3's time.
+
+Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|dpo|online|all]
+      [--seeds 1,2,3]
       [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline,gspo] [--rewards rm,fn]
-      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min, dpo ~20 min for 3 seeds on 2
-      cores, alone)
+      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min, dpo ~20 min, online ~15 min
+      for 3 seeds on 2 cores, alone)
 """
 
 from __future__ import annotations
@@ -79,14 +87,15 @@ DPO = {"dpo": [], "dpo beta 0.5": ["dpo.beta=0.5"], "dpo beta 1": ["dpo.beta=1"]
        # moves the SFT model)
        "simpo": ["dpo.loss=simpo", "dpo.beta=2", "dpo.simpo_gamma=1", "dpo.lr=1e-4"],
        "orpo beta 1": ["dpo.loss=orpo", "dpo.beta=1", "dpo.nll_coef=1"]}
+ONLINE = {"online dpo": [], "beta 1": ["ppo.dpo_beta=1"], "beta 2": ["ppo.dpo_beta=2"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
           "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["all", "algorithms", "hacking", "dynamic", "dpo"],
-                        default="all")
+    parser.add_argument("--part", default="all",
+                        choices=["all", "algorithms", "hacking", "dynamic", "dpo", "online"])
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--algorithms", default=",".join(SETTINGS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
@@ -103,6 +112,8 @@ def main() -> None:
         dynamic_sampling(root, seeds)
     if args.part in ("all", "dpo"):
         dpo(root, seeds)
+    if args.part in ("all", "online"):
+        online_dpo(root, seeds)
 
 
 def hacking(root: Path, seeds: list[int]) -> None:
@@ -230,6 +241,42 @@ def dpo(root: Path, seeds: list[int]) -> None:
     print(f"\n{'run':<14}{'mean final':>11}  (PPO: exported)")
     for name, runs in finals.items():
         print(f"{name:<14}{statistics.fmean(runs):>11.3f}")
+
+
+def online_dpo(root: Path, seeds: list[int]) -> None:
+    runs = {"ppo": [], **{name: ["ppo.algorithm=online_dpo", *flags]
+                          for name, flags in ONLINE.items()}}
+    lines, finals = [], {name: [] for name in (*runs, "best-of-16")}
+    for seed in seeds:
+        base = demo_steps12(root, seed)
+        for name, flags in runs.items():
+            out = root / f"{'dpo' if name == 'ppo' else 'online'}-{name.replace(' ', '-')}-{seed}"
+            if not (out / "step3" / "finished").exists():   # PPO's: --part dpo's run
+                train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
+                      f"ppo.reward_path={base / 'reward'}", *flags)
+            metrics = rows(out / "step3" / "metrics.jsonl")
+            baseline, final = metrics[0], metrics[-1]
+            if name == "ppo":
+                bon = (baseline["baseline/best_of_16_ground_truth"],
+                       baseline["baseline/best_of_16_kl"])
+                finals["best-of-16"].append(bon)
+                lines.append(f"{seed:>5}  {'best-of-16':<17}{'':>16}{bon[0]:>9.3f}"
+                             f"{bon[1]:>7.3f}{'':>8}")
+            exported = (final["eval/ground_truth_exported"], final["eval/kl_exported"])
+            finals[name].append(exported)
+            lines.append(
+                f"{seed:>5}  {name:<17}{final['eval/ground_truth_before']:>7.3f} -> "
+                f"{final['eval/ground_truth_after']:.3f}{exported[0]:>9.3f}"
+                f"{exported[1]:>7.3f}{final['eval/kl_after']:>8.3f}"
+                f"{final['time/seconds']:>8.1f}")
+            print(lines[-1], flush=True)
+    print(f"\n{'seed':>5}  {'run':<17}{'ground truth':>16}{'exported':>9}{'KL':>7}"
+          f"{'KL end':>8}{'s':>8}")
+    print("\n".join(lines))
+    print(f"\n{'run':<17}{'exported':>9}{'KL':>7}  (means over the seeds)")
+    for name, got in finals.items():
+        print(f"{name:<17}{statistics.fmean(g for g, _ in got):>9.3f}"
+              f"{statistics.fmean(k for _, k in got):>7.3f}")
 
 
 def demo_steps12(root: Path, seed: int) -> Path:
