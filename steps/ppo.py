@@ -1195,27 +1195,16 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     for i, (rows, real) in enumerate(chunks if train_actor else []):
         last, part_weights = i == len(chunks) - 1, action_weights[rows] * real
         logprobs, entropy = _policy_logprobs(actor, exp, rows, s)
-        if s.algorithm.pairs:
-            actor_out = _pair_loss(logprobs, exp, rows, real, stat_weights, count, pairs, s)
-            names = ("train/policy_loss", "train/approx_kl", "train/pair_accuracy",
-                     "train/pair_margin")
-        else:
-            actor_out = policy_loss(logprobs, exp.logprobs[rows], exp.advantages[rows],
-                                    part_weights, s.ppo.clip_range, count,
-                                    s.ppo.clip_range_high, s.ppo.dual_clip,
-                                    stat_weights[rows] * real,
-                                    sequence_ratio=s.ppo.importance_ratio == "sequence")
-            names = ("train/policy_loss", "train/clip_fraction", "train/approx_kl",
-                     "train/ratio")
-        for name, value in zip(names, actor_out, strict=True):
-            add(name, value)
+        actor_out = _actor_loss(logprobs, exp, rows, real, weights, count, pairs, s)
+        for name, value in actor_out._asdict().items():
+            add(f"train/{name}", value)
         # the whole micro-batch's KL from the sampling policy is known at its last part:
         # past the bound, the parts already backpropagated are dropped and nothing moves
         if last and s.ppo.target_kl is not None and \
                 dp.sum(stats["train/approx_kl"])[0] > s.ppo.target_kl:
             actor.discard()
             return None
-        loss = actor_out.loss
+        loss = actor_out.policy_loss
         if s.kl.in_loss:
             kl_loss = masked_sum(kl_estimate(logprobs, exp.ref_logprobs[rows],
                                              exp.action_mask[rows], s.kl.estimator),
@@ -1238,11 +1227,33 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     return stats, norms
 
 
-class PairLossOut(NamedTuple):
-    loss: torch.Tensor           # scalar, differentiable: these rows' share of the DPO loss
+class PairLossOut(NamedTuple):   # the field names are the logged statistics' (train/...)
+    policy_loss: torch.Tensor    # scalar, differentiable: these rows' share of the DPO loss
     approx_kl: torch.Tensor      # their share of the k3 KL per token from the sampling policy
-    accuracy: torch.Tensor       # their share of the pairs ranked right
-    margin: torch.Tensor         # their share of the mean implicit-reward margin
+    pair_accuracy: torch.Tensor  # their share of the pairs ranked right
+    pair_margin: torch.Tensor    # their share of the mean implicit-reward margin
+
+
+class ClippedLossOut(NamedTuple):   # rlhf.PolicyLossOut under the logged names
+    policy_loss: torch.Tensor
+    clip_fraction: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio: torch.Tensor
+
+
+def _actor_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool,
+                weights: tuple[torch.Tensor, torch.Tensor], count: float,
+                pairs: float | None, s: Settings) -> PairLossOut | ClippedLossOut:
+    """train_on's actor loss on rows `rows` of a micro-batch (`real`: not a stand-in's):
+    the clipped policy loss, or online DPO's on the micro-batch's `pairs`; its first field
+    is the loss, the rest statistics."""
+    action_weights, stat_weights = weights
+    if s.algorithm.pairs:
+        return _pair_loss(logprobs, exp, rows, real, stat_weights, count, pairs, s)
+    return ClippedLossOut(*policy_loss(
+        logprobs, exp.logprobs[rows], exp.advantages[rows], action_weights[rows] * real,
+        s.ppo.clip_range, count, s.ppo.clip_range_high, s.ppo.dual_clip,
+        stat_weights[rows] * real, sequence_ratio=s.ppo.importance_ratio == "sequence"))
 
 
 def _pair_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool,

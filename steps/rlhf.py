@@ -869,7 +869,7 @@ def paired_dpo_loss(logprobs: Tensor, ref_logprobs: Tensor, labels: Tensor, mask
     real = keep.any(1)
     chosen, rejected = (labels > 0) & real, (labels < 0) & real
     groups = torch.arange(len(labels), device=labels.device) // group_size
-    if len(labels) % group_size or not torch.equal(groups[chosen], groups[rejected]):
+    if not torch.equal(groups[chosen], groups[rejected]):
         raise ValueError(f"the pairs of {len(labels)} rows are not within groups of "
                          f"{group_size} consecutive rows: give whole groups")
     zeros = torch.zeros((), device=logprobs.device)
