@@ -32,10 +32,11 @@ Per run: the ground truth before -> after and exported (its iteration and KL), t
 iterations, the final learning rate and step 3's time.
 
 --part dpo: DPO (ppo.algorithm=dpo: offline, on step 3's share of the pairs, no reward
-model) at several betas and losses, beside PPO (the demo recipe's step 3), each from one
-demo step-1/2 run per seed (DPO reads its actor alone). Per run: the ground truth of the
-held-out prompts' sampled answers before -> after (PPO: after, and the policy it exports),
-the greedy answers' after, the sampled answers' KL to the SFT model, and step 3's time.
+model) at several betas and losses (KTO's among them), beside PPO (the demo recipe's step
+3), each from one demo step-1/2 run per seed (DPO reads its actor alone). Per run: the
+ground truth of the held-out prompts' sampled answers before -> after (PPO: after, and
+the policy it exports), the greedy answers' after, the sampled answers' KL to the SFT
+model, and step 3's time.
 
 --part online: online DPO (ppo.algorithm=online_dpo: each group's best and worst answer by
 the step-2 reward model, a DPO pair) at several betas, beside PPO and the SFT model's
@@ -47,6 +48,7 @@ exports, with the KL of each, and step 3's time.
 Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|dpo|online|all]
       [--seeds 1,2,3]
       [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline,gspo] [--rewards rm,fn]
+      [--dpo-runs "dpo,kto,kto beta 0.5"] (--part dpo: these of its runs; default all)
       (algorithms ~25 min, hacking ~15 min, dynamic ~7 min, dpo ~20 min, online ~15 min
       for 3 seeds on 2 cores, alone)
 """
@@ -86,7 +88,12 @@ DPO = {"dpo": [], "dpo beta 0.5": ["dpo.beta=0.5"], "dpo beta 1": ["dpo.beta=1"]
        # KL of 36), ORPO with the NLL term its paper adds, its odds-ratio weight 1 (0.1 barely
        # moves the SFT model)
        "simpo": ["dpo.loss=simpo", "dpo.beta=2", "dpo.simpo_gamma=1", "dpo.lr=1e-4"],
-       "orpo beta 1": ["dpo.loss=orpo", "dpo.beta=1", "dpo.nll_coef=1"]}
+       "orpo beta 1": ["dpo.loss=orpo", "dpo.beta=1", "dpo.nll_coef=1"],
+       # KTO: each pair's answers as one desirable and one undesirable
+       "kto": ["dpo.loss=kto"], "kto beta 0.5": ["dpo.loss=kto", "dpo.beta=0.5"],
+       "kto beta 1": ["dpo.loss=kto", "dpo.beta=1"],
+       # held to best-of-16's KL as PPO is: the best of its evaluations every 20 updates
+       "kto best": ["dpo.loss=kto", "dpo.export=best", "dpo.eval_every=20"]}
 ONLINE = {"online dpo": [], "beta 1": ["ppo.dpo_beta=1"], "beta 2": ["ppo.dpo_beta=2"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
           "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
@@ -99,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--algorithms", default=",".join(SETTINGS))
     parser.add_argument("--rewards", default=",".join(REWARDS))
+    parser.add_argument("--dpo-runs", default=",".join(DPO))
     parser.add_argument("--out", default="/tmp/bench-algorithms")
     args = parser.parse_args()
     root = Path(args.out)
@@ -111,7 +119,7 @@ def main() -> None:
     if args.part in ("all", "dynamic"):
         dynamic_sampling(root, seeds)
     if args.part in ("all", "dpo"):
-        dpo(root, seeds)
+        dpo(root, seeds, args.dpo_runs.split(","))
     if args.part in ("all", "online"):
         online_dpo(root, seeds)
 
@@ -205,8 +213,11 @@ def dynamic_sampling(root: Path, seeds: list[int]) -> None:
               f"{statistics.fmean(e for _, e in runs):>15.3f}")
 
 
-def dpo(root: Path, seeds: list[int]) -> None:
-    lines, finals = [], {name: [] for name in ("ppo", *DPO)}
+def dpo(root: Path, seeds: list[int], names: list[str]) -> None:
+    unknown = sorted(set(names) - set(DPO))
+    if unknown:
+        raise SystemExit(f"--dpo-runs: no run {', '.join(unknown)}; choose from {', '.join(DPO)}")
+    lines, finals = [], {name: [] for name in ("ppo", *names)}
     for seed in seeds:
         base = demo_steps12(root, seed)
         out = root / f"dpo-ppo-{seed}"
@@ -223,22 +234,28 @@ def dpo(root: Path, seeds: list[int]) -> None:
             f"{final['eval/kl_after']:>8.3f} (exported {final['eval/kl_exported']:.3f})"
             f"{final['time/seconds']:>8.1f}")
         print(lines[-1], flush=True)
-        for name, flags in DPO.items():
+        for name in names:
+            flags = DPO[name]
             out = root / f"dpo-{name.replace(' ', '-')}-{seed}"
             train(out, "--step", "3", f"seed={seed}", f"ppo.actor_path={base / 'actor'}",
                   "ppo.algorithm=dpo", *flags)
             final = rows(out / "step3" / "metrics.jsonl")[-1]
-            finals[name].append(final["eval/ground_truth"])
+            kept = "eval/step_exported" in final   # dpo.export=best: the policy it writes
+            finals[name].append(final["eval/ground_truth_exported" if kept else
+                                      "eval/ground_truth"])
+            exported, kl_exported = ((f" (exported {final['eval/ground_truth_exported']:.3f})",
+                                      f" (exported {final['eval/kl_exported']:.3f})")
+                                     if kept else ("", ""))
             lines.append(
                 f"{seed:>5}  {name:<14}{final['eval/ground_truth_before']:>9.3f} -> "
-                f"{final['eval/ground_truth']:.3f}{'':>19}"
-                f"{final['eval/greedy_ground_truth']:>9.3f}{final['eval/kl']:>8.3f}{'':>19}"
-                f"{final['time/seconds']:>8.1f}")
+                f"{final['eval/ground_truth']:.3f}{exported:<19}"
+                f"{final['eval/greedy_ground_truth']:>9.3f}{final['eval/kl']:>8.3f}"
+                f"{kl_exported:<19}{final['time/seconds']:>8.1f}")
             print(lines[-1], flush=True)
     print(f"\n{'seed':>5}  {'run':<14}{'ground truth (sampled)':>37}{'greedy':>9}"
           f"{'KL':>8}{'':>19}{'s':>8}")
     print("\n".join(lines))
-    print(f"\n{'run':<14}{'mean final':>11}  (PPO: exported)")
+    print(f"\n{'run':<14}{'mean final':>11}  (PPO, export=best: exported)")
     for name, runs in finals.items():
         print(f"{name:<14}{statistics.fmean(runs):>11.3f}")
 

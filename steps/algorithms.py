@@ -174,6 +174,11 @@ NOT_READ_BY_DPO = {
 }
 
 
+# the dpo keys that only some of its losses read
+DPO_LOSS_KEYS = {"label_smoothing": ("sigmoid",), "simpo_gamma": ("simpo",),
+                 "desirable_weight": ("kto",), "undesirable_weight": ("kto",)}
+
+
 def check_dpo(cfg: DictConfig) -> None:
     """Refuse the step-3 keys that DPO would ignore (NOT_READ_BY_DPO), set to other than
     their defaults, each named with what DPO reads instead."""
@@ -185,6 +190,11 @@ def check_dpo(cfg: DictConfig) -> None:
             shown = as_yaml(list(value) if isinstance(value, ListConfig) else value)
             raise UserError(f"{key}={shown}: ppo.algorithm=dpo does not read it ({instead}); "
                             "drop it, or choose another ppo.algorithm")
+    for key, losses in DPO_LOSS_KEYS.items():
+        value = cfg.dpo[key]
+        if value != DEFAULTS[f"dpo.{key}"] and cfg.dpo.loss not in losses:
+            raise UserError(f"dpo.{key}={value} is read by dpo.loss={' or '.join(losses)} "
+                            f"only, not by dpo.loss={cfg.dpo.loss}: drop it, or choose that loss")
     if cfg.dpo.export == "best" and not (cfg.dpo.eval_every and cfg.dpo.eval_prompts):
         raise UserError(f"dpo.export=best chooses among the evaluations by their KL: give "
                         f"dpo.eval_every > 0 (it is {cfg.dpo.eval_every}) and dpo.eval_prompts "

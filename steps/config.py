@@ -158,15 +158,23 @@ class DPOTrainConfig(TrainConfig):
     loss: str = val("sigmoid", "sigmoid: DPO (Rafailov et al., 2023) | ipo: IPO (Azar et al., "
                     "2023) | hinge: SLiC (Zhao et al., 2023) | simpo: SimPO (Meng et al., "
                     "2024; e.g. beta 2, simpo_gamma 1) | orpo: ORPO (Hong et al., 2024; with "
-                    "nll_coef 1, as its paper); ipo, simpo and orpo on per-token mean "
-                    "log-probs, simpo and orpo without a reference",
-                    one_of("sigmoid", "ipo", "hinge", "simpo", "orpo"))
+                    "nll_coef 1, as its paper) | kto: KTO (Ethayarajh et al., 2024; each "
+                    "pair's chosen answer desirable, its rejected one undesirable); ipo, "
+                    "simpo and orpo on per-token mean log-probs, simpo and orpo without a "
+                    "reference",
+                    one_of("sigmoid", "ipo", "hinge", "simpo", "orpo", "kto"))
     label_smoothing: float = val(0.0, "sigmoid: the chance that a pair's label is wrong "
                                  "(cDPO; TRL's label_smoothing, OpenRLHF's "
                                  "--label_smoothing); 0: labels trusted",
                                  within(0, 0.5, high_open=True))
     simpo_gamma: float = val(0.5, "simpo: the margin the chosen answer's reward must pass "
                              "(TRL's simpo_gamma)", NON_NEGATIVE)
+    desirable_weight: float = val(1.0, "kto: the weight of a desirable (chosen) answer's "
+                                  "loss (TRL's desirable_weight; the paper keeps desirable "
+                                  "x its count / (undesirable x its count) within 1 to 4/3)",
+                                  POSITIVE)
+    undesirable_weight: float = val(1.0, "kto: the weight of an undesirable (rejected) "
+                                    "answer's loss (TRL's undesirable_weight)", POSITIVE)
     nll_coef: float = val(0.0, "adds this x the chosen answers' token cross entropy (RPO, "
                           "Pang et al., 2024; OpenRLHF's --nll_loss_coef); 0: off",
                           NON_NEGATIVE)

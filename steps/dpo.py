@@ -1,13 +1,14 @@
-"""Step 3 by direct preference optimisation (ppo.algorithm=dpo; Rafailov et al., 2023):
-the step-1 actor trained offline on step 3's share of the preference pairs, against
-itself frozen as the reference (or without one: SimPO, ORPO), with no reward model and no
-sampling. The reference's log-probs of every pair are computed once, before the first
-update (TRL's precompute_ref_log_probs); the reference is kept after that only to measure
-the KL of the evaluations' sampled answers (dpo.eval_prompts). Judged by held-out
-implicit-reward accuracy and, where there is a ground truth (ppo.eval_reward_fn, or the
-demo's), by the sampled and greedy answers' scores before and after, at their KL to the
-reference: the figures step 3's PPO evaluations report, on the same prompts and sampling
-seeds; dpo.export=best exports the best of them within the KL budget, as PPO does."""
+"""Step 3 by direct preference optimisation (ppo.algorithm=dpo; Rafailov et al., 2023): the
+step-1 actor trained offline on step 3's share of the preference pairs, against itself
+frozen as the reference (or without one: SimPO, ORPO; KTO reads each pair as a desirable
+and an undesirable answer), with no reward model and no sampling. The reference's
+log-probs of every pair are computed once, before the first update (TRL's
+precompute_ref_log_probs); the reference is kept after that only to measure the KL of the
+evaluations' sampled answers (dpo.eval_prompts). Judged by held-out implicit-reward
+accuracy and, where there is a ground truth (ppo.eval_reward_fn, or the demo's), by the
+sampled and greedy answers' scores before and after, at their KL to the reference: the
+figures step 3's PPO evaluations report, on the same prompts and sampling seeds;
+dpo.export=best exports the best of them within the KL budget, as PPO does."""
 
 from __future__ import annotations
 
@@ -49,11 +50,14 @@ from steps.ppo import (
     row_seeds,
 )
 from steps.rlhf import (
+    KTO,
     PER_TOKEN,
     REFERENCE_FREE,
     DPOLossOut,
     answer_mask,
     dpo_loss,
+    kto_kl_point,
+    kto_loss,
     logprobs_of_tokens,
     masked_sum,
     sequence_logprobs,
@@ -92,24 +96,50 @@ def pair_logps(sums: torch.Tensor, counts: torch.Tensor, per_token: bool
 
 
 def pair_loss(sums: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor,
-              dpo: DPOTrainConfig, num_pairs: int) -> DPOLossOut:
+              dpo: DPOTrainConfig, num_pairs: int, kl_point: float = 0.0) -> DPOLossOut:
     """dpo.loss on collate_dpo's rows [2B]: the policy's answer log-prob sums and token
-    counts, and the reference's sums (`ref_logps`), per token where the loss takes them."""
+    counts, and the reference's sums (`ref_logps`), per token where the loss takes them
+    (kto: at the reference point `kl_point`)."""
     per_token = dpo.loss in PER_TOKEN
     chosen, rejected = pair_logps(sums, counts, per_token)
     ref_chosen, ref_rejected = pair_logps(ref_logps, counts, per_token)
+    if dpo.loss == KTO:
+        return kto_loss(chosen, rejected, ref_chosen, ref_rejected, kl_point, dpo.beta,
+                        dpo.desirable_weight, dpo.undesirable_weight, num_pairs=num_pairs)
     return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss,
                     dpo.label_smoothing, num_pairs=num_pairs, gamma=dpo.simpo_gamma)
 
 
+def kl_point(model, batch: dict[str, torch.Tensor], dp: DataParallel, weight: float,
+             packed: bool = False) -> float:
+    """KTO's reference point z0 (steps.rlhf.kto_kl_point) over a batch's mismatched rows on
+    every process: this process's share of them (collate_dpo's kl_* rows) counts `weight`
+    times (0: a stand-in). Computed without gradient, as the paper does not train through
+    it; one collective."""
+    with torch.no_grad():
+        sums, _ = answer_logprobs(model, {"input_ids": batch["kl_input_ids"],
+                                          "attention_mask": batch["kl_attention_mask"],
+                                          "labels": batch["kl_labels"]}, packed)
+    total, count = dp.sum(weight * float((sums - batch["ref_kl_logps"]).sum()),
+                          weight * len(sums))
+    return kto_kl_point(total, count)
+
+
 def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample],
-               dpo: DPOTrainConfig) -> tuple[torch.Tensor, dict]:
+               dpo: DPOTrainConfig, dp: DataParallel) -> tuple[torch.Tensor, dict]:
     """This process's share of the DPO loss (with dpo.nll_coef's term) and its statistics
-    over `examples` (the batch, or its accumulation window)."""
-    sums, counts = answer_logprobs(model, batch, packed=dpo.packing)
+    over `examples` (the batch, or its accumulation window). KTO's reference point is the
+    batch's, over all processes (`batch["weight"]`: this share's, 0 for a stand-in)."""
     n = len(examples)
-    out = pair_loss(sums, counts, batch["ref_logps"], dpo, n)
-    stats = {"train/accuracy": out.accuracy,
+    stats = {}
+    z0 = 0.0
+    if dpo.loss == KTO:
+        z0 = kl_point(model, batch, dp, float(batch["weight"]), dpo.packing)
+        # the window's mean of its batches' points, each by its pairs
+        stats["train/kl_point"] = torch.tensor(z0 * len(batch["ref_kl_logps"]) / n)
+    sums, counts = answer_logprobs(model, batch, packed=dpo.packing)
+    out = pair_loss(sums, counts, batch["ref_logps"], dpo, n, kl_point=z0)
+    stats |= {"train/accuracy": out.accuracy,
              "train/chosen_reward": out.chosen_rewards.sum() / n,
              "train/rejected_reward": out.rejected_rewards.sum() / n,
              "train/margin": (out.chosen_rewards - out.rejected_rewards).sum() / n}
@@ -126,19 +156,37 @@ def chosen_tokens(examples: list[DPOExample]) -> int:
     return sum(len(ex.chosen_ids) - max(ex.prompt_len, 1) for ex in examples)
 
 
+def with_mismatched(examples: list[DPOExample]) -> list[DPOExample]:
+    """`examples` for KTO: each pair's prompt given the chosen answer of the pair after it
+    (the last: the first's), a row whose log-ratio to the reference estimates the KL
+    reference point z0 (the paper's mismatched pairs; TRL's KL dataset). Fixed once, as the
+    reference's log-probs of these rows are computed once."""
+    answers = [ex.chosen_ids[ex.prompt_len:] for ex in examples]
+    return [ex._replace(kl_ids=tuple(ex.chosen_ids[:ex.prompt_len]
+                                     + answers[(k + 1) % len(examples)]))
+            for k, ex in enumerate(examples)]
+
+
 @torch.no_grad()
 def with_reference(model, examples: list[DPOExample], pad_token_id: int, batch_size: int,
                    dp: DataParallel, packed: bool = False) -> list[DPOExample]:
     """`examples` with their answers' log-probs under the frozen reference `model` filled
-    in, the same on every process (`packed`: dpo.packing's forwards)."""
+    in (KTO's mismatched rows' too), the same on every process (`packed`: dpo.packing's
+    forwards)."""
     filled = []
     for batch in batches(examples, batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
         rows = to_device(collate_dpo(share.rows, pad_token_id), dp.device)
         sums, _ = answer_logprobs(model, rows, packed)
-        values = dp.batch_values(share, torch.stack(sums.chunk(2), 1), len(batch))
-        filled += [ex._replace(ref_chosen=chosen, ref_rejected=rejected)
-                   for ex, (chosen, rejected) in zip(batch, values.tolist(), strict=True)]
+        columns = list(sums.chunk(2))
+        if "kl_input_ids" in rows:
+            columns.append(answer_logprobs(model, {"input_ids": rows["kl_input_ids"],
+                                                   "attention_mask": rows["kl_attention_mask"],
+                                                   "labels": rows["kl_labels"]}, packed)[0])
+        values = dp.batch_values(share, torch.stack(columns, 1), len(batch)).tolist()
+        filled += [ex._replace(ref_chosen=value[0], ref_rejected=value[1],
+                               **({"ref_kl": value[2]} if len(value) > 2 else {}))
+                   for ex, value in zip(batch, values, strict=True)]
     return filled
 
 
@@ -147,25 +195,30 @@ def evaluate(engine: TrainEngine, reference, examples: list[DPOExample], dpo: DP
              tokenizer, gold: RewardFunction | None, sampling: SamplingSettings, seed: int,
              dp: DataParallel) -> dict[str, float]:
     """On held-out pairs: the DPO loss, the share whose chosen answer's implicit reward is
-    the higher (`accuracy`), the mean rewards and their margin; on answers to the first
+    the higher (`accuracy`), the mean rewards and their margin (KTO: and its reference
+    point z0, `kl_point`, each batch's over its mismatched rows); on answers to the first
     dpo.eval_prompts pairs' prompts, sampled as step 3's evaluations sample them
     (`sampling`, rows seeded from `seed`), their KL to the `reference` and, with a `gold`
     function, their mean gold score and the greedy answers' (what chat.py answers)."""
     if not examples:
         return {}
     totals = torch.zeros(4, dtype=torch.float64)
+    points = 0.0   # KTO: each batch's z0 (the same on every process) by its pairs
     for batch in batches(examples, dpo.eval_batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
         rows = to_device(collate_dpo(share.rows, tokenizer.pad_token_id), dp.device)
+        z0 = kl_point(engine, rows, dp, share.weight, dpo.packing) if dpo.loss == KTO else 0.0
         sums, counts = answer_logprobs(engine, rows, dpo.packing)
-        out = pair_loss(sums, counts, rows["ref_logps"], dpo, num_pairs=1)
+        out = pair_loss(sums, counts, rows["ref_logps"], dpo, num_pairs=1, kl_point=z0)
+        points += z0 * len(batch)
         totals += share.weight * torch.tensor(
             [float(out.loss), float(out.accuracy), float(out.chosen_rewards.sum()),
              float(out.rejected_rewards.sum())], dtype=torch.float64)
     loss, accuracy, chosen, rejected = (total / len(examples)
                                         for total in dp.sum(*totals.tolist()))
     metrics = {"eval/loss": loss, "eval/accuracy": accuracy, "eval/chosen_reward": chosen,
-               "eval/rejected_reward": rejected, "eval/margin": chosen - rejected}
+               "eval/rejected_reward": rejected, "eval/margin": chosen - rejected,
+               **({"eval/kl_point": points / len(examples)} if dpo.loss == KTO else {})}
     prompts = [ex.chosen_ids[:ex.prompt_len] for ex in examples[:dpo.eval_prompts]]
     if prompts:
         metrics |= sampled_answers(engine, reference, prompts, tokenizer, gold, sampling, seed,
@@ -314,7 +367,12 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
                                        trained_head=True, trust_remote_code=cfg.trust_remote_code)
         if dpo.loss in REFERENCE_FREE:
             return train
-        filled = with_reference(reference, train, pad, dpo.eval_batch_size, dp, dpo.packing)
+        if dpo.loss == KTO:
+            train_rows, evals = with_mismatched(train), with_mismatched(evals) if evals else evals
+        else:
+            train_rows = train
+        filled = with_reference(reference, train_rows, pad, dpo.eval_batch_size, dp,
+                                dpo.packing)
         evals = with_reference(reference, evals, pad, dpo.eval_batch_size, dp, dpo.packing)
         log(f"step 3 (DPO): the reference's log-probs of {len(filled)} training and "
             f"{len(evals)} held-out pairs computed")
@@ -324,7 +382,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
 
     task = supervised.Task(
         step=3, name="DPO", role="actor", family="policy", section=dpo, examples=train,
-        collate=partial(collate_dpo, pad_token_id=pad), loss=partial(batch_loss, dpo=dpo),
+        collate=partial(collate_dpo, pad_token_id=pad), loss=partial(batch_loss, dpo=dpo, dp=dp),
         tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
         evaluate=lambda engine: evaluate(engine, reference, evals, dpo, tokenizer, gold,
                                          sampling, cfg.seed, dp),

@@ -779,7 +779,8 @@ def pairwise_reward_loss(chosen_scores: Tensor, rejected_scores: Tensor,
     return RewardLossOut(loss, accuracy, chosen_mean, rejected_mean)
 
 
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")   # dpo_loss's
+KTO = "kto"   # dpo.loss's other choice: kto_loss
 REFERENCE_FREE = ("simpo", "orpo")   # their losses read no reference log-probs
 PER_TOKEN = ("ipo", "simpo", "orpo")  # on each answer's mean token log-prob, not its sum
 
@@ -900,6 +901,55 @@ def _pair_losses(chosen: Tensor, rejected: Tensor, beta: float, loss_type: str,
     if loss_type == "simpo":
         return -F.logsigmoid(beta * h - gamma)
     return -beta * F.logsigmoid(_log_odds(chosen) - _log_odds(rejected))   # orpo
+
+
+def kto_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+             ref_rejected_logps: Tensor, kl_point: Tensor | float, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             num_pairs: int | None = None) -> DPOLossOut:
+    """Kahneman-Tversky optimisation's loss (Ethayarajh et al., 2024) on pairs read as one
+    desirable (chosen) and one undesirable (rejected) answer each. With an answer's
+    log-ratio ``r = logp - ref_logp`` and the reference point ``z0`` (``kl_point``: the
+    policy's KL to the reference, estimated on mismatched prompts and answers and not
+    trained through):
+
+        desirable:   desirable_weight * (1 - sigmoid(beta * (r - z0)))
+        undesirable: undesirable_weight * (1 - sigmoid(beta * (z0 - r)))
+
+    averaged over the answers (two per pair), as TRL's KTOTrainer averages; at the start
+    (r = z0 = 0) the loss is (desirable_weight + undesirable_weight) / 4.
+
+    Args:
+        chosen_logps, rejected_logps: [B] float, the answers' log-probability sums under the
+            policy (differentiable). ref_chosen_logps, ref_rejected_logps: [B], the
+            reference's.
+        kl_point: scalar z0 >= 0 (kto_kl_point), detached.
+        beta: the value function's scale, > 0.
+        num_pairs: the pairs the means divide by; default B.
+
+    Returns:
+        DPOLossOut as dpo_loss's: the loss (the answers' losses summed over 2 x num_pairs),
+        the implicit rewards ``beta * r`` and the share of pairs whose chosen answer's is the
+        higher.
+    """
+    chosen_ratio = chosen_logps.float() - ref_chosen_logps.float()
+    rejected_ratio = rejected_logps.float() - ref_rejected_logps.float()
+    z0 = torch.as_tensor(kl_point, dtype=torch.float32, device=chosen_ratio.device).detach()
+    losses = (desirable_weight * (1 - torch.sigmoid(beta * (chosen_ratio - z0)))
+              + undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rejected_ratio))))
+    n = num_pairs or len(losses)
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        accuracy = (chosen_rewards > rejected_rewards).float().sum() / n
+    return DPOLossOut(losses.sum() / (2 * n), chosen_rewards, rejected_rewards, accuracy)
+
+
+def kto_kl_point(kl_sum: float, count: float) -> float:
+    """KTO's reference point z0 from the sum of ``log pi(y'|x) - log pi_ref(y'|x)`` over
+    `count` mismatched (prompt, answer) pairs (an answer to another prompt): their mean,
+    held at 0 or above, as the paper's estimate of KL(pi || pi_ref). [scalar floats: the
+    caller sums over processes first.]"""
+    return max(kl_sum / count, 0.0) if count else 0.0
 
 
 def _log_odds(logp: Tensor) -> Tensor:

@@ -31,7 +31,8 @@ from steps.config import TrainConfig
 
 # (engine, this process's collated rows, the examples its mean is over: the accumulation
 # window's) -> (the loss, and statistics to log), each these rows' share: sums over the
-# window's batches and the processes give the window's value
+# window's batches and the processes give the window's value; the batch holds "weight" too,
+# its share's (0 for a stand-in)
 LossFn = Callable[[TrainEngine, dict[str, torch.Tensor], list],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -223,7 +224,9 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
         sums: dict[str, float] = {}   # this process's, over the window's batches
         for number, examples in enumerate(window, start=1):
             share = dp.share(examples)
-            batch = to_device(task.collate(share.rows), dp.device)
+            # the share's weight rides along, for a loss that sums over processes (KTO's z0)
+            batch = to_device(task.collate(share.rows), dp.device) | {
+                "weight": torch.tensor(share.weight)}
             batch_loss, stats = task.loss(engine, batch, everything)
             # x grad_accum: the engine divides by it, and the loss is the window's already
             engine.backward(batch_loss * share.weight * section.grad_accum,

@@ -42,6 +42,10 @@ class DPOExample(NamedTuple):
     rejected_ids: list[int]   # prompt + rejected answer token ids
     ref_chosen: float = 0.0   # the answers' log-probs under the reference (filled before training)
     ref_rejected: float = 0.0
+    # KTO (dpo.loss=kto): the prompt + another pair's chosen answer, a mismatched row whose
+    # log-ratio estimates the KL reference point; empty for the other losses
+    kl_ids: tuple[int, ...] = ()
+    ref_kl: float = 0.0       # its log-prob under the reference
 
 
 class TokenizeStats(NamedTuple):
@@ -330,14 +334,23 @@ def collate_pairs(batch: list[PairExample], pad_token_id: int) -> dict[str, Tens
 def collate_dpo(batch: list[DPOExample], pad_token_id: int) -> dict[str, Tensor]:
     """input_ids [2B,T] = all chosen rows then all rejected rows, right padded; attention_mask
     [2B,T]; labels [2B,T], -100 over the prompts and the padding; ref_logps [2B] float32, the
-    reference's log-probs of those answers, in that order."""
+    reference's log-probs of those answers, in that order. Examples with `kl_ids` (KTO) add
+    kl_input_ids, kl_attention_mask, kl_labels [B,T'] and ref_kl_logps [B] of those rows."""
     ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
     labels = [[IGNORE_INDEX] * ex.prompt_len + row[ex.prompt_len:]
               for ex, row in zip(batch + batch, ids, strict=True)]
     ref = [ex.ref_chosen for ex in batch] + [ex.ref_rejected for ex in batch]
-    return {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
+    rows = {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
             "labels": _pad(labels, IGNORE_INDEX),
             "ref_logps": torch.tensor(ref, dtype=torch.float32)}
+    if batch[0].kl_ids:   # KTO's mismatched rows [B, T'], the same layout
+        kl = [list(ex.kl_ids) for ex in batch]
+        rows |= {"kl_input_ids": _pad(kl, pad_token_id), "kl_attention_mask": _mask(kl),
+                 "kl_labels": _pad([[IGNORE_INDEX] * ex.prompt_len + row[ex.prompt_len:]
+                                    for ex, row in zip(batch, kl, strict=True)], IGNORE_INDEX),
+                 "ref_kl_logps": torch.tensor([ex.ref_kl for ex in batch],
+                                              dtype=torch.float32)}
+    return rows
 
 
 def _margins(batch: list[PairExample]) -> dict[str, Tensor]:

@@ -97,27 +97,27 @@ def test_the_reference_is_the_starting_policy_so_the_loss_starts_at_log_2(model,
     for loss_type, start in (("sigmoid", math.log(2)), ("hinge", 1.0),
                              ("ipo", (1 / (2 * 0.1)) ** 2)):
         dpo = DPOTrainConfig(beta=0.1, loss=loss_type)
-        loss, stats = batch_loss(model, batch, filled, dpo)
+        loss, stats = batch_loss(model, batch, filled, dpo, dp)
         assert float(loss.detach()) == pytest.approx(start, abs=1e-4), loss_type
         assert float(stats["train/margin"]) == pytest.approx(0.0, abs=1e-5)
     # reference-free: SimPO and ORPO on the answers' mean token log-probs alone
     means = (sums / batch["labels"][:, 1:].ne(IGNORE_INDEX).sum(1)).detach().chunk(2)
     h = means[0] - means[1]
     loss, _ = batch_loss(model, batch, filled, DPOTrainConfig(beta=2.0, loss="simpo",
-                                                              simpo_gamma=0.5))
+                                                              simpo_gamma=0.5), dp)
     assert float(loss.detach()) == pytest.approx(
         float(-torch.nn.functional.logsigmoid(2.0 * h - 0.5).mean()), rel=1e-5)
 
     def log_odds(x):
         return x - torch.log1p(-torch.exp(x))
 
-    loss, _ = batch_loss(model, batch, filled, DPOTrainConfig(beta=0.1, loss="orpo"))
+    loss, _ = batch_loss(model, batch, filled, DPOTrainConfig(beta=0.1, loss="orpo"), dp)
     assert float(loss.detach()) == pytest.approx(float(-0.1 * torch.nn.functional.logsigmoid(
         log_odds(means[0]) - log_odds(means[1])).mean()), rel=1e-5)
     # with dpo.nll_coef, the chosen answers' token cross entropy is added
     chosen_sum = float(sums.detach().chunk(2)[0].sum())
     tokens = sum(len(ex.chosen_ids) - ex.prompt_len for ex in filled)
-    loss, stats = batch_loss(model, batch, filled, DPOTrainConfig(beta=0.1, nll_coef=0.5))
+    loss, stats = batch_loss(model, batch, filled, DPOTrainConfig(beta=0.1, nll_coef=0.5), dp)
     assert float(stats["train/nll"]) == pytest.approx(-chosen_sum / tokens, rel=1e-5)
     assert float(loss.detach()) == pytest.approx(math.log(2) - 0.5 * chosen_sum / tokens, rel=1e-5)
 
