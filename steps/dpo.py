@@ -110,6 +110,12 @@ def pair_loss(sums: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor,
                     dpo.label_smoothing, num_pairs=num_pairs, gamma=dpo.simpo_gamma)
 
 
+def mismatched_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """collate_dpo's KTO rows (kl_*) as answer_logprobs reads a batch."""
+    return {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"],
+            "labels": batch["kl_labels"]}
+
+
 def kl_point(model, batch: dict[str, torch.Tensor], dp: DataParallel, weight: float,
              packed: bool = False) -> float:
     """KTO's reference point z0 (steps.rlhf.kto_kl_point) over a batch's mismatched rows on
@@ -117,9 +123,7 @@ def kl_point(model, batch: dict[str, torch.Tensor], dp: DataParallel, weight: fl
     times (0: a stand-in). Computed without gradient, as the paper does not train through
     it; one collective."""
     with torch.no_grad():
-        sums, _ = answer_logprobs(model, {"input_ids": batch["kl_input_ids"],
-                                          "attention_mask": batch["kl_attention_mask"],
-                                          "labels": batch["kl_labels"]}, packed)
+        sums, _ = answer_logprobs(model, mismatched_rows(batch), packed)
     total, count = dp.sum(weight * float((sums - batch["ref_kl_logps"]).sum()),
                           weight * len(sums))
     return kto_kl_point(total, count)
@@ -180,9 +184,7 @@ def with_reference(model, examples: list[DPOExample], pad_token_id: int, batch_s
         sums, _ = answer_logprobs(model, rows, packed)
         columns = list(sums.chunk(2))
         if "kl_input_ids" in rows:
-            columns.append(answer_logprobs(model, {"input_ids": rows["kl_input_ids"],
-                                                   "attention_mask": rows["kl_attention_mask"],
-                                                   "labels": rows["kl_labels"]}, packed)[0])
+            columns.append(answer_logprobs(model, mismatched_rows(rows), packed)[0])
         values = dp.batch_values(share, torch.stack(columns, 1), len(batch)).tolist()
         filled += [ex._replace(ref_chosen=value[0], ref_rejected=value[1],
                                **({"ref_kl": value[2]} if len(value) > 2 else {}))

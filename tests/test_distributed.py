@@ -269,7 +269,7 @@ def test_dpo_on_two_ranks_matches_one_process(single, dpo_one, tmp_path):
 def test_kto_on_two_ranks_matches_one_process(single, tmp_path):
     """ZeRO-3 KTO: the reference point z0 of each batch summed over both ranks' mismatched
     rows (a rank-local z0 fails it), the losses and the exported weights are one
-    process's. That a stand-in adds nothing to z0 is test_kto's."""
+    process's. That a stand-in adds nothing to z0 is test_dpo's."""
     one, two = tmp_path / "one", tmp_path / "two"
     _ok(_dpo(single, one, "dpo.loss=kto", "dpo.beta=0.5", here=True))
     _ok(_dpo(single, two, "dpo.loss=kto", "dpo.beta=0.5", "engine.procs=2",
