@@ -270,11 +270,11 @@ def test_kto_loss_and_gradient_by_hand():
     point = torch.tensor(0.2, requires_grad=True)
     assert not kto_loss(chosen.detach(), rejected.detach(), ref_chosen, ref_rejected, point,
                         beta).loss.requires_grad
-    assert point.grad is None
-    # at the start (every ratio 0, z0 0) the loss is (wd + wu) / 4, whatever num_pairs splits
+    # at the start (every ratio 0, z0 0) the loss is (wd + wu) / 4; 3 pairs of a batch of 6
+    # (one rank's share) give half of it
     zero = torch.zeros(3)
     start = kto_loss(zero, zero, zero, zero, 0.0, beta, wd, wu, num_pairs=6)
-    assert float(start.loss) == pytest.approx((wd + wu) / 4 / 2)   # half the pairs here
+    assert float(start.loss) == pytest.approx((wd + wu) / 4 / 2)
 
 
 def test_the_reference_point_is_the_mismatched_rows_mean_held_at_zero():
