@@ -266,18 +266,34 @@ def test_dpo_on_two_ranks_matches_one_process(single, dpo_one, tmp_path):
     assert 0 < rows[-1]["eval/step_exported"] < rows[-1]["step"]   # an earlier policy won
 
 
-def test_kto_on_two_ranks_matches_one_process(single, tmp_path):
+KTO = ("dpo.loss=kto", "dpo.beta=0.5")
+
+
+@pytest.fixture(scope="module")
+def kto_one(single, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("kto_one")
+    _ok(_dpo(single, out, *KTO, here=True))
+    return out
+
+
+def test_kto_on_two_ranks_matches_one_process(single, kto_one, tmp_path):
     """ZeRO-3 KTO: the reference point z0 of each batch summed over both ranks' mismatched
     rows (a rank-local z0 fails it), the losses and the exported weights are one
     process's. That a stand-in adds nothing to z0 is test_dpo's."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    _ok(_dpo(single, one, "dpo.loss=kto", "dpo.beta=0.5", here=True))
-    _ok(_dpo(single, two, "dpo.loss=kto", "dpo.beta=0.5", "engine.procs=2",
-             "--actor-zero-stage", "3"))
-    _assert_same_run(two, one, rtol=1e-5, atol=1e-5, weight_max=2e-4, weight_mean=1e-6,
-                     steps=(3,), models=("step3/actor",))
-    points = [row["train/kl_point"] for row in _rows(one, 3) if "train/kl_point" in row]
+    _ok(_dpo(single, tmp_path, *KTO, "engine.procs=2", "--actor-zero-stage", "3"))
+    _assert_same_run(tmp_path, kto_one, rtol=1e-5, atol=1e-5, weight_max=2e-4,
+                     weight_mean=1e-6, steps=(3,), models=("step3/actor",))
+    points = [row["train/kl_point"] for row in _rows(kto_one, 3) if "train/kl_point" in row]
     assert points and any(point > 0 for point in points)   # z0 moved off its floor
+
+
+def test_kto_killed_run_resumes_to_the_same_end(single, kto_one, tmp_path):
+    """Killed after its second checkpoint, KTO resumes with the same mismatched rows and
+    their reference log-probs made again, to the uninterrupted run's end."""
+    assert _dpo(single, tmp_path, *KTO, fault="kill:3:2").returncode != 0
+    _ok(_dpo(single, tmp_path, *KTO, "--resume", here=True))
+    _assert_same_run(tmp_path, kto_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
+                     weight_mean=1e-7, steps=(3,), models=("step3/actor",))
 
 
 def test_dpo_killed_run_resumes_to_the_same_end(single, dpo_one, tmp_path):
