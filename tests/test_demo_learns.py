@@ -27,6 +27,17 @@ def demo_run(tmp_path_factory):
     return out
 
 
+def _step3(demo_run, tmp_path_factory, name: str, flags: list[str], reward: bool = False):
+    """A step 3 of its own (`flags`) from the default run's actor (and, with `reward`, its
+    reward model); returns its output directory."""
+    out = tmp_path_factory.mktemp(name)
+    models = [f"ppo.actor_path={demo_run / 'actor'}",
+              *([f"ppo.reward_path={demo_run / 'reward'}"] if reward else [])]
+    assert train.main(["--step", "3", "--output-dir", str(out), "logging.progress=false",
+                       *models, *flags]) == 0
+    return out
+
+
 def test_reward_model_ranks_held_out_pairs(demo_run):
     summary = _last(demo_run / "step2" / "metrics.jsonl")
     # chance is 0.5; measured 0.94-1.00 over four seeds
@@ -58,18 +69,14 @@ def test_sft_learned_the_answer_format(demo_run):
 
 @pytest.fixture(scope="module")
 def grpo_run(demo_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo")
-    assert train.main(["--step", "3", "--output-dir", str(out), "logging.progress=false",
-                       f"ppo.actor_path={demo_run / 'actor'}",
-                       f"ppo.reward_path={demo_run / 'reward'}", "ppo.algorithm=grpo",
-                       "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
-                       "ppo.epochs=1",
-                       # a quarter of the prompts, 36 iterations: GRPO is at ~0.91 by
-                       # iteration 10 and ~0.95 at 144 (bench/results/step3-pi-digits-*)
-                       "data.demo_pairs=1500",
-                       # the default run above shows the baseline and the evaluations
-                       "ppo.best_of_n=0", "ppo.eval_every=0"]) == 0
-    return out
+    return _step3(demo_run, tmp_path_factory, "grpo", reward=True, flags=[
+        "ppo.algorithm=grpo", "ppo.samples_per_prompt=4", "ppo.rollout_batch_size=16",
+        "ppo.epochs=1",
+        # a quarter of the prompts, 36 iterations: GRPO is at ~0.91 by iteration 10 and
+        # ~0.95 at 144 (bench/results/step3-pi-digits-*)
+        "data.demo_pairs=1500",
+        # the default run above shows the baseline and the evaluations
+        "ppo.best_of_n=0", "ppo.eval_every=0"])
 
 
 def test_grpo_beats_sft_on_ground_truth_without_a_critic(grpo_run):
@@ -84,10 +91,7 @@ def test_grpo_beats_sft_on_ground_truth_without_a_critic(grpo_run):
 
 @pytest.fixture(scope="module")
 def dpo_run(demo_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dpo")
-    assert train.main(["--step", "3", "--output-dir", str(out), "logging.progress=false",
-                       f"ppo.actor_path={demo_run / 'actor'}", "ppo.algorithm=dpo"]) == 0
-    return out
+    return _step3(demo_run, tmp_path_factory, "dpo", flags=["ppo.algorithm=dpo"])
 
 
 def test_dpo_beats_sft_on_ground_truth_from_the_pairs_alone(dpo_run):
@@ -105,11 +109,8 @@ def test_dpo_beats_sft_on_ground_truth_from_the_pairs_alone(dpo_run):
 
 @pytest.fixture(scope="module")
 def kto_run(demo_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("kto")
-    assert train.main(["--step", "3", "--output-dir", str(out), "logging.progress=false",
-                       f"ppo.actor_path={demo_run / 'actor'}", "ppo.algorithm=dpo",
-                       "dpo.loss=kto"]) == 0
-    return out
+    return _step3(demo_run, tmp_path_factory, "kto",
+                  flags=["ppo.algorithm=dpo", "dpo.loss=kto"])
 
 
 def test_kto_gains_dpos_ground_truth_nearer_the_sft_model(kto_run, dpo_run):
@@ -125,15 +126,11 @@ def test_kto_gains_dpos_ground_truth_nearer_the_sft_model(kto_run, dpo_run):
 
 @pytest.fixture(scope="module")
 def online_dpo_run(demo_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("online_dpo")
-    assert train.main(["--step", "3", "--output-dir", str(out), "logging.progress=false",
-                       f"ppo.actor_path={demo_run / 'actor'}",
-                       f"ppo.reward_path={demo_run / 'reward'}", "ppo.algorithm=online_dpo",
-                       "ppo.dpo_beta=2",
-                       # GRPO's quarter of the prompts, 36 iterations of the recipe's 16 x 4
-                       "data.demo_pairs=1500", "ppo.best_of_n=0", "ppo.eval_every=0",
-                       "ppo.kl_budget=1.835"]) == 0   # best-of-16's, the default run's
-    return out
+    return _step3(demo_run, tmp_path_factory, "online_dpo", reward=True, flags=[
+        "ppo.algorithm=online_dpo", "ppo.dpo_beta=2",
+        # GRPO's quarter of the prompts, 36 iterations of the recipe's 16 x 4
+        "data.demo_pairs=1500", "ppo.best_of_n=0", "ppo.eval_every=0",
+        "ppo.kl_budget=1.835"])   # best-of-16's, the default run's
 
 
 def test_online_dpo_beats_sft_on_ground_truth_within_best_of_16s_kl(online_dpo_run):
