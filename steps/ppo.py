@@ -1267,9 +1267,8 @@ def _pair_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool,
     out = paired_dpo_loss(logprobs, exp.ref_logprobs[rows], labels, mask, s.group,
                           s.ppo.dpo_beta or DEFAULT_DPO_BETA, s.ppo.dpo_loss or "sigmoid",
                           num_pairs=pairs)
-    with torch.no_grad():   # what target_kl reads, as policy_loss's approx_kl
-        log_ratio = torch.where(mask != 0, logprobs - exp.logprobs[rows], 0.0)
-        approx_kl = masked_sum(torch.exp(log_ratio) - 1.0 - log_ratio,
+    with torch.no_grad():   # what target_kl reads, as policy_loss's approx_kl: KL(old || new)
+        approx_kl = masked_sum(kl_estimate(exp.logprobs[rows], logprobs, mask, "k3"),
                                stat_weights[rows] * real) / max(count, 1.0)
     return PairLossOut(out.loss, approx_kl, out.accuracy, out.margin)
 

@@ -949,6 +949,8 @@ def kto_kl_point(kl_sum: float, count: float) -> float:
     `count` mismatched (prompt, answer) pairs (an answer to another prompt): their mean,
     held at 0 or above, as the paper's estimate of KL(pi || pi_ref). [scalar floats: the
     caller sums over processes first.]"""
+    # a NaN mean stays NaN (max keeps its first argument), so the loss and the engine's
+    # non-finite guard see it rather than a clamped 0
     return max(kl_sum / count, 0.0) if count else 0.0
 
 
