@@ -301,6 +301,10 @@ def check_config(cfg: DictConfig) -> None:
 
         if dpo:
             check_dpo(cfg)
+        elif cfg.data.feedback_path:
+            raise UserError(f"data.feedback_path holds unpaired feedback, which step 3 trains "
+                            f"on by KTO only, not by ppo.algorithm={cfg.ppo.algorithm}: set "
+                            "ppo.algorithm=dpo dpo.loss=kto, or drop data.feedback_path")
         else:
             check_settings(cfg.ppo, quantized_base=cfg.engine.quantized_base.enabled)
         made = tuple(s for s in steps if s < 3)   # checked now, not after hours of steps 1-2
@@ -362,8 +366,10 @@ def check_launch(cfg: DictConfig) -> None:
 
 def own_data(cfg: DictConfig) -> dict[int, str]:
     """The steps that read data of their own, not a share of data.path: step 1 with
-    data.sft_path, step 3 with ppo.prompt_data (the key that names it)."""
-    return {step: key for step, key in ((1, "data.sft_path"), (3, "ppo.prompt_data"))
+    data.sft_path, step 3 with ppo.prompt_data or (KTO) data.feedback_path (the key that
+    names it)."""
+    return {step: key for step, key in ((1, "data.sft_path"), (3, "ppo.prompt_data"),
+                                        (3, "data.feedback_path"))
             if OmegaConf.select(cfg, key)}
 
 
@@ -555,7 +561,13 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
     a later --step 3 must not stop steps 1-2 on a source they never use."""
     from steps import demo
     from steps.common import log
-    from steps.data import Fields, load_blend, load_prompt_data, load_sft_data
+    from steps.data import (
+        Fields,
+        load_blend,
+        load_feedback_data,
+        load_prompt_data,
+        load_sft_data,
+    )
 
     data, ppo, own = cfg.data, cfg.ppo, own_data(cfg)
     reads = {*steps, *([1] if 3 in steps and ppo.ptx.enabled else [])}
@@ -575,7 +587,13 @@ def load_data(cfg: DictConfig, steps: list[int]) -> tuple[list, list, list]:
         shares[0] = load_sft_data(list(data.sft_path), data.sft_prompt_key,
                                   data.sft_answer_key, data.sft_input_key)
         log(f"step 1 examples {list(data.sft_path)}: {len(shares[0])}")
-    if 3 in own and 3 in reads:
+    if own.get(3) == "data.feedback_path" and 3 in reads:
+        shares[2] = load_feedback_data(list(data.feedback_path), data.feedback_prompt_key,
+                                       data.feedback_completion_key, data.feedback_label_key)
+        desirable = sum(record.label for record in shares[2])
+        log(f"step 3 feedback {list(data.feedback_path)}: {len(shares[2])} records, "
+            f"{desirable} desirable and {len(shares[2]) - desirable} undesirable")
+    elif 3 in own and 3 in reads:
         shares[2] = load_prompt_data(list(ppo.prompt_data), ppo.prompt_key, ppo.label_key)
         labelled = sum(prompt.label is not None for prompt in shares[2])
         log(f"step 3 prompts {list(ppo.prompt_data)}: {len(shares[2])}, {labelled} with a "

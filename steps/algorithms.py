@@ -157,7 +157,8 @@ def _resolved(path: str | Path) -> Path:
 
 # What ppo.algorithm=dpo does not read, and what to do instead: set, it would be ignored
 NOT_READ_BY_DPO = {
-    "ppo.prompt_data": "it trains on step 3's share of data.path's pairs",
+    "ppo.prompt_data": "it trains on step 3's share of data.path's pairs (KTO: or on "
+                       "data.feedback_path's feedback)",
     "ppo.eval_prompt_data": "its held-out pairs are data.eval_path's, or data.eval_fraction "
                             "of its share",
     "ppo.reward_path": "it reads no reward model",
@@ -195,6 +196,10 @@ def check_dpo(cfg: DictConfig) -> None:
         if value != DEFAULTS[f"dpo.{key}"] and cfg.dpo.loss not in losses:
             raise UserError(f"dpo.{key}={value} is read by dpo.loss={' or '.join(losses)} "
                             f"only, not by dpo.loss={cfg.dpo.loss}: drop it, or choose that loss")
+    if cfg.data.feedback_path and cfg.dpo.loss != "kto":
+        raise UserError(f"data.feedback_path holds unpaired feedback, which only dpo.loss=kto "
+                        f"trains on, not dpo.loss={cfg.dpo.loss}: set dpo.loss=kto, or give "
+                        "pairs in data.path")
     if cfg.dpo.export == "best" and not (cfg.dpo.eval_every and cfg.dpo.eval_prompts):
         raise UserError(f"dpo.export=best chooses among the evaluations by their KL: give "
                         f"dpo.eval_every > 0 (it is {cfg.dpo.eval_every}) and dpo.eval_prompts "

@@ -57,6 +57,16 @@ class DataConfig:
                               "in sft_prompt_key)")
     sft_input_key: Optional[str] = val("input", "sft_path's input field (Alpaca's), joined "  # noqa: UP045
                                        "to a text prompt after a blank line; null: not read")
+    feedback_path: list[str] = val([], "dpo.loss=kto's step-3 data from these sources, not "
+                                   "its share of data.path's pairs: unpaired feedback, each "
+                                   "record a prompt, one answer and whether it is desirable "
+                                   "(TRL's unpaired preference format)")
+    feedback_prompt_key: str = val("${data.prompt_key}", "feedback_path's prompt field (text "  # type: ignore[assignment]
+                                   "or messages)")
+    feedback_completion_key: str = val("completion", "feedback_path's answer field (text, or "
+                                       "one assistant message)")
+    feedback_label_key: str = val("label", "feedback_path's label field: true/false (or 1/0), "
+                                  "whether the answer is desirable")
     split: list[float] = val([2.0, 4.0, 4.0], "share of every source for steps 1, 2, 3",
                              each(NON_NEGATIVE))
     eval_path: list[str] = val([], "steps 1 and 2's (and DPO's step 3's) held-out pairs "

@@ -270,6 +270,74 @@ def _sft_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str
                     "answers, or give whole chat dialogues in data.sft_prompt_key")
 
 
+def load_feedback_records(source: str, prompt_key: str = "prompt",
+                          completion_key: str = "completion", label_key: str = "label"
+                          ) -> tuple[list[PreferencePair], int]:
+    """KTO's unpaired feedback read from one source of data.feedback_path (as load_pairs
+    reads sources; TRL's unpaired preference format): each record's `prompt_key` field (as
+    a step-3 prompt: hh-rlhf text, a bare text as one user turn, or chat messages), its
+    `completion_key` field (a text answer, or one assistant message) and its `label_key`
+    field, whether that answer is desirable (true/false, or 1/0: a thumbs up or down).
+    Returns (records as pairs with the answer as `chosen`, no `rejected` and the label a
+    bool, the records skipped: empty prompts or answers, null labels, prompts ending in an
+    assistant message)."""
+    return _records(source, "data.feedback_path", lambda columns, where: _feedback_from_columns(
+        columns, where, prompt_key, completion_key, label_key), "feedback records",
+        "with an empty prompt or answer, a null label, or a prompt ending in an assistant "
+        "message")
+
+
+def _feedback_from_columns(columns: dict[str, list[Any]], where: str, prompt_key: str,
+                           completion_key: str, label_key: str
+                           ) -> tuple[list[PreferencePair], int]:
+    """The feedback records of one table (see load_feedback_records) and how many were
+    skipped."""
+    if not columns or not next(iter(columns.values())):
+        return [], 0
+    for field, key in ((completion_key, "completion_key"), (label_key, "label_key")):
+        if field not in columns:
+            raise DataError(f"{where}: records have no '{field}' field (columns: "
+                            f"{', '.join(columns)}); feedback records need prompt, completion "
+                            f"and label fields, or set data.feedback_{key} to the field that "
+                            "holds them")
+    prompts, _ = _prompts_from_columns(columns, where, prompt_key, None, keep_empty=True,
+                                       setting="data.feedback_prompt_key")
+    if _messages_in(columns, completion_key):   # TRL's conversational form
+        answers = [_one_reply(messages, where, i, completion_key) for i, messages in
+                   enumerate(_message_column(columns, completion_key, where, opens=False))]
+    else:
+        answers = _text_column(columns, completion_key, where)
+    labels = [_feedback_label(value, where, i, label_key)
+              for i, value in enumerate(columns[label_key])]
+    records = [PreferencePair(p.prompt, _following_cue(answer), "", p.messages, label=label)
+               for p, answer, label in zip(prompts, answers, labels, strict=True)
+               if p is not None and answer.strip() and label is not None]
+    return records, len(answers) - len(records)
+
+
+def _one_reply(messages: list[dict], where: str, i: int, field: str) -> str:
+    """The text of a completion given as chat messages: exactly one assistant message."""
+    if len(messages) != 1 or messages[0]["role"] != "assistant":
+        raise DataError(f"{where} record {i + 1}: field '{field}' holds "
+                        f"{len(messages)} message(s) with roles "
+                        f"{[m['role'] for m in messages]}, where a completion is one assistant "
+                        "message; fix or remove that record")
+    return messages[0]["content"]
+
+
+def _feedback_label(value: Any, where: str, i: int, field: str) -> bool | None:
+    """A feedback record's label as a bool (true/1: desirable); None (the record skipped)
+    for a null one; anything else is refused, naming the record: "bad" or 0.7 is not for
+    us to read as a side."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    raise DataError(f"{where} record {i + 1}: field '{field}' is {_shown(value)}, where a "
+                    "feedback label is true/false (or 1/0): whether the answer is desirable; "
+                    "fix or remove that record")
+
+
 def _with_inputs(columns: dict[str, list[Any]], where: str, prompt_key: str, input_key: str
                  ) -> list[Any]:
     """columns[prompt_key] with each record's `input_key` text (Alpaca's input: what the
@@ -819,6 +887,15 @@ def load_prompt_data(sources: Sequence[str], prompt_key: str, label_key: str,
     return _every_record(sources, lambda source: load_prompt_records(source, prompt_key,
                                                                      label_key, key, split),
                          "empty prompts or dialogues ending in an assistant message")
+
+
+def load_feedback_data(sources: Sequence[str], prompt_key: str, completion_key: str,
+                       label_key: str) -> list[PreferencePair]:
+    """Every feedback record of every source of data.feedback_path (load_feedback_records),
+    in order; what was skipped is counted in a warning."""
+    return _every_record(sources, lambda source: load_feedback_records(
+        source, prompt_key, completion_key, label_key), "records with an empty prompt or "
+        "answer, a null label, or a prompt ending in an assistant message")
 
 
 def _every_record(sources: Sequence[str], load: Callable[[str], tuple[list, int]],

@@ -181,3 +181,17 @@ def make_pairs(num_pairs: int, seed: int, task: str = "digits") -> list[Preferen
         chosen, rejected = (a, b) if score_a > score_b else (b, a)
         pairs.append(PreferencePair(prompt, chosen, rejected))
     return pairs
+
+
+def feedback_records(pairs: list[PreferencePair], seed: int) -> list[dict]:
+    """`pairs` as unpaired feedback, the way a log of thumbs up and down holds it
+    (data.feedback_path's records: prompt, completion, label): of each pair one answer, by
+    a seeded coin, desirable where it was the pair's chosen one. No record has the other
+    answer of its pair beside it (the KTO paper's one answer per pair)."""
+    rng = random.Random(seed)
+    records = []
+    for pair in pairs:
+        desirable = rng.random() < 0.5
+        records.append({"prompt": pair.prompt, "label": desirable,
+                        "completion": pair.chosen if desirable else pair.rejected})
+    return records

@@ -1,7 +1,8 @@
 """Step 3 by direct preference optimisation (ppo.algorithm=dpo; Rafailov et al., 2023): the
 step-1 actor trained offline on step 3's share of the preference pairs, against itself
 frozen as the reference (or without one: SimPO, ORPO; KTO reads each pair as a desirable
-and an undesirable answer), with no reward model and no sampling. The reference's
+and an undesirable answer, or trains on unpaired feedback, data.feedback_path's records
+of one answer and its label), with no reward model and no sampling. The reference's
 log-probs of every pair are computed once, before the first update (TRL's
 precompute_ref_log_probs); the reference is kept after that only to measure the KL of the
 evaluations' sampled answers (dpo.eval_prompts). Judged by held-out implicit-reward
@@ -54,8 +55,10 @@ from steps.rlhf import (
     PER_TOKEN,
     REFERENCE_FREE,
     DPOLossOut,
+    KTOLossOut,
     answer_mask,
     dpo_loss,
+    kto_feedback_loss,
     kto_kl_point,
     kto_loss,
     logprobs_of_tokens,
@@ -64,7 +67,16 @@ from steps.rlhf import (
     token_kl,
 )
 from steps.scoring import RewardFunction, decode_rollouts
-from steps.tokenize import IGNORE_INDEX, DPOExample, collate_dpo, collate_prompts, tokenize_dpo
+from steps.tokenize import (
+    IGNORE_INDEX,
+    DPOExample,
+    FeedbackExample,
+    collate_dpo,
+    collate_feedback,
+    collate_prompts,
+    tokenize_dpo,
+    tokenize_feedback,
+)
 
 
 def answer_logprobs(model, batch: dict[str, torch.Tensor], packed: bool = False
@@ -129,99 +141,173 @@ def kl_point(model, batch: dict[str, torch.Tensor], dp: DataParallel, weight: fl
     return kto_kl_point(total, count)
 
 
-def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample],
-               dpo: DPOTrainConfig, dp: DataParallel) -> tuple[torch.Tensor, dict]:
+def feedback_loss(sums: torch.Tensor, batch: dict[str, torch.Tensor], dpo: DPOTrainConfig,
+                  num_answers: int, kl_point: float) -> KTOLossOut:
+    """KTO on collate_feedback's rows [B]: the policy's answer log-prob sums `sums`, their
+    labels and the reference's sums from `batch`, at the reference point `kl_point`."""
+    return kto_feedback_loss(sums, batch["ref_logps"], batch["desirable"], kl_point, dpo.beta,
+                             dpo.desirable_weight, dpo.undesirable_weight, num_answers)
+
+
+def labelled_rewards(rewards: torch.Tensor, desirable: torch.Tensor, examples: list
+                     ) -> dict[str, torch.Tensor]:
+    """This share's part of the mean implicit rewards of the desirable and the undesirable
+    answers among `examples` (FeedbackExamples: the window's, or all held-out ones), and of
+    their difference."""
+    wanted = sum(ex.desirable for ex in examples)
+    good = rewards[desirable].sum() / max(wanted, 1)
+    bad = rewards[~desirable].sum() / max(len(examples) - wanted, 1)
+    return {"desirable_reward": good, "undesirable_reward": bad, "margin": good - bad}
+
+
+def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample] |
+               list[FeedbackExample], dpo: DPOTrainConfig, dp: DataParallel
+               ) -> tuple[torch.Tensor, dict]:
     """This process's share of the DPO loss (with dpo.nll_coef's term) and its statistics
-    over `examples` (the batch, or its accumulation window). KTO's reference point is the
-    batch's, over all processes (`batch["weight"]`: this share's, 0 for a stand-in)."""
+    over `examples` (the batch, or its accumulation window): pairs, or KTO's unpaired
+    feedback. KTO's reference point is the batch's, over all processes (`batch["weight"]`:
+    this share's, 0 for a stand-in)."""
     n = len(examples)
     stats = {}
     z0 = 0.0
     if dpo.loss == KTO:
         z0 = kl_point(model, batch, dp, float(batch["weight"]), dpo.packing)
-        # the window's mean of its batches' points, each by its pairs
+        # the window's mean of its batches' points, each by its examples
         stats["train/kl_point"] = torch.tensor(z0 * len(batch["ref_kl_logps"]) / n)
     sums, counts = answer_logprobs(model, batch, packed=dpo.packing)
-    out = pair_loss(sums, counts, batch["ref_logps"], dpo, n, kl_point=z0)
-    stats |= {"train/accuracy": out.accuracy,
-             "train/chosen_reward": out.chosen_rewards.sum() / n,
-             "train/rejected_reward": out.rejected_rewards.sum() / n,
-             "train/margin": (out.chosen_rewards - out.rejected_rewards).sum() / n}
+    if "desirable" in batch:
+        out = feedback_loss(sums, batch, dpo, n, z0)
+        stats |= {"train/accuracy": out.accuracy,
+                  **{f"train/{name}": value for name, value in
+                     labelled_rewards(out.rewards, batch["desirable"], examples).items()}}
+        taught = sums[batch["desirable"]]   # the desirable answers, for dpo.nll_coef
+    else:
+        out = pair_loss(sums, counts, batch["ref_logps"], dpo, n, kl_point=z0)
+        stats |= {"train/accuracy": out.accuracy,
+                  "train/chosen_reward": out.chosen_rewards.sum() / n,
+                  "train/rejected_reward": out.rejected_rewards.sum() / n,
+                  "train/margin": (out.chosen_rewards - out.rejected_rewards).sum() / n}
+        taught = sums.chunk(2)[0]
     loss = out.loss
-    if dpo.nll_coef:   # the chosen answers' mean token cross entropy over the window
-        nll = -sums.chunk(2)[0].sum() / max(chosen_tokens(examples), 1)
+    if dpo.nll_coef:   # the chosen (desirable) answers' mean token cross entropy over the window
+        nll = -taught.sum() / max(taught_tokens(examples), 1)
         loss = loss + dpo.nll_coef * nll
         stats["train/nll"] = nll.detach()
     return loss, stats
 
 
-def chosen_tokens(examples: list[DPOExample]) -> int:
-    """The chosen answers' predicted tokens (a row's first token is predicted by none)."""
-    return sum(len(ex.chosen_ids) - max(ex.prompt_len, 1) for ex in examples)
+def taught_tokens(examples: list[DPOExample] | list[FeedbackExample]) -> int:
+    """The predicted tokens of the chosen answers (of feedback: the desirable ones) that
+    dpo.nll_coef trains on (a row's first token is predicted by none)."""
+    return sum(len(ex.chosen_ids) - max(ex.prompt_len, 1) for ex in examples) \
+        if examples and isinstance(examples[0], DPOExample) \
+        else sum(len(ex.ids) - max(ex.prompt_len, 1) for ex in examples if ex.desirable)
 
 
-def with_mismatched(examples: list[DPOExample]) -> list[DPOExample]:
-    """`examples` for KTO: each pair's prompt given the chosen answer of the pair after it
-    (the last: the first's), a row whose log-ratio to the reference estimates the KL
-    reference point z0 (the paper's mismatched pairs; TRL's KL dataset). Fixed once, as the
-    reference's log-probs of these rows are computed once."""
-    answers = [ex.chosen_ids[ex.prompt_len:] for ex in examples]
-    return [ex._replace(kl_ids=tuple(ex.chosen_ids[:ex.prompt_len]
-                                     + answers[(k + 1) % len(examples)]))
-            for k, ex in enumerate(examples)]
+def example_tokens(example: DPOExample | FeedbackExample) -> int:
+    """The tokens of an example's rows (a pair's two, a feedback record's one)."""
+    return len(example.chosen_ids) + len(example.rejected_ids) \
+        if isinstance(example, DPOExample) else len(example.ids)
+
+
+def first_row(example: DPOExample | FeedbackExample) -> list[int]:
+    """A pair's chosen row, or a feedback record's one: its prompt and an answer."""
+    return example.chosen_ids if isinstance(example, DPOExample) else example.ids
+
+
+def with_mismatched(examples: list[DPOExample] | list[FeedbackExample]
+                    ) -> list[DPOExample] | list[FeedbackExample]:
+    """`examples` for KTO: each one's prompt given the answer (a pair's chosen one) of the
+    next example after it with another prompt (cyclically; the next one where all share
+    it), a row whose log-ratio to the reference estimates the KL reference point z0 (the
+    paper's mismatched pairs; TRL's KL dataset). Feedback often lists a prompt's answers
+    together, which the next example alone would pair with their own prompt. Fixed once,
+    as the reference's log-probs of these rows are computed once."""
+    rows = [first_row(ex) for ex in examples]
+    prompts = [tuple(row[:ex.prompt_len]) for row, ex in zip(rows, examples, strict=True)]
+    n, mismatched = len(examples), []
+    for k, ex in enumerate(examples):
+        other = next((j % n for j in range(k + 1, k + n) if prompts[j % n] != prompts[k]),
+                     (k + 1) % n)
+        answer = rows[other][examples[other].prompt_len:]
+        mismatched.append(ex._replace(kl_ids=prompts[k] + tuple(answer)))
+    return mismatched
 
 
 @torch.no_grad()
 def with_reference(model, examples: list[DPOExample], pad_token_id: int, batch_size: int,
                    dp: DataParallel, packed: bool = False) -> list[DPOExample]:
-    """`examples` with their answers' log-probs under the frozen reference `model` filled
-    in (KTO's mismatched rows' too), the same on every process (`packed`: dpo.packing's
-    forwards)."""
+    """`examples` (pairs, or KTO's feedback) with their answers' log-probs under the frozen
+    reference `model` filled in (KTO's mismatched rows' too), the same on every process
+    (`packed`: dpo.packing's forwards)."""
     filled = []
     for batch in batches(examples, batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
-        rows = to_device(collate_dpo(share.rows, pad_token_id), dp.device)
+        rows = to_device(collate(share.rows, pad_token_id), dp.device)
         sums, _ = answer_logprobs(model, rows, packed)
-        columns = list(sums.chunk(2))
+        columns = [sums] if "desirable" in rows else list(sums.chunk(2))
         if "kl_input_ids" in rows:
             columns.append(answer_logprobs(model, mismatched_rows(rows), packed)[0])
         values = dp.batch_values(share, torch.stack(columns, 1), len(batch)).tolist()
-        filled += [ex._replace(ref_chosen=value[0], ref_rejected=value[1],
-                               **({"ref_kl": value[2]} if len(value) > 2 else {}))
-                   for ex, value in zip(batch, values, strict=True)]
+        for ex, value in zip(batch, values, strict=True):
+            kl = {"ref_kl": value.pop()} if ex.kl_ids else {}
+            filled.append(ex._replace(**dict(zip(reference_fields(ex), value, strict=True)),
+                                      **kl))
     return filled
 
 
+def collate(batch: list[DPOExample] | list[FeedbackExample], pad_token_id: int
+            ) -> dict[str, torch.Tensor]:
+    """collate_dpo's rows of pairs, collate_feedback's of feedback."""
+    return (collate_dpo if isinstance(batch[0], DPOExample) else collate_feedback)(
+        batch, pad_token_id)
+
+
+def reference_fields(example: DPOExample | FeedbackExample) -> tuple[str, ...]:
+    """The fields that hold the reference's log-probs of an example's answers."""
+    return ("ref_chosen", "ref_rejected") if isinstance(example, DPOExample) else ("ref_logp",)
+
+
 @torch.no_grad()
-def evaluate(engine: TrainEngine, reference, examples: list[DPOExample], dpo: DPOTrainConfig,
-             tokenizer, gold: RewardFunction | None, sampling: SamplingSettings, seed: int,
-             dp: DataParallel) -> dict[str, float]:
+def evaluate(engine: TrainEngine, reference, examples: list[DPOExample] |
+             list[FeedbackExample], dpo: DPOTrainConfig, tokenizer, gold: RewardFunction | None,
+             sampling: SamplingSettings, seed: int, dp: DataParallel) -> dict[str, float]:
     """On held-out pairs: the DPO loss, the share whose chosen answer's implicit reward is
     the higher (`accuracy`), the mean rewards and their margin (KTO: and its reference
-    point z0, `kl_point`, each batch's over its mismatched rows); on answers to the first
-    dpo.eval_prompts pairs' prompts, sampled as step 3's evaluations sample them
+    point z0, `kl_point`, each batch's over its mismatched rows); on held-out feedback
+    (KTO), the share of answers on their label's side of z0 (`accuracy`), the mean
+    rewards of the desirable and the undesirable answers and their margin. Then on answers
+    to the first dpo.eval_prompts examples' prompts, sampled as step 3's evaluations sample them
     (`sampling`, rows seeded from `seed`), their KL to the `reference` and, with a `gold`
     function, their mean gold score and the greedy answers' (what chat.py answers)."""
     if not examples:
         return {}
+    paired = isinstance(examples[0], DPOExample)
     totals = torch.zeros(4, dtype=torch.float64)
-    points = 0.0   # KTO: each batch's z0 (the same on every process) by its pairs
+    points = 0.0   # KTO: each batch's z0 (the same on every process) by its examples
     for batch in batches(examples, dpo.eval_batch_size, shuffle=False, seed=0):
         share = dp.share(batch)
-        rows = to_device(collate_dpo(share.rows, tokenizer.pad_token_id), dp.device)
+        rows = to_device(collate(share.rows, tokenizer.pad_token_id), dp.device)
         z0 = kl_point(engine, rows, dp, share.weight, dpo.packing) if dpo.loss == KTO else 0.0
         sums, counts = answer_logprobs(engine, rows, dpo.packing)
-        out = pair_loss(sums, counts, rows["ref_logps"], dpo, num_pairs=1, kl_point=z0)
         points += z0 * len(batch)
+        if paired:   # sums over the pairs
+            out = pair_loss(sums, counts, rows["ref_logps"], dpo, num_pairs=1, kl_point=z0)
+            rewards = (out.chosen_rewards.sum() / len(examples),
+                       out.rejected_rewards.sum() / len(examples))
+        else:        # sums over the answers; the rewards' means over each label's
+            out = feedback_loss(sums, rows, dpo, num_answers=1, kl_point=z0)
+            labelled = labelled_rewards(out.rewards, rows["desirable"], examples)
+            rewards = labelled["desirable_reward"], labelled["undesirable_reward"]
         totals += share.weight * torch.tensor(
-            [float(out.loss), float(out.accuracy), float(out.chosen_rewards.sum()),
-             float(out.rejected_rewards.sum())], dtype=torch.float64)
-    loss, accuracy, chosen, rejected = (total / len(examples)
-                                        for total in dp.sum(*totals.tolist()))
-    metrics = {"eval/loss": loss, "eval/accuracy": accuracy, "eval/chosen_reward": chosen,
-               "eval/rejected_reward": rejected, "eval/margin": chosen - rejected,
+            [float(out.loss) / len(examples), float(out.accuracy) / len(examples),
+             *map(float, rewards)], dtype=torch.float64)
+    loss, accuracy, good, bad = dp.sum(*totals.tolist())
+    names = ("chosen", "rejected") if paired else ("desirable", "undesirable")
+    metrics = {"eval/loss": loss, "eval/accuracy": accuracy, f"eval/{names[0]}_reward": good,
+               f"eval/{names[1]}_reward": bad, "eval/margin": good - bad,
                **({"eval/kl_point": points / len(examples)} if dpo.loss == KTO else {})}
-    prompts = [ex.chosen_ids[:ex.prompt_len] for ex in examples[:dpo.eval_prompts]]
+    prompts = [first_row(ex)[:ex.prompt_len] for ex in examples[:dpo.eval_prompts]]
     if prompts:
         metrics |= sampled_answers(engine, reference, prompts, tokenizer, gold, sampling, seed,
                                    dp, dpo.eval_batch_size)
@@ -311,17 +397,64 @@ def results(summary: dict, evaluated: bool) -> str:
 def dpo_examples(cfg: DictConfig, actor_path: str, pairs: list[PreferencePair],
                  held_out: list[PreferencePair] | None) -> tuple[object, list, list]:
     """(the actor's tokenizer in the run's chat format, training examples, held-out
-    examples) of `pairs` and `held_out` (None: data.eval_fraction of `pairs`)."""
+    examples) of `pairs` and `held_out` (None: data.eval_fraction of `pairs`). With
+    data.feedback_path, `pairs` are its feedback records (FeedbackExamples), and held-out
+    pairs (data.eval_path) are read as two records each."""
     tokenizer = model_tokenizer(cfg, actor_path, "ppo.actor_path")
     require_trained_format(cfg, tokenizer, actor_path, "step 3")
     tokenizer = saving_chat_format(cfg, tokenizer)
     owner = f"the step-3 actor {actor_path}"
+    feedback = bool(cfg.data.feedback_path)
+    if feedback and held_out is not None:
+        held_out = as_feedback(held_out)
     pairs = in_chat_format(cfg, "step 3", pairs, tokenizer, owner)
     if held_out is not None:
         held_out = in_chat_format(cfg, "step 3 held-out", held_out, tokenizer, owner)
-    train, evals = train_eval_examples(cfg, 3, "training pairs", pairs, tokenizer,
-                                       tokenize_dpo, held_out)
+    train, evals = train_eval_examples(
+        cfg, 3, "feedback records" if feedback else "training pairs", pairs, tokenizer,
+        tokenize_feedback if feedback else tokenize_dpo, held_out)
+    if feedback:
+        report_balance(train, cfg.dpo.desirable_weight, cfg.dpo.undesirable_weight)
+        records = cfg.dpo.batch_size * cfg.dpo.grad_accum
+        if records < MIN_FEEDBACK_BATCH:
+            log(f"step 3 (KTO): {records} feedback records an update (dpo.batch_size x "
+                f"dpo.grad_accum); with fewer than {MIN_FEEDBACK_BATCH} the demo's runs drifted "
+                "from the reference (every answer less likely), where pairs hold as many "
+                "desirable answers as undesirable: raise dpo.batch_size "
+                "(bench/results/step3-kto-feedback-*)")
     return tokenizer, train, evals
+
+
+# KTO on unpaired feedback: the fewest records an update that held the demo's runs near
+# the reference (16 let the KL run to 19; bench/results/step3-kto-feedback-*)
+MIN_FEEDBACK_BATCH = 32
+
+
+def as_feedback(pairs: list[PreferencePair]) -> list[PreferencePair]:
+    """Pairs as feedback records: the chosen answer desirable, the rejected one not."""
+    return [record for pair in pairs for record in (
+        pair._replace(label=True, rejected=""),
+        pair._replace(chosen=pair.rejected, rejected="", label=False))]
+
+
+def report_balance(examples: list[FeedbackExample], desirable_weight: float,
+                   undesirable_weight: float) -> None:
+    """Log the desirable and undesirable answers trained on, and, where their weighted
+    ratio is outside the KTO paper's advice of [1, 4/3], the dpo.desirable_weight that
+    brings it to 1: with far fewer of one kind, its losses are drowned by the other's."""
+    wanted = sum(ex.desirable for ex in examples)
+    unwanted = len(examples) - wanted
+    log(f"step 3 (KTO): {wanted} desirable and {unwanted} undesirable answers to train on")
+    if not wanted or not unwanted:
+        which = "undesirable" if wanted else "desirable"
+        log(f"step 3 (KTO): no {which} answers: KTO only pushes the others' likelihood; give "
+            "feedback of both kinds")
+        return
+    ratio = desirable_weight * wanted / (undesirable_weight * unwanted)
+    if not 1 <= ratio <= 4 / 3:
+        log(f"step 3 (KTO): dpo.desirable_weight x desirable / (dpo.undesirable_weight x "
+            f"undesirable) is {ratio:.2f}, outside the KTO paper's advice of 1 to 4/3; "
+            f"dpo.desirable_weight={undesirable_weight * unwanted / wanted:.3g} makes it 1")
 
 
 def load_policy(cfg: DictConfig, place, actor_path: str, tokenizer, dpo: DPOTrainConfig
@@ -349,7 +482,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     dpo: DPOTrainConfig = OmegaConf.to_object(cfg.dpo)
     dp, place = DataParallel(rt), placement(cfg, rt)
     tokenizer, train, evals = dpo_examples(cfg, actor_path, pairs, held_out)
-    ppo, demo = cfg.ppo, list(cfg.data.path) == ["demo"]
+    # the demo's gold score reads the demo's prompts: feedback of one's own is not them
+    ppo, demo = cfg.ppo, list(cfg.data.path) == ["demo"] and not cfg.data.feedback_path
     spec = ppo.eval_reward_fn or (DEMO_GOLD if demo else None)
     gold = RewardFunction.named(spec, "ppo.eval_reward_fn") if spec else None
     # evaluations sample as step 3's do
@@ -357,8 +491,8 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     model = load_policy(cfg, place, actor_path, tokenizer, dpo)
     pad, reference = tokenizer.pad_token_id, None
 
-    def prepare(engine: TrainEngine) -> list[DPOExample]:
-        """The reference's log-probs of every pair (but for a reference-free loss): the
+    def prepare(engine: TrainEngine) -> list[DPOExample] | list[FeedbackExample]:
+        """The reference's log-probs of every example (but for a reference-free loss): the
         policy as it starts, frozen (LoRA over a frozen base: the base, adapters off). It is
         kept only to measure the KL of sampled answers (dpo.eval_prompts)."""
         nonlocal evals, reference
@@ -376,16 +510,17 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         filled = with_reference(reference, train_rows, pad, dpo.eval_batch_size, dp,
                                 dpo.packing)
         evals = with_reference(reference, evals, pad, dpo.eval_batch_size, dp, dpo.packing)
+        what = "feedback records" if cfg.data.feedback_path else "pairs"
         log(f"step 3 (DPO): the reference's log-probs of {len(filled)} training and "
-            f"{len(evals)} held-out pairs computed")
+            f"{len(evals)} held-out {what} computed")
         if not kl_measured:
             reference = None
         return filled
 
     task = supervised.Task(
         step=3, name="DPO", role="actor", family="policy", section=dpo, examples=train,
-        collate=partial(collate_dpo, pad_token_id=pad), loss=partial(batch_loss, dpo=dpo, dp=dp),
-        tokens=lambda batch: sum(len(ex.chosen_ids) + len(ex.rejected_ids) for ex in batch),
+        collate=partial(collate, pad_token_id=pad), loss=partial(batch_loss, dpo=dpo, dp=dp),
+        tokens=lambda batch: sum(map(example_tokens, batch)),
         evaluate=lambda engine: evaluate(engine, reference, evals, dpo, tokenizer, gold,
                                          sampling, cfg.seed, dp),
         results=lambda summary: results(summary, bool(evals)),

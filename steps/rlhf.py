@@ -53,6 +53,12 @@ class DPOLossOut(NamedTuple):
     accuracy: Tensor  # scalar, detached: share of pairs whose chosen reward is the higher
 
 
+class KTOLossOut(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    rewards: Tensor  # [N] detached: beta * (log pi - log pi_ref) of each answer
+    accuracy: Tensor  # scalar, detached: share of answers on their label's side of z0
+
+
 class RewardLossOut(NamedTuple):
     loss: Tensor  # scalar, differentiable
     accuracy: Tensor  # scalar, detached: share of pairs with chosen > rejected (ties count wrong)
@@ -907,24 +913,16 @@ def kto_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
              ref_rejected_logps: Tensor, kl_point: Tensor | float, beta: float,
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
              num_pairs: int | None = None) -> DPOLossOut:
-    """Kahneman-Tversky optimisation's loss (Ethayarajh et al., 2024) on pairs read as one
-    desirable (chosen) and one undesirable (rejected) answer each. With an answer's
-    log-ratio ``r = logp - ref_logp`` and the reference point ``z0`` (``kl_point``: the
-    policy's KL to the reference, estimated on mismatched prompts and answers and not
-    trained through):
-
-        desirable:   desirable_weight * (1 - sigmoid(beta * (r - z0)))
-        undesirable: undesirable_weight * (1 - sigmoid(beta * (z0 - r)))
-
-    averaged over the answers (two per pair), as TRL's KTOTrainer averages; at the start
-    (r = z0 = 0) the loss is (desirable_weight + undesirable_weight) / 4.
+    """kto_feedback_loss on pairs read as one desirable (chosen) and one undesirable
+    (rejected) answer each, averaged over the answers (two per pair), as TRL's KTOTrainer
+    averages; at the start (r = z0 = 0) the loss is (desirable_weight + undesirable_weight)
+    / 4.
 
     Args:
         chosen_logps, rejected_logps: [B] float, the answers' log-probability sums under the
             policy (differentiable). ref_chosen_logps, ref_rejected_logps: [B], the
             reference's.
-        kl_point: scalar z0 >= 0 (kto_kl_point), detached.
-        beta: the value function's scale, > 0.
+        kl_point, beta, desirable_weight, undesirable_weight: as kto_feedback_loss's.
         num_pairs: the pairs the means divide by; default B.
 
     Returns:
@@ -932,16 +930,53 @@ def kto_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
         the implicit rewards ``beta * r`` and the share of pairs whose chosen answer's is the
         higher.
     """
-    chosen_ratio = chosen_logps.float() - ref_chosen_logps.float()
-    rejected_ratio = rejected_logps.float() - ref_rejected_logps.float()
-    z0 = torch.as_tensor(kl_point, dtype=torch.float32, device=chosen_ratio.device).detach()
-    losses = (desirable_weight * (1 - torch.sigmoid(beta * (chosen_ratio - z0)))
-              + undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rejected_ratio))))
-    n = num_pairs or len(losses)
-    with torch.no_grad():
-        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
-        accuracy = (chosen_rewards > rejected_rewards).float().sum() / n
-    return DPOLossOut(losses.sum() / (2 * n), chosen_rewards, rejected_rewards, accuracy)
+    n = num_pairs or len(chosen_logps)
+    desirable = torch.arange(2 * len(chosen_logps), device=chosen_logps.device) < len(chosen_logps)
+    out = kto_feedback_loss(torch.cat([chosen_logps, rejected_logps]),
+                            torch.cat([ref_chosen_logps, ref_rejected_logps]), desirable,
+                            kl_point, beta, desirable_weight, undesirable_weight, 2 * n)
+    chosen_rewards, rejected_rewards = out.rewards.chunk(2)
+    accuracy = (chosen_rewards > rejected_rewards).float().sum() / n
+    return DPOLossOut(out.loss, chosen_rewards, rejected_rewards, accuracy)
+
+
+def kto_feedback_loss(logps: Tensor, ref_logps: Tensor, desirable: Tensor,
+                      kl_point: Tensor | float, beta: float, desirable_weight: float = 1.0,
+                      undesirable_weight: float = 1.0, num_answers: int | None = None
+                      ) -> KTOLossOut:
+    """Kahneman-Tversky optimisation's loss (Ethayarajh et al., 2024) on answers each
+    labelled desirable or undesirable alone (thumbs up or down; no pairs). With an answer's
+    log-ratio ``r = logp - ref_logp`` and the reference point ``z0`` (``kl_point``: the
+    policy's KL to the reference, estimated on mismatched prompts and answers and not
+    trained through):
+
+        desirable:   desirable_weight * (1 - sigmoid(beta * (r - z0)))
+        undesirable: undesirable_weight * (1 - sigmoid(beta * (z0 - r)))
+
+    averaged over the answers; at the start (r = z0 = 0) each answer's loss is half its
+    weight.
+
+    Args:
+        logps: [N] float, the answers' log-probability sums under the policy
+            (differentiable). ref_logps: [N], the reference's.
+        desirable: [N] bool, each answer's label.
+        kl_point: scalar z0 >= 0 (kto_kl_point), detached.
+        beta: the value function's scale, > 0.
+        num_answers: the answers the mean divides by; default N.
+
+    Returns:
+        KTOLossOut: the loss (summed over the answers, divided by num_answers), the implicit
+        rewards ``beta * r`` and the share of answers on their label's side of z0
+        (desirable: r > z0; undesirable: r < z0; over num_answers).
+    """
+    ratio = logps.float() - ref_logps.float()
+    z0 = torch.as_tensor(kl_point, dtype=torch.float32, device=ratio.device).detach()
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    n = num_answers or len(losses)
+    ratio = ratio.detach()
+    sided = torch.where(desirable, ratio > z0, ratio < z0)
+    return KTOLossOut(losses.sum() / n, beta * ratio, sided.float().sum() / n)
 
 
 def kto_kl_point(kl_sum: float, count: float) -> float:

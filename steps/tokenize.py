@@ -48,6 +48,17 @@ class DPOExample(NamedTuple):
     ref_kl: float = 0.0       # its log-prob under the reference
 
 
+class FeedbackExample(NamedTuple):
+    prompt_len: int           # the prompt's tokens at the head of the row
+    ids: list[int]            # prompt + answer token ids
+    desirable: bool           # the answer's label (a thumbs up or down)
+    ref_logp: float = 0.0     # the answer's log-prob under the reference (filled before training)
+    # the prompt + another record's answer, the mismatched row whose log-ratio estimates
+    # KTO's reference point
+    kl_ids: tuple[int, ...] = ()
+    ref_kl: float = 0.0       # its log-prob under the reference
+
+
 class TokenizeStats(NamedTuple):
     kept: int                  # examples returned
     dropped_long_prompt: int   # examples dropped: the prompt is longer than max_prompt_len
@@ -285,6 +296,15 @@ def tokenize_dpo(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len
                      drop_tied=True)
 
 
+def tokenize_feedback(records: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int,
+                      max_answer_len: int) -> tuple[list[FeedbackExample], TokenizeStats]:
+    """KTO's unpaired examples (data.feedback_path's records: the answer in `chosen`, its
+    label a bool): the prompt ids and the answer's (+ EOS, cut as tokenize_dpo cuts)."""
+    return _examples(records, tokenizer, max_prompt_len, max_answer_len, ("chosen",),
+                     lambda record, prompt, answer: FeedbackExample(
+                         len(prompt), prompt + answer, bool(record.label)))
+
+
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer: Any, max_prompt_len: int
                      ) -> tuple[list[list[int]], TokenizeStats]:
     """PPO prompts: the prompt ids (with special tokens) of every pair whose prompt fits in
@@ -337,20 +357,44 @@ def collate_dpo(batch: list[DPOExample], pad_token_id: int) -> dict[str, Tensor]
     reference's log-probs of those answers, in that order. Examples with `kl_ids` (KTO) add
     kl_input_ids, kl_attention_mask, kl_labels [B,T'] and ref_kl_logps [B] of those rows."""
     ids = [ex.chosen_ids for ex in batch] + [ex.rejected_ids for ex in batch]
-    labels = [[IGNORE_INDEX] * ex.prompt_len + row[ex.prompt_len:]
-              for ex, row in zip(batch + batch, ids, strict=True)]
     ref = [ex.ref_chosen for ex in batch] + [ex.ref_rejected for ex in batch]
-    rows = {"input_ids": _pad(ids, pad_token_id), "attention_mask": _mask(ids),
-            "labels": _pad(labels, IGNORE_INDEX),
+    rows = {**_answer_rows(ids, [ex.prompt_len for ex in batch + batch], pad_token_id),
             "ref_logps": torch.tensor(ref, dtype=torch.float32)}
     if batch[0].kl_ids:   # KTO's mismatched rows [B, T'], the same layout
-        kl = [list(ex.kl_ids) for ex in batch]
-        rows |= {"kl_input_ids": _pad(kl, pad_token_id), "kl_attention_mask": _mask(kl),
-                 "kl_labels": _pad([[IGNORE_INDEX] * ex.prompt_len + row[ex.prompt_len:]
-                                    for ex, row in zip(batch, kl, strict=True)], IGNORE_INDEX),
-                 "ref_kl_logps": torch.tensor([ex.ref_kl for ex in batch],
-                                              dtype=torch.float32)}
+        rows |= _mismatched_rows(batch, pad_token_id)
     return rows
+
+
+def collate_feedback(batch: list[FeedbackExample], pad_token_id: int) -> dict[str, Tensor]:
+    """input_ids [B,T] right padded; attention_mask [B,T]; labels [B,T], -100 over the
+    prompts and the padding; desirable [B] bool; ref_logps [B] float32, the reference's
+    log-probs of the answers; with `kl_ids`, kl_input_ids, kl_attention_mask, kl_labels
+    [B,T'] and ref_kl_logps [B] of the mismatched rows (collate_dpo's keys)."""
+    rows = {**_answer_rows([ex.ids for ex in batch], [ex.prompt_len for ex in batch],
+                           pad_token_id),
+            "desirable": torch.tensor([ex.desirable for ex in batch], dtype=torch.bool),
+            "ref_logps": torch.tensor([ex.ref_logp for ex in batch], dtype=torch.float32)}
+    if batch[0].kl_ids:
+        rows |= _mismatched_rows(batch, pad_token_id)
+    return rows
+
+
+def _answer_rows(ids: list[Sequence[int]], prompt_lens: list[int], pad_token_id: int,
+                 prefix: str = "") -> dict[str, Tensor]:
+    """Right-padded `prefix`input_ids, attention_mask and labels [len(ids), T], the labels
+    -100 over each row's prompt (its first `prompt_lens` tokens) and the padding."""
+    labels = [[IGNORE_INDEX] * n + list(row[n:]) for row, n in zip(ids, prompt_lens, strict=True)]
+    return {f"{prefix}input_ids": _pad(ids, pad_token_id), f"{prefix}attention_mask": _mask(ids),
+            f"{prefix}labels": _pad(labels, IGNORE_INDEX)}
+
+
+def _mismatched_rows(batch: list[DPOExample] | list[FeedbackExample], pad_token_id: int
+                     ) -> dict[str, Tensor]:
+    """KTO's mismatched rows of `batch` (kl_input_ids, kl_attention_mask, kl_labels [B,T'])
+    and their reference log-probs (ref_kl_logps [B])."""
+    return {**_answer_rows([ex.kl_ids for ex in batch], [ex.prompt_len for ex in batch],
+                           pad_token_id, prefix="kl_"),
+            "ref_kl_logps": torch.tensor([ex.ref_kl for ex in batch], dtype=torch.float32)}
 
 
 def _margins(batch: list[PairExample]) -> dict[str, Tensor]:

@@ -141,7 +141,8 @@ def test_dpo_refuses_the_step_3_keys_it_would_ignore_and_needs_no_reward_model(
         capsys, tmp_path):
     assert _refusal(capsys, tmp_path, "ppo.prompt_data=[p.jsonl]") == (
         "train.py: ppo.prompt_data=[p.jsonl]: ppo.algorithm=dpo does not read it (it trains "
-        "on step 3's share of data.path's pairs); drop it, or choose another ppo.algorithm")
+        "on step 3's share of data.path's pairs (KTO: or on data.feedback_path's feedback)); "
+        "drop it, or choose another ppo.algorithm")
     assert "ppo.actor_lora.dim=8: ppo.algorithm=dpo does not read it (its LoRA is " \
         "dpo.lora's)" in _refusal(capsys, tmp_path, "ppo.actor_lora.dim=8")
     assert "ppo.ptx.enabled=true: ppo.algorithm=dpo does not read it" in \
@@ -358,3 +359,117 @@ def test_a_kto_run_raises_the_chosen_answers_over_the_rejected(tmp_path, sft_act
     assert summary["eval/kl_point"] > 0
     assert summary["eval/loss"] < 0.47 and summary["eval/margin"] > 0.3
     assert summary["eval/accuracy"] >= 0.7
+
+
+# KTO on unpaired feedback (data.feedback_path: prompt, completion, label records)
+
+
+def test_feedback_records_are_read_with_their_labels_and_bad_ones_named(tmp_path):
+    from steps.data import DataError, load_feedback_records
+
+    path = tmp_path / "feedback.jsonl"
+    records = [{"prompt": "Hi?", "completion": "Hello.", "label": True},
+               {"prompt": [{"role": "user", "content": "Sum 2+2?"}],
+                "completion": [{"role": "assistant", "content": "5"}], "label": 0},
+               {"prompt": "Empty?", "completion": "", "label": True},
+               {"prompt": "Unlabelled?", "completion": "Yes.", "label": None}]
+    path.write_text("\n".join(json.dumps(r) for r in records[:1] + records[2:]))
+    read, skipped = load_feedback_records(str(path))
+    assert skipped == 2   # the empty answer, the null label
+    assert read == [PreferencePair("\n\nHuman: Hi?\n\nAssistant:", " Hello.", "",
+                                   ({"role": "user", "content": "Hi?"},), label=True)]
+    path.write_text(json.dumps(records[1]))
+    (chat,), _ = load_feedback_records(str(path))
+    assert (chat.prompt, chat.chosen, chat.label) == (
+        "\n\nHuman: Sum 2+2?\n\nAssistant:", " 5", False)
+    path.write_text(json.dumps({"prompt": "Hi?", "completion": "Hello.", "label": "good"}))
+    with pytest.raises(DataError, match=r"record 1: field 'label' is \"good\", where a "
+                                        r"feedback label is true/false"):
+        load_feedback_records(str(path))
+    path.write_text(json.dumps({"prompt": "Hi?", "answer": "Hello.", "label": True}))
+    with pytest.raises(DataError, match="no 'completion' field .* set "
+                                        "data.feedback_completion_key"):
+        load_feedback_records(str(path))
+
+
+def test_kto_on_feedback_is_kto_on_the_pairs_it_was_made_of(model, tok):
+    """A batch of pairs and the same answers as desirable / undesirable records give one
+    loss and one gradient: the unpaired path is the paired one without the pairing."""
+    from steps.dpo import as_feedback
+    from steps.tokenize import collate_feedback, tokenize_feedback
+
+    pairs = demo.make_pairs(6, seed=3)
+    dp = DataParallel(setup_runtime("cpu", "float32", 0))
+    reference = load_causal_lm("tiny-llama", tok, dtype=torch.float32).eval()
+    policy = load_causal_lm("tiny-llama", tok, dtype=torch.float32)
+    policy.load_state_dict(model.state_dict())
+    with torch.no_grad():   # away from the reference, so the loss and gradient are not trivial
+        torch.manual_seed(1)
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    paired = with_reference(reference, with_mismatched(tokenize_dpo(pairs, tok, 64, 12)[0]),
+                            tok.pad_token_id, 4, dp)
+    feedback = tokenize_feedback(as_feedback(pairs), tok, 64, 12)[0]
+    assert [ex.desirable for ex in feedback] == [True, False] * len(pairs)
+    feedback = with_reference(reference, with_mismatched(feedback), tok.pad_token_id, 4, dp)
+    kto = DPOTrainConfig(beta=0.1, loss="kto", desirable_weight=1.5)
+    results = []
+    for rows, examples in ((collate_dpo(paired, tok.pad_token_id), paired),
+                           (collate_feedback(feedback, tok.pad_token_id), feedback)):
+        policy.zero_grad()
+        loss, stats = batch_loss(policy, rows | {"weight": torch.tensor(1.0)}, examples,
+                                 kto, dp)
+        loss.backward()
+        results.append((float(loss.detach()), stats, [p.grad.clone() for p in policy.parameters()]))
+    (pair_loss, pair_stats, pair_grads), (loss, stats, grads) = results
+    assert loss == pytest.approx(pair_loss, abs=1e-6) and abs(loss - 0.5 * 1.25) > 1e-4
+    for g, h in zip(grads, pair_grads, strict=True):
+        torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)
+    assert float(stats["train/desirable_reward"]) == pytest.approx(
+        float(pair_stats["train/chosen_reward"]), abs=1e-6)
+    assert float(stats["train/undesirable_reward"]) == pytest.approx(
+        float(pair_stats["train/rejected_reward"]), abs=1e-6)
+
+
+def test_a_mismatched_row_takes_the_next_answer_to_another_prompt(tok):
+    from steps.tokenize import tokenize_feedback
+
+    records = [PreferencePair("a", " x", "", label=True), PreferencePair("a", " y", "", label=False),
+               PreferencePair("b", " z", "", label=True)]
+    examples = with_mismatched(tokenize_feedback(records, tok, 8, 8)[0])
+    answer = {text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+              for text in (" x", " z")}
+    prompt = {text: tok(text)["input_ids"] for text in ("a", "b")}
+    assert [list(ex.kl_ids) for ex in examples] == [
+        prompt["a"] + answer[" z"], prompt["a"] + answer[" z"], prompt["b"] + answer[" x"]]
+
+
+def test_feedback_is_refused_but_by_kto(capsys, tmp_path):
+    assert "data.feedback_path holds unpaired feedback, which only dpo.loss=kto trains on, " \
+        "not dpo.loss=sigmoid" in _refusal(capsys, tmp_path, "data.feedback_path=[f.jsonl]")
+    code = train.main(["--step", "3", "--output-dir", str(tmp_path / "out"),
+                       "ppo.algorithm=ppo", "data.feedback_path=[f.jsonl]"])
+    assert code == 2 and capsys.readouterr().err.strip().startswith(
+        "train.py: data.feedback_path holds unpaired feedback, which step 3 trains on by KTO "
+        "only, not by ppo.algorithm=ppo")
+
+
+def test_a_kto_run_on_unpaired_feedback_raises_the_desirable_answers(tmp_path, sft_actor):
+    """data.feedback_path's records through train.py: one answer of each demo pair, alone
+    (steps.demo.feedback_records), read, held out and trained on."""
+    feedback = tmp_path / "feedback.jsonl"
+    records = demo.feedback_records(demo.make_pairs(400, seed=5), seed=5)
+    feedback.write_text("\n".join(json.dumps(r) for r in records))
+    out = tmp_path / "out"
+    train_here(["--step", "3", "--output-dir", out, f"ppo.actor_path={sft_actor}",
+                "ppo.algorithm=dpo", "dpo.loss=kto", f"data.feedback_path=[{feedback}]",
+                "dpo.beta=0.5", "dpo.lr=1e-3", "dpo.batch_size=16", "dpo.epochs=2",
+                "data.eval_fraction=0.1", "dpo.eval_prompts=0", "data.max_answer_len=8",
+                "logging.progress=false"]).check()
+    rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()]
+    start, summary = rows[0], rows[-1]
+    assert start["eval/loss"] == pytest.approx(0.5, abs=1e-5) and start["eval/accuracy"] == 0
+    assert "eval/chosen_reward" not in summary   # no pairs: rewards by label
+    assert summary["eval/loss"] < 0.47
+    assert summary["eval/desirable_reward"] > summary["eval/undesirable_reward"]
+    assert summary["eval/accuracy"] >= 0.6
