@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 import train
 from engine.models import byte_tokenizer, load_causal_lm
+from steps import demo
 from tests.harness.environment import child_env, free_port
 from tests.harness.in_process import TrainRun, train_here
 
@@ -101,13 +102,18 @@ def _weights(out: Path, name: str) -> dict[str, torch.Tensor]:
 
 def _assert_same_run(got: Path, want: Path, *, rtol: float, atol: float, weight_max: float,
                      weight_mean: float, steps: tuple[int, ...] = (1, 2, 3),
-                     models: tuple[str, ...] = MODEL_DIRS):
+                     models: tuple[str, ...] = MODEL_DIRS, unsettled: tuple[str, ...] = ()):
+    """`unsettled`: keys not compared in the first training row, where they count the signs
+    of rounding noise (KTO's accuracy before any update: every log-ratio is 0 but for the
+    rounding of batches padded otherwise than the reference's)."""
     for step in steps:
         rows_got, rows_want = _metrics(got, step), _metrics(want, step)
         assert len(rows_got) == len(rows_want), f"step {step}: {len(rows_got)} metric rows"
         for row_got, row_want in zip(rows_got, rows_want, strict=True):
             assert row_got.keys() == row_want.keys()
             for key, value in row_want.items():
+                if key in unsettled and row_want["step"] == 1:
+                    continue
                 # a gradient norm sums the squares of every shard's gradients, in an order
                 # that depends on the sharding: it rounds differently by a few 1e-5
                 # (so, since step 2 reads every answer at EOS, does the critic's value mean
@@ -285,6 +291,23 @@ def test_kto_on_two_ranks_matches_one_process(single, kto_one, tmp_path):
                      weight_mean=1e-6, steps=(3,), models=("step3/actor",))
     points = [row["train/kl_point"] for row in _rows(kto_one, 3) if "train/kl_point" in row]
     assert points and any(point > 0 for point in points)   # z0 moved off its floor
+
+
+def test_kto_on_unpaired_feedback_on_two_ranks_matches_one_process(single, tmp_path):
+    """ZeRO-3 KTO on data.feedback_path's records (an odd batch of 5: a rank's share is
+    made up by a stand-in): the labels, z0 and rewards by label summed over both ranks,
+    the losses and exported weights one process's."""
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text("".join(json.dumps(record) + "\n" for record in demo.feedback_records(
+        demo.make_pairs(120, seed=4), seed=4)))
+    flags = (*KTO, f"data.feedback_path=[{feedback}]", "data.eval_fraction=0.1")
+    _ok(_dpo(single, tmp_path / "one", *flags, here=True))
+    _ok(_dpo(single, tmp_path / "two", *flags, "engine.procs=2", "--actor-zero-stage", "3"))
+    _assert_same_run(tmp_path / "two", tmp_path / "one", rtol=1e-5, atol=1e-5,
+                     weight_max=2e-4, weight_mean=1e-6, steps=(3,), models=("step3/actor",),
+                     unsettled=("train/accuracy",))
+    summary = _rows(tmp_path / "one", 3)[-1]
+    assert summary["eval/desirable_reward"] != summary["eval/undesirable_reward"]
 
 
 def test_kto_killed_run_resumes_to_the_same_end(single, kto_one, tmp_path):
