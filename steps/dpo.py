@@ -225,10 +225,15 @@ def with_mismatched(examples: list[DPOExample] | list[FeedbackExample]
     as the reference's log-probs of these rows are computed once."""
     rows = [first_row(ex) for ex in examples]
     prompts = [tuple(row[:ex.prompt_len]) for row, ex in zip(rows, examples, strict=True)]
-    n, mismatched = len(examples), []
+    n = len(examples)
+    # over the list twice around, the first place after each whose prompt differs: one pass
+    # back, not a search per example (a prompt answered 10^4 times running would be 10^8)
+    after: list[int | None] = [None] * (2 * n)
+    for i in range(2 * n - 2, -1, -1):
+        after[i] = i + 1 if prompts[(i + 1) % n] != prompts[i % n] else after[i + 1]
+    mismatched = []
     for k, ex in enumerate(examples):
-        other = next((j % n for j in range(k + 1, k + n) if prompts[j % n] != prompts[k]),
-                     (k + 1) % n)
+        other = after[k] % n if after[k] is not None and after[k] < k + n else (k + 1) % n
         answer = rows[other][examples[other].prompt_len:]
         mismatched.append(ex._replace(kl_ids=prompts[k] + tuple(answer)))
     return mismatched
