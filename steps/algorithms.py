@@ -229,10 +229,13 @@ def check_online_dpo(ppo) -> None:
     if ppo.entropy_coef:
         raise UserError(f"ppo.entropy_coef={ppo.entropy_coef}: online DPO's loss is one per "
                         "pair and takes no entropy bonus; set ppo.entropy_coef=0")
+    if ppo.dpo_loss == "kto":   # each answer alone: neither a pair nor a group to keep whole
+        return
     if ppo.mask_truncated:
         raise UserError("ppo.mask_truncated=true would leave a pair with one answer: with "
                         "ppo.algorithm=online_dpo give ppo.missing_eos_penalty (e.g. 1.0), so "
-                        "that a cut-off answer loses its pair instead")
+                        "that a cut-off answer loses its pair instead (or ppo.dpo_loss=kto, "
+                        "whose answers train alone)")
     group = ppo.samples_per_prompt
     for key in ("micro_batch_size", "forward_batch_size"):
         size = getattr(ppo, key)

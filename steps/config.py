@@ -263,8 +263,10 @@ class PPOConfig(OptimConfig):
     dpo_beta: Optional[float] = val(None, "online_dpo: the DPO loss's beta, the weight of "  # noqa: UP045
                                     "the KL to the reference; null: 0.1", POSITIVE)
     dpo_loss: Optional[str] = val(None, "online_dpo: sigmoid (DPO) | ipo | hinge (SLiC), "  # noqa: UP045
-                                  "as the dpo section's loss; null: sigmoid",
-                                  one_of("sigmoid", "ipo", "hinge"))
+                                  "as the dpo section's loss, on each group's best and "
+                                  "worst answer | kto: every answer alone, desirable above "
+                                  "its group's mean reward, undesirable below; null: sigmoid",
+                                  one_of("sigmoid", "ipo", "hinge", "kto"))
     grpo_scale_rewards: bool = val(True, "GRPO: divide by the group's std (false: Dr. GRPO)")
     dynamic_sampling: bool = val(False, "DAPO's dynamic sampling (grpo, rloo, "
                                  "reinforce_pp_baseline): drop the prompts whose answers "

@@ -26,7 +26,8 @@ returns with a per-token KL penalty, normalised over the batch) and `reinforce_p
 (the same, each score less its group's mean first). The loop is the same. `online_dpo`
 replaces the estimator and the clipped loss: each group's best and worst answer by the
 reward form a pair, trained by DPO's loss against the reference, whose `ppo.dpo_beta` is
-then the KL's weight (no penalty in the reward).
+then the KL's weight (no penalty in the reward); with `ppo.dpo_loss=kto` each answer above
+its group's mean is desirable and each below undesirable, trained by KTO's loss.
 
 All tensors of a rollout are answer-aligned [B, N] (see steps/rlhf.py): column j is answer
 token j of `sequences[:, P + j]`; the logits and values that belong to it sit at P+j-1.
@@ -101,11 +102,14 @@ from steps.rlhf import (
     answer_mask,
     coef_for_kl,
     ema_update,
+    feedback_labels,
     gae,
     group_normalized_advantages,
     informative_groups,
     kl_estimate,
     kl_penalized_rewards,
+    kto_kl_point,
+    labelled_kto_loss,
     leave_one_out_advantages,
     logprobs_of_tokens,
     loss_weights,
@@ -115,6 +119,7 @@ from steps.rlhf import (
     policy_loss,
     preference_pairs,
     returns_to_go,
+    rollout_kl_sum,
     sequence_rewards,
     statistic_weights,
     tilted_kl,
@@ -259,10 +264,12 @@ def _per_answer(baseline):
 
 def _preference_pairs(ppo, rewards, scores, penalty, kl, values, actions, kl_coef,
                       group_size, dp):
-    """Online DPO's "advantages": each answer's pair label (rlhf.preference_pairs) on its
-    tokens, by its clipped score less its penalty (no KL: the loss holds it)."""
+    """Online DPO's "advantages": each answer's pair label (rlhf.preference_pairs; KTO's:
+    rlhf.feedback_labels) on its tokens, by its clipped score less its penalty (no KL: the
+    loss holds it)."""
     per_answer = sequence_rewards(scores, kl, actions, 0.0, ppo.score_clip, penalty)
-    labels = preference_pairs(per_answer, group_size)
+    labels = (feedback_labels if ppo.dpo_loss == "kto" else preference_pairs)(per_answer,
+                                                                              group_size)
     return labels[:, None] * actions, per_answer[:, None] * actions
 
 
@@ -1115,6 +1122,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
     norm_sums: dict[str, float] = {}
     updates, stopped, tokens = 0, False, 0.0
     actor_trains = iteration >= s.ppo.critic_warmup   # else the critic alone learns
+    kl_point = _kl_point(exp, share, dp) if s.ppo.dpo_loss == "kto" else 0.0
     for ppo_epoch in range(s.ppo.ppo_epochs):
         order = micro_batch_order(batch_size, s.group if s.algorithm.pairs else 1,
                                   s.seed + iteration * 131 + ppo_epoch)
@@ -1125,9 +1133,9 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
                                                 s.ppo.max_new_tokens)
             weights = (weights, statistic_weights(rows.loss_mask, s.ppo.loss_aggregation))
             count = dp.sum(float(local_count))[0]
-            pairs = dp.sum(float(_pairs_in(rows)))[0] if s.algorithm.pairs else None
+            pairs = dp.sum(float(_pairs_in(rows, s)))[0] if s.algorithm.pairs else None
             # every answer masked (ppo.mask_truncated), or no pair (online DPO: every group
-            # tied): nothing to learn, and Adam would still move
+            # tied; KTO: no answer labelled): nothing to learn, and Adam would still move
             if not count or pairs == 0:
                 continue
             ptx_batch = None
@@ -1135,7 +1143,7 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
                 ptx_batch = ptx_rows(ptx, ptx_batches, s.ppo.ptx.batch_size, s.seed,
                                      models.tokenizer.pad_token_id, dp)
             trained = train_on(rows, models, s, kl_coef, weights, count, ptx_batch, dp,
-                               train_actor=actor_trains, pairs=pairs)
+                               train_actor=actor_trains, pairs=pairs, kl_point=kl_point)
             if trained is None:   # target_kl: nothing trained, the PTX batch waits
                 stopped = True
                 break
@@ -1153,6 +1161,8 @@ def update(exp: Experience, share: Share, batch_size: int, models: Models, s: Se
     *summed, tokens = dp.sum(*sums.values(), float(tokens))
     totals = dict(zip(sums, summed, strict=True))
     means = {name: total / max(updates, 1) for name, total in {**totals, **norm_sums}.items()}
+    if s.ppo.dpo_loss == "kto":
+        means["train/kl_point"] = kl_point
     return {**means, "train/updates": updates, "stopped": float(stopped),
             "trained_tokens": tokens}, ptx_batches
 
@@ -1165,22 +1175,33 @@ def micro_batch_order(batch_size: int, group: int, seed: int) -> torch.Tensor:
     return (groups[:, None] * group + torch.arange(group)).flatten()
 
 
-def _pairs_in(rows: Experience) -> int:
-    """Online DPO: the pairs these rows hold (their chosen answers; a stand-in's: none)."""
-    return int(((rows.advantages.sum(1) > 0) & (rows.loss_mask != 0).any(1)).sum())
+def _pairs_in(rows: Experience, s: Settings) -> int:
+    """Online DPO: the pairs these rows hold (their chosen answers; KTO: their labelled
+    answers; a stand-in's: none)."""
+    label = rows.advantages.sum(1)
+    units = label != 0 if s.ppo.dpo_loss == "kto" else label > 0
+    return int((units & (rows.loss_mask != 0).any(1)).sum())
+
+
+def _kl_point(exp: Experience, share: Share, dp: DataParallel) -> float:
+    """Online KTO's z0 for a round: the sampling policy's KL to the reference over the
+    round's answers on all processes (rlhf.rollout_kl_sum), the same for its updates."""
+    kl_sum, count = rollout_kl_sum(exp.logprobs, exp.ref_logprobs, exp.action_mask)
+    return kto_kl_point(*dp.sum(kl_sum * share.weight, count * share.weight))
 
 
 def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float,
              weights: tuple[torch.Tensor, torch.Tensor], count: float, ptx: PtxRows | None,
-             dp: DataParallel, *, train_actor: bool = True, pairs: float | None = None
-             ) -> tuple[dict[str, float], dict[str, float]] | None:
+             dp: DataParallel, *, train_actor: bool = True, pairs: float | None = None,
+             kl_point: float = 0.0) -> tuple[dict[str, float], dict[str, float]] | None:
     """One optimisation step of the actor (unless not `train_actor`: ppo.critic_warmup) and
     critic on this process's rows of a micro-batch, in forwards of `ppo.forward_batch_size`
     rows whose gradients add up.
     `weights` ([B, N] loss and statistics weights), `count`: the micro-batch's divisor over
     all processes (loss_weights), so the parts' losses and statistics sum to its own.
     Online DPO: its loss on the micro-batch's `pairs` (all processes'; the forward chunks
-    hold whole groups) instead of the clipped one.
+    hold whole groups) instead of the clipped one; KTO's on as many labelled answers, about
+    the round's `kl_point`.
     Returns this process's shares of the statistics (their sums over processes are the
     micro-batch's), and the gradient norms (the whole micro-batch's already: NaN or inf
     where the update was skipped); None, with nothing updated, when the policy is already
@@ -1195,7 +1216,7 @@ def train_on(experience: Experience, models: Models, s: Settings, kl_coef: float
     for i, (rows, real) in enumerate(chunks if train_actor else []):
         last, part_weights = i == len(chunks) - 1, action_weights[rows] * real
         logprobs, entropy = _policy_logprobs(actor, exp, rows, s)
-        actor_out = _actor_loss(logprobs, exp, rows, real, weights, count, pairs, s)
+        actor_out = _actor_loss(logprobs, exp, rows, real, weights, count, pairs, s, kl_point)
         for name, value in actor_out._asdict().items():
             add(f"train/{name}", value)
         # the whole micro-batch's KL from the sampling policy is known at its last part:
@@ -1243,13 +1264,14 @@ class ClippedLossOut(NamedTuple):   # rlhf.PolicyLossOut under the logged names
 
 def _actor_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool,
                 weights: tuple[torch.Tensor, torch.Tensor], count: float,
-                pairs: float | None, s: Settings) -> PairLossOut | ClippedLossOut:
+                pairs: float | None, s: Settings, kl_point: float = 0.0
+                ) -> PairLossOut | ClippedLossOut:
     """train_on's actor loss on rows `rows` of a micro-batch (`real`: not a stand-in's):
-    the clipped policy loss, or online DPO's on the micro-batch's `pairs`; its first field
-    is the loss, the rest statistics."""
+    the clipped policy loss, or online DPO's on the micro-batch's `pairs` (KTO: labelled
+    answers, about `kl_point`); its first field is the loss, the rest statistics."""
     action_weights, stat_weights = weights
     if s.algorithm.pairs:
-        return _pair_loss(logprobs, exp, rows, real, stat_weights, count, pairs, s)
+        return _pair_loss(logprobs, exp, rows, real, stat_weights, count, pairs, s, kl_point)
     return ClippedLossOut(*policy_loss(
         logprobs, exp.logprobs[rows], exp.advantages[rows], action_weights[rows] * real,
         s.ppo.clip_range, count, s.ppo.clip_range_high, s.ppo.dual_clip,
@@ -1257,16 +1279,21 @@ def _actor_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool
 
 
 def _pair_loss(logprobs: torch.Tensor, exp: Experience, rows: slice, real: bool,
-               stat_weights: torch.Tensor, count: float, pairs: float, s: Settings
-               ) -> PairLossOut:
+               stat_weights: torch.Tensor, count: float, pairs: float, s: Settings,
+               kl_point: float) -> PairLossOut:
     """train_on's online-DPO loss on rows `rows` (whole groups) of a micro-batch of `pairs`
     pairs and `count` loss tokens (all processes'): rlhf.paired_dpo_loss with the
-    experience's reference log-probs (at the sampling temperature, as the policy's)."""
+    experience's reference log-probs (at the sampling temperature, as the policy's); KTO:
+    rlhf.labelled_kto_loss on `pairs` labelled answers about z0 = `kl_point`."""
     mask = exp.loss_mask[rows] * real
     labels = torch.sign(exp.advantages[rows].sum(1))
-    out = paired_dpo_loss(logprobs, exp.ref_logprobs[rows], labels, mask, s.group,
-                          s.ppo.dpo_beta or DEFAULT_DPO_BETA, s.ppo.dpo_loss or "sigmoid",
-                          num_pairs=pairs)
+    beta = s.ppo.dpo_beta or DEFAULT_DPO_BETA
+    if s.ppo.dpo_loss == "kto":
+        out = labelled_kto_loss(logprobs, exp.ref_logprobs[rows], labels, mask, kl_point, beta,
+                                num_answers=pairs)
+    else:
+        out = paired_dpo_loss(logprobs, exp.ref_logprobs[rows], labels, mask, s.group, beta,
+                              s.ppo.dpo_loss or "sigmoid", num_pairs=pairs)
     with torch.no_grad():   # what target_kl reads, as policy_loss's approx_kl: KL(old || new)
         approx_kl = masked_sum(kl_estimate(exp.logprobs[rows], logprobs, mask, "k3"),
                                stat_weights[rows] * real) / max(count, 1.0)

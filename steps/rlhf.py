@@ -518,6 +518,24 @@ def preference_pairs(rewards: Tensor, group_size: int) -> Tensor:
     return labels.flatten()
 
 
+
+@torch.no_grad()
+def feedback_labels(rewards: Tensor, group_size: int) -> Tensor:
+    """Online KTO's labels: an answer is desirable where its reward is above its group's
+    mean and undesirable below it, each judged alone as KTO's thumbs up or down, so that
+    every answer of a group whose rewards differ trains (a pair trains two). An answer at
+    the mean, or in a group whose rewards are all equal, states nothing.
+
+    Args:
+        rewards: [B] one reward per answer, B = prompts * group_size, each prompt's answers
+            consecutive. group_size: answers per prompt (>= 2).
+
+    Returns:
+        [B] float32 labels: 1 desirable, -1 undesirable, 0 unlabelled.
+    """
+    groups = _groups(rewards, group_size)   # float64: an all-equal group is exactly at its mean
+    return torch.sign(groups - groups.mean(1, keepdim=True)).float().flatten()
+
 KL_PROPORTIONAL_GAIN = 1.0   # the coefficient's immediate answer to a KL e times the target: x e
 KL_INTEGRAL_GAIN = 0.2       # its drift per horizon at that error (Ziegler's most per horizon)
 
@@ -892,6 +910,40 @@ def paired_dpo_loss(logprobs: Tensor, ref_logprobs: Tensor, labels: Tensor, mask
     return PairedLossOut(out.loss, out.accuracy, margin, chosen.sum().float())
 
 
+
+def labelled_kto_loss(logprobs: Tensor, ref_logprobs: Tensor, labels: Tensor, mask: Tensor,
+                      kl_point: float, beta: float, num_answers: float | None = None
+                      ) -> PairedLossOut:
+    """Online KTO's loss over rollouts: kto_feedback_loss on the answers that ``labels``
+    mark (feedback_labels), each answer's log-probability the sum of its tokens' under
+    ``mask``.
+
+    Args:
+        logprobs: [B, N] the policy's log-prob of each answer token (differentiable).
+        ref_logprobs: [B, N] the reference's. labels: [B] 1 desirable, -1 undesirable, 0
+            neither. mask: [B, N] the answers' tokens; a row without any is unlabelled (a
+            stand-in).
+        kl_point: z0, the sampling policy's KL to the reference (kto_kl_point).
+        num_answers: the count the means divide by; default these rows' labelled answers
+            (give the whole batch's when these rows are one part of it).
+
+    Returns:
+        PairedLossOut: the loss; as accuracy the share of the answers on their label's side
+        of z0; as margin the answers' implicit rewards, each signed by its label (desirable
+        +, undesirable -), summed / num_answers; as pairs the labelled answers. 0 loss, not
+        NaN, without one.
+    """
+    keep = mask != 0
+    labelled = (labels != 0) & keep.any(1)
+    zeros = torch.zeros((), device=logprobs.device)
+    policy = torch.where(keep, logprobs.float(), zeros).sum(1)[labelled]
+    reference = torch.where(keep, ref_logprobs.float(), zeros).sum(1)[labelled]
+    n = num_answers or max(int(labelled.sum()), 1)
+    sign = labels[labelled].float()
+    out = kto_feedback_loss(policy, reference, sign > 0, kl_point, beta, num_answers=n)
+    margin = (sign * out.rewards).sum() / n
+    return PairedLossOut(out.loss, out.accuracy, margin, labelled.sum().float())
+
 def _pair_losses(chosen: Tensor, rejected: Tensor, beta: float, loss_type: str,
                  label_smoothing: float, gamma: float) -> Tensor:
     """[B] dpo_loss's per-pair losses, from each answer's log-ratio to the reference (the
@@ -988,6 +1040,19 @@ def kto_kl_point(kl_sum: float, count: float) -> float:
     # non-finite guard see it rather than a clamped 0
     return max(kl_sum / count, 0.0) if count else 0.0
 
+
+
+@torch.no_grad()
+def rollout_kl_sum(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> tuple[float, float]:
+    """The sum over answers of ``log pi(y|x) - log pi_ref(y|x)`` (each the sum of its tokens'
+    under ``mask``, [B, N] each) and the answers counted (rows with a token): with answers
+    sampled from pi, their mean is a Monte Carlo estimate of KL(pi || pi_ref), online KTO's
+    z0 through kto_kl_point (offline KTO needs mismatched pairs for it, having no samples
+    of pi). [the caller sums over processes]"""
+    keep = mask != 0
+    ratio = torch.where(keep, logprobs.double() - ref_logprobs.double(),
+                        torch.zeros((), dtype=torch.float64, device=logprobs.device))
+    return float(ratio.sum()), float(keep.any(1).sum())
 
 def _log_odds(logp: Tensor) -> Tensor:
     """log(p / (1 - p)) of probabilities given as log-probs, log(1 - p) as log(-expm1(logp));

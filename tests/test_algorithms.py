@@ -396,7 +396,9 @@ def settings(**changes):
     (dict(algorithm="grpo", samples_per_prompt=4, dpo_beta=0.5), "ppo.dpo_beta sets online "
      "DPO's loss, and ppo.algorithm=grpo does not read it"),
     (dict(algorithm="online_dpo", samples_per_prompt=4, dpo_loss="simpo"),
-     "ppo.dpo_loss=simpo: choose one of sigmoid, ipo, hinge"),
+     "ppo.dpo_loss=simpo: choose one of sigmoid, ipo, hinge, kto"),
+    (dict(algorithm="online_dpo", samples_per_prompt=4, dpo_loss="kto", kl_target=1.0),
+     "ppo.kl_target=1.0 is not read by ppo.algorithm=online_dpo"),
 ])
 def test_bad_settings_are_refused_naming_the_key(changes, said):
     """Each key's own range is the schema's (steps/config.py), the rules between keys
@@ -406,6 +408,16 @@ def test_bad_settings_are_refused_naming_the_key(changes, said):
         validate(cfg)
         algorithms.check_settings(cfg.ppo)
     assert "\n" not in str(error.value)
+
+
+def test_online_kto_takes_what_its_answers_alone_allow():
+    """KTO's answers train alone: no pair to keep whole, so ppo.mask_truncated and
+    micro-batches that split a group are taken (DPO's pairs refuse both, above)."""
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"ppo": dict(
+        algorithm="online_dpo", samples_per_prompt=4, dpo_loss="kto", mask_truncated=True,
+        micro_batch_size=6, forward_batch_size=3)})
+    validate(cfg)
+    algorithms.check_settings(cfg.ppo)
 
 
 def test_the_schema_accepts_every_algorithm_of_the_table():

@@ -238,6 +238,29 @@ def test_online_dpo_on_two_ranks_matches_one_process(single, tmp_path):
     assert rows[0]["train/policy_loss"] == pytest.approx(math.log(2), abs=0.05)
 
 
+
+def test_online_kto_on_two_ranks_matches_one_process(single, tmp_path):
+    """Online KTO (ppo.dpo_loss=kto): its z0, each round's KL over both ranks' answers, is
+    the one process's, and micro-batches of 3 rows, which split groups and leave a last one
+    of a single row (a stand-in on one rank), train as one process does on ZeRO-3."""
+    args = ("--step", "3", f"ppo.actor_path={single / 'actor'}",
+            f"ppo.reward_path={single / 'reward'}", "ppo.algorithm=online_dpo",
+            "ppo.dpo_loss=kto", "ppo.samples_per_prompt=2", "ppo.micro_batch_size=3",
+            "ppo.dpo_beta=0.5", "ppo.actor_lr=2e-3", "ppo.target_kl=null")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _ok(train_here(["--output-dir", one, *ARGS, *args]))
+    _ok(_train(two, *args, "engine.procs=2", "--actor-zero-stage", "3"))
+    _assert_same_run(two, one, rtol=1e-5, atol=1e-5, weight_max=2e-4, weight_mean=1e-6,
+                     steps=(3,), models=("step3/actor", "step3/actor_ema"),
+                     unsettled=("train/pair_accuracy",))
+    rows = [r for r in _rows(one, 3) if "train/kl_point" in r]
+    # z0 is the round's KL to the reference (as logged), held at 0 or above
+    assert all(r["train/kl_point"] == pytest.approx(max(r["reward/kl"], 0)) for r in rows)
+    assert rows[0]["train/kl_point"] == 0 and rows[-1]["train/kl_point"] > 0.05
+    assert rows[0]["train/policy_loss"] == pytest.approx(0.5, abs=0.05)
+    assert rows[0]["train/updates"] == 6   # a round's 16 answers in threes
+
+
 # DPO: step 3 from the one-process run's step-1 actor alone, with gradient accumulation, the
 # NLL term, a last batch of one pair (a stand-in on rank 1) and export=best (its kept weights
 # checkpointed); ARGS' PPO-only keys off

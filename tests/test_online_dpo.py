@@ -2,7 +2,9 @@
 form a pair, trained by DPO's loss against the reference inside step 3's loop. The pairs
 and the loss by hand; an update's first loss is log 2 (the reference is the start) and
 raises the chosen answers over the rejected; forward chunks of whole groups add up to the
-whole micro-batch's step; tied groups train nothing."""
+whole micro-batch's step; tied groups train nothing. Online KTO (ppo.dpo_loss=kto): each
+answer labelled by its group's mean, its loss and z0 by hand, a first loss of 1/2, the
+desirable answers raised over the undesirable ones, and z0 the round's KL."""
 
 from __future__ import annotations
 
@@ -17,7 +19,15 @@ from engine.models import byte_tokenizer
 from engine.runtime import Runtime
 from steps import ppo
 from steps.config import RunConfig
-from steps.rlhf import paired_dpo_loss, preference_pairs, sequence_rewards
+from steps.rlhf import (
+    feedback_labels,
+    kto_feedback_loss,
+    labelled_kto_loss,
+    paired_dpo_loss,
+    preference_pairs,
+    rollout_kl_sum,
+    sequence_rewards,
+)
 from steps.tokenize import collate_prompts
 from tests.test_step3_controls import tiny_models
 
@@ -163,3 +173,105 @@ def test_a_round_whose_groups_all_tie_trains_nothing():
     assert _update(models, tied, s)["train/updates"] == 0
     assert all(torch.equal(a, b) for a, b in zip(before, models.actor.module.parameters(),
                                                  strict=True))
+
+
+def test_online_kto_labels_each_answer_by_its_groups_mean():
+    rewards = torch.tensor([1.0, 3.0, 2.0, -2.0,    # mean 1: 3 and 2 above, -2 below, 1 at it
+                            0.1, 0.1, 0.1, 0.1,     # all equal: nothing (even in float32)
+                            1.0, 0.0, 0.0, 0.0])    # one success: 1 up, 3 down
+    assert feedback_labels(rewards, 4).tolist() == [0, 1, 1, -1, 0, 0, 0, 0, 1, -1, -1, -1]
+    with pytest.raises(ValueError, match="groups of 5"):
+        feedback_labels(rewards, 5)
+
+
+def test_the_online_kto_loss_and_its_kl_point_by_hand():
+    """Row 0 desirable (r = -1.5 + 3 = 1.5), row 1 unlabelled, row 2 undesirable (its third
+    token off the mask: r = -4 + 4 = 0), row 3 a stand-in (no tokens)."""
+    logprobs = torch.tensor([[-1.0, -0.5], [-1.0, -1.0], [-3.0, -1.0], [-2.0, -2.0]],
+                            requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.5], [-1.0, -1.0], [-2.0, -2.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [0, 0.0]])
+    labels = torch.tensor([1.0, 0.0, -1.0, 1.0])
+    out = labelled_kto_loss(logprobs, ref, labels, mask, kl_point=0.5, beta=0.5)
+    # desirable: 1 - sigmoid(0.5 (1.5 - 0.5)); undesirable: 1 - sigmoid(0.5 (0.5 - 0))
+    want = ((1 - 1 / (1 + math.exp(-0.5))) + (1 - 1 / (1 + math.exp(-0.25)))) / 2
+    assert out.loss.item() == pytest.approx(want)
+    assert float(out.pairs) == 2 and float(out.accuracy) == 1.0   # 1.5 > z0 > 0
+    assert float(out.margin) == pytest.approx((0.5 * 1.5 - 0.5 * 0.0) / 2)
+    # the same as kto_feedback_loss on the two answers' sums
+    same = kto_feedback_loss(torch.tensor([-1.5, -4.0]), torch.tensor([-3.0, -4.0]),
+                             torch.tensor([True, False]), 0.5, 0.5)
+    assert out.loss.item() == pytest.approx(float(same.loss))
+    out.loss.backward()
+    # d/d logp of a desirable token: -beta s(1 - s) / n with s = sigmoid(beta (r - z0))
+    s = 1 / (1 + math.exp(-0.5))
+    torch.testing.assert_close(logprobs.grad[0], torch.full((2,), -0.5 * s * (1 - s) / 2))
+    assert logprobs.grad[2, 0] > 0 and logprobs.grad[1].abs().sum() == 0
+    assert logprobs.grad[3].abs().sum() == 0   # the stand-in
+    # over 4 answers (the batch's), the same sum divided by 4
+    assert float(labelled_kto_loss(logprobs, ref, labels, mask, 0.5, 0.5, num_answers=4).loss) \
+        == pytest.approx(want / 2)
+    none = labelled_kto_loss(logprobs, ref, torch.zeros(4), mask, 0.5, 0.5)
+    assert float(none.loss) == 0 and float(none.pairs) == 0 and none.loss.requires_grad
+    # z0's sum: rows 0-2's log-ratios, labelled or not (1.5, 0, 0); the stand-in uncounted
+    assert rollout_kl_sum(logprobs, ref, mask) == (pytest.approx(1.5 + 0.0 + 0.0), 3.0)
+
+
+def _margin_kto(models: ppo.Models, exp: ppo.Experience) -> float:
+    with torch.no_grad():
+        logps = ppo.answer_logprobs(models.actor, exp.sequences, exp.attention_mask,
+                                    exp.prompt_len)
+    answers = (logps * exp.action_mask).sum(1)
+    labels = torch.sign(exp.advantages.sum(1))
+    return float(answers[labels > 0].mean() - answers[labels < 0].mean())
+
+
+def test_an_online_kto_round_raises_the_desirable_answers_from_a_loss_of_a_half():
+    s = settings(dpo_loss="kto", samples_per_prompt=4, rollout_batch_size=2)
+    models, exp = _round(s)
+    per_answer = sequence_rewards(exp.scores, exp.kl, exp.action_mask, 0.0, s.ppo.score_clip)
+    labels = torch.sign(exp.advantages.sum(1))
+    assert torch.equal(labels, feedback_labels(per_answer, 4)) and labels.abs().sum() == 8
+    before = _margin_kto(models, exp)
+    stats = _update(models, exp, s)
+    # the reference is the start: every log-ratio and z0 are 0, each answer's loss 1/2
+    assert stats["train/updates"] == 1
+    assert stats["train/policy_loss"] == pytest.approx(0.5, abs=1e-5)
+    assert _margin_kto(models, exp) > before + 1.0
+    again = _update(models, exp, s)
+    assert again["train/policy_loss"] < 0.5 and again["train/pair_accuracy"] > 0.5
+
+
+def test_online_kto_s_kl_point_is_the_rounds_kl_to_the_reference():
+    """z0 is the mean over the round's answers of their log-ratio to the reference, taken
+    from the experience (the sampling policy's), held at 0 or above; a stand-in adds
+    nothing."""
+    s = settings(dpo_loss="kto", target_kl=None)
+    models, exp = _round(s)
+    rows = len(exp.sequences)
+    share = Share(list(range(rows)), list(range(rows)), 1.0)
+    shifted = exp._replace(logprobs=exp.ref_logprobs + 0.25 * exp.action_mask)
+    z0 = 0.25 * float(exp.action_mask.sum(1).mean())
+    dp = DataParallel(CPU)
+    assert ppo._kl_point(shifted, share, dp) == pytest.approx(z0)
+    below = exp._replace(logprobs=exp.ref_logprobs - 0.25 * exp.action_mask)
+    assert ppo._kl_point(below, share, dp) == 0.0
+    assert ppo._kl_point(shifted, Share([0], [0], 0.0), dp) == 0.0
+    # the update's loss reads it: the policy is still the reference (r = 0), so a desirable
+    # answer's loss is 1 - sigmoid(-beta z0), an undesirable one's 1 - sigmoid(beta z0)
+    labels = torch.sign(exp.advantages.sum(1))
+    up, down = float((labels > 0).sum()), float((labels < 0).sum())
+    sig = 1 / (1 + math.exp(-0.1 * z0))
+    stats = _update(models, shifted, s)
+    assert stats["train/kl_point"] == pytest.approx(z0)
+    assert stats["train/policy_loss"] == pytest.approx((up * sig + down * (1 - sig))
+                                                       / (up + down), abs=1e-5)
+
+
+def test_online_kto_trains_micro_batches_that_split_a_group():
+    """Its answers train alone: micro-batches of 3 rows (groups of 2), which DPO's pairs
+    refuse (tests/test_algorithms.py), are three updates."""
+    s = settings(dpo_loss="kto", micro_batch_size=3)
+    models, exp = _round(s)
+    stats = _update(models, exp, s)
+    assert stats["train/updates"] == 3 and models.actor.steps == 3
