@@ -39,7 +39,8 @@ the policy it exports), the greedy answers' after, the sampled answers' KL to th
 model, and step 3's time.
 
 --part online: online DPO (ppo.algorithm=online_dpo: each group's best and worst answer by
-the step-2 reward model, a DPO pair) at several betas, beside PPO and the SFT model's
+the step-2 reward model, a DPO pair) and online KTO (ppo.dpo_loss=kto: every answer above its
+group's mean desirable, below it undesirable) at several betas, beside PPO and the SFT model's
 best-of-16, each from one demo step-1/2 run per seed, with the demo recipe's step 3
 otherwise (16 prompts x 4 answers a round, export=best within best-of-16's KL). Per run:
 the ground truth of the held-out sampled answers before -> after and of the policy it
@@ -49,7 +50,7 @@ Run:  python bench/algorithms.py [--part algorithms|hacking|dynamic|dpo|online|a
       [--seeds 1,2,3]
       [--algorithms ppo,grpo,rloo,reinforce_pp,reinforce_pp_baseline,gspo] [--rewards rm,fn]
       [--dpo-runs "dpo,kto,kto beta 0.5"] (--part dpo: these of its runs; default all)
-      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min, dpo ~20 min, online ~15 min
+      (algorithms ~25 min, hacking ~15 min, dynamic ~7 min, dpo ~20 min, online ~35 min
       for 3 seeds on 2 cores, alone)
 """
 
@@ -94,7 +95,10 @@ DPO = {"dpo": [], "dpo beta 0.5": ["dpo.beta=0.5"], "dpo beta 1": ["dpo.beta=1"]
        "kto beta 1": ["dpo.loss=kto", "dpo.beta=1"],
        # held to best-of-16's KL as PPO is: the best of its evaluations every 20 updates
        "kto best": ["dpo.loss=kto", "dpo.export=best", "dpo.eval_every=20"]}
-ONLINE = {"online dpo": [], "beta 1": ["ppo.dpo_beta=1"], "beta 2": ["ppo.dpo_beta=2"]}
+ONLINE = {"online dpo": [], "beta 1": ["ppo.dpo_beta=1"], "beta 2": ["ppo.dpo_beta=2"],
+          "kto": ["ppo.dpo_loss=kto"], "kto beta 1": ["ppo.dpo_loss=kto", "ppo.dpo_beta=1"],
+          "kto beta 2": ["ppo.dpo_loss=kto", "ppo.dpo_beta=2"],
+          "kto beta 4": ["ppo.dpo_loss=kto", "ppo.dpo_beta=4"]}
 GUARDS = {"no KL": ["ppo.kl_coef=0"], "fixed KL": [],
           "guards": ["ppo.kl_target=1", "ppo.kl_horizon=1000", "ppo.missing_eos_penalty=1"]}
 
