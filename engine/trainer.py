@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -342,13 +343,24 @@ class TrainEngine:
             require_finite(self.module.parameters(), self.runtime, what)
             return save(self.module, tokenizer, out_dir, self.runtime)
         require_finite(weights.tensors.values(), self.runtime, what)
+        with self.weights_in(weights):
+            return save(self.module, tokenizer, out_dir, self.runtime)
+
+    @contextmanager
+    def weights_in(self, weights: Tensors) -> Iterator[None]:
+        """The module holds `weights` (a `copy_weights` of it, e.g. its EMA) in place of its
+        own within the block, to export or evaluate them; its own are put back after. Each
+        process copies its own shards: no collective."""
         params = Tensors(dict(resharded(self.module).named_parameters()))
         # only what `weights` replaces (LoRA's factors alone for export=best over a LoRA)
         live = Tensors({name: params.tensors[name].detach().clone() for name in weights.tensors})
         params.load_state_dict(weights.tensors)   # copied in place, by name
         try:
-            return save(self.module, tokenizer, out_dir, self.runtime)
+            yield
         finally:
+            # an evaluation's forward leaves the root unit's gathered copy of `weights`
+            # standing: shard it away first, or the next forward would run on it
+            resharded(self.module)
             params.load_state_dict(live.tensors)
 
     def merged_size(self) -> tuple[int, int]:

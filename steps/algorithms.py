@@ -169,7 +169,7 @@ NOT_READ_BY_DPO = {
     "ppo.ptx.enabled": "it takes no pretraining loss; dpo.nll_coef adds the chosen answers' "
                        "cross entropy",
     "ppo.actor_lora.dim": "its LoRA is dpo.lora's",
-    "ppo.ema.enabled": "it keeps no EMA of the actor",
+    "ppo.ema.enabled": "its EMA is dpo.ema's",
     "ppo.export": "its export is dpo.export's",
     "ppo.export_weights": "it exports the actor merged, a plain Hugging Face directory",
 }

@@ -159,6 +159,12 @@ class RewardTrainConfig(TrainConfig):
 
 
 @dataclass
+class EmaConfig:
+    enabled: bool = False
+    beta: float = val(0.992, ok=within(0, 1, high_open=True))
+
+
+@dataclass
 class DPOTrainConfig(TrainConfig):
     """Step 3's with ppo.algorithm=dpo: step 1's shape, and what only DPO's loss takes."""
 
@@ -198,12 +204,9 @@ class DPOTrainConfig(TrainConfig):
                             "both scored by the ground truth (ppo.eval_reward_fn, or the "
                             "demo's) at every evaluation; 0: none, and the reference is "
                             "dropped once its log-probs are computed", NON_NEGATIVE)
-
-
-@dataclass
-class EmaConfig:
-    enabled: bool = False
-    beta: float = val(0.992, ok=within(0, 1, high_open=True))
+    ema: EmaConfig = val(EmaConfig, "an exponential moving average of the policy's weights "
+                         "over the updates (beta: the old average's share at each), exported "
+                         "beside it as step3/actor_ema, as ppo.ema's")
 
 
 @dataclass

@@ -532,9 +532,10 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
         tokenizer=tokenizer, export_dir=Path(cfg.output_dir) / "step3" / "actor",
         prepare=prepare, generates=True, evaluate_first=True,
         standing=partial(standing, budget=ppo.kl_budget or best_of_n_kl(
-            ppo.best_of_n or DEFAULT_BEST_OF_N)) if dpo.export == "best" else None)
+            ppo.best_of_n or DEFAULT_BEST_OF_N)) if dpo.export == "best" else None,
+        ema_beta=dpo.ema.beta if dpo.ema.enabled else None)
     summary = supervised.run(cfg, task, model, dp, place, resume)
     # an earlier run's critic and EMA (overwrite=true) must not pass for this run's
-    for stale in ("critic", "actor_ema"):
+    for stale in ("critic", *(() if dpo.ema.enabled else ("actor_ema",))):
         dp.write_once(partial(shutil.rmtree, task.export_dir.parent / stale, ignore_errors=True))
     return summary

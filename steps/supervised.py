@@ -1,6 +1,7 @@
 """The supervised loop shared by step 1 (SFT), step 2 (reward model) and step 3 by DPO:
-epochs of shuffled batches, a loss per batch, an optimizer step per accumulation window,
-metrics, checkpoints, then evaluation and export. A step passes what differs as a `Task`."""
+epochs of shuffled batches, a loss per batch, an optimizer step per accumulation window
+(and an EMA of the weights, where the task keeps one), metrics, checkpoints, then
+evaluation and export. A step passes what differs as a `Task`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig
 
+from engine.checkpoint import Tensors
 from engine.data_parallel import DataParallel
 from engine.errors import NonFiniteError
 from engine.placement import Placement
@@ -28,6 +30,7 @@ from steps.common import (
     to_device,
 )
 from steps.config import TrainConfig
+from steps.rlhf import ema_update
 
 # (engine, this process's collated rows, the examples its mean is over: the accumulation
 # window's) -> (the loss, and statistics to log), each these rows' share: sums over the
@@ -66,6 +69,9 @@ class Task(NamedTuple):
     # export=best: an evaluation's standing (higher is better), None where its policy may
     # not be exported (e.g. past a KL budget); the step exports the best evaluated policy
     standing: Callable[[dict], tuple | None] | None = None
+    # an EMA of the weights over the updates, this the old average's share at each (dpo.ema),
+    # checkpointed and exported beside the model as <role>_ema; None: none
+    ema_beta: float | None = None
 
 
 class BestKept:
@@ -105,11 +111,15 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
                            lora_lr=section.lora.learning_rate, grad_accum=section.grad_accum,
                            generates=task.generates)
     bigger = f"train on a machine with more memory (step {task.step} writes whole models)"
-    check_export_fits(*engine.merged_size(), out, f"step {task.step}'s export", bigger,
-                      "write it elsewhere (--output-dir)")
+    host, disk = engine.merged_size()
+    check_export_fits(host, disk * (2 if task.ema_beta is not None else 1), out,
+                      f"step {task.step}'s export", bigger, "write it elsewhere (--output-dir)")
     kept = BestKept(engine, task.standing) if task.standing else None
+    # the start's weights (trainable ones alone, as BestKept's), then averaged in per update
+    ema = engine.copy_weights(trainable_only=True) if task.ema_beta is not None else None
+    extra = {**({"best": kept.weights} if kept else {}), **({"ema": ema} if ema else {})}
     ckpt = StepCheckpoints(cfg, task.step, dp.runtime, {task.role: engine},
-                           extra={"best": kept.weights} if kept else None)
+                           extra=extra or None)
     position, metrics_rows = ckpt.restore(
         {"epoch": 0, "batch": 0, "tokens": 0, "seconds": 0.0, "loss": float("nan")}, resume)
     if kept is not None:
@@ -129,14 +139,18 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
         if kept is not None:
             kept.consider(engine, start_metrics)
     position = {**_train(cfg, task, engine, dp, ckpt, tracker, {**position, "before": before},
-                         kept), "before": before}
+                         kept, ema), "before": before}
 
     engine.eval()
     metrics = task.evaluate(engine)
     if kept is not None:
         kept.consider(engine, metrics)
+    averaged = {}
+    if ema is not None:   # the EMA's own figures, beside the model's
+        with engine.weights_in(ema):
+            averaged = {f"{name}_ema": value for name, value in task.evaluate(engine).items()}
     elapsed = position["seconds"]
-    summary = {**before, **metrics, **(kept.exported() if kept else {}),
+    summary = {**before, **metrics, **averaged, **(kept.exported() if kept else {}),
                "train/loss": position["loss"], "time/seconds": elapsed,
                "time/tokens_per_s": position["tokens"] / elapsed}
     _refuse_non_finite(task, metrics, tracker, engine.steps, ckpt.checkpointer.latest())
@@ -144,6 +158,9 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
     engine.export(task.tokenizer, task.export_dir, config=task.export_config(summary),
                   weights=kept.weights if kept is not None and kept.record else None)
+    if ema is not None:
+        engine.export(task.tokenizer, task.export_dir.parent / f"{task.role}_ema",
+                      config=task.export_config(summary), weights=ema)
     tracker.log(summary, engine.steps, sources=counted)
     tracker.close()
     ckpt.clear()
@@ -210,9 +227,9 @@ def _windows(cfg: DictConfig, task: Task, position: dict, dp: DataParallel
 
 def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
            ckpt: StepCheckpoints, tracker: Tracker, position: dict,
-           kept: BestKept | None = None) -> dict:
-    """The accumulation windows from `position` on, an optimizer step each; returns the
-    final position. Each batch's loss is its share of the window's mean (over all of the
+           kept: BestKept | None = None, ema: Tensors | None = None) -> dict:
+    """The accumulation windows from `position` on, an optimizer step each (and an update
+    of `ema`, at task.ema_beta); returns the final position. Each batch's loss is its share of the window's mean (over all of the
     window's answer tokens or pairs), so k batches of b train what one batch of k*b does,
     whatever their lengths; logged statistics are the window's."""
     section = task.section
@@ -239,6 +256,8 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
         except NonFiniteError as err:
             raise NonFiniteError(f"step {task.step} epoch {epoch + 1} batch {index}: "
                                  f"{err}") from None
+        if ema is not None:
+            ema_update(ema.tensors.values(), engine.trained_parameters(), task.ema_beta)
         means = dict(zip(sums, dp.sum(*sums.values()), strict=True))
         loss = means["train/loss"]
         if engine.steps % section.log_every == 0:

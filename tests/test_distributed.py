@@ -262,8 +262,8 @@ def test_online_kto_on_two_ranks_matches_one_process(single, tmp_path):
 
 
 # DPO: step 3 from the one-process run's step-1 actor alone, with gradient accumulation, the
-# NLL term, a last batch of one pair (a stand-in on rank 1) and export=best (its kept weights
-# checkpointed); ARGS' PPO-only keys off
+# NLL term, a last batch of one pair (a stand-in on rank 1), export=best (its kept weights
+# checkpointed) and an EMA (checkpointed too); ARGS' PPO-only keys off
 def _dpo(single: Path, out: Path, *extra: str, fault: str = "", here: bool = False
          ) -> Finished:
     args = ("--step", "3", f"ppo.actor_path={single / 'actor'}", "ppo.algorithm=dpo",
@@ -271,7 +271,8 @@ def _dpo(single: Path, out: Path, *extra: str, fault: str = "", here: bool = Fal
             "dpo.batch_size=5",
             "dpo.grad_accum=2", "dpo.lr=1e-3", "dpo.nll_coef=0.1", "dpo.log_every=1",
             "dpo.eval_every=2", "dpo.eval_prompts=3", "dpo.eval_batch_size=3",
-            "dpo.export=best", "ppo.kl_budget=1000", *extra)
+            "dpo.export=best", "ppo.kl_budget=1000", "dpo.ema.enabled=true",
+            "dpo.ema.beta=0.8", *extra)
     if here:
         return train_here(["--output-dir", out, *ARGS, *args])
     return _train(out, *args, fault=fault)
@@ -289,7 +290,7 @@ def test_dpo_on_two_ranks_matches_one_process(single, dpo_one, tmp_path):
     sampled answers' KL and ground truth, and the exported weights are one process's."""
     _ok(_dpo(single, tmp_path, "engine.procs=2", "--actor-zero-stage", "3"))
     _assert_same_run(tmp_path, dpo_one, rtol=1e-5, atol=1e-5, weight_max=2e-4,
-                     weight_mean=1e-6, steps=(3,), models=("step3/actor",))
+                     weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"))
     rows = _rows(dpo_one, 3)
     assert rows[0]["step"] == 0 and "eval/kl" in rows[0] and "train/nll" in rows[1]
     assert 0 < rows[-1]["eval/step_exported"] < rows[-1]["step"]   # an earlier policy won
@@ -311,7 +312,7 @@ def test_kto_on_two_ranks_matches_one_process(single, kto_one, tmp_path):
     process's. That a stand-in adds nothing to z0 is test_dpo's."""
     _ok(_dpo(single, tmp_path, *KTO, "engine.procs=2", "--actor-zero-stage", "3"))
     _assert_same_run(tmp_path, kto_one, rtol=1e-5, atol=1e-5, weight_max=2e-4,
-                     weight_mean=1e-6, steps=(3,), models=("step3/actor",))
+                     weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"))
     points = [row["train/kl_point"] for row in _rows(kto_one, 3) if "train/kl_point" in row]
     assert points and any(point > 0 for point in points)   # z0 moved off its floor
 
@@ -327,7 +328,7 @@ def test_kto_on_unpaired_feedback_on_two_ranks_matches_one_process(single, tmp_p
     _ok(_dpo(single, tmp_path / "one", *flags, here=True))
     _ok(_dpo(single, tmp_path / "two", *flags, "engine.procs=2", "--actor-zero-stage", "3"))
     _assert_same_run(tmp_path / "two", tmp_path / "one", rtol=1e-5, atol=1e-5,
-                     weight_max=2e-4, weight_mean=1e-6, steps=(3,), models=("step3/actor",),
+                     weight_max=2e-4, weight_mean=1e-6, steps=(3,), models=("step3/actor", "step3/actor_ema"),
                      unsettled=("train/accuracy",))
     summary = _rows(tmp_path / "one", 3)[-1]
     assert summary["eval/desirable_reward"] != summary["eval/undesirable_reward"]
@@ -339,18 +340,19 @@ def test_kto_killed_run_resumes_to_the_same_end(single, kto_one, tmp_path):
     assert _dpo(single, tmp_path, *KTO, fault="kill:3:2").returncode != 0
     _ok(_dpo(single, tmp_path, *KTO, "--resume", here=True))
     _assert_same_run(tmp_path, kto_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
-                     weight_mean=1e-7, steps=(3,), models=("step3/actor",))
+                     weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
 def test_dpo_killed_run_resumes_to_the_same_end(single, dpo_one, tmp_path):
     """Killed after its second checkpoint, DPO resumes with the reference's log-probs
     computed again, the evaluation before training kept (not made again from the trained
-    weights) and export=best's kept policy restored, to the uninterrupted run's end."""
+    weights), export=best's kept policy and the EMA restored, to the uninterrupted run's
+    end."""
     assert _dpo(single, tmp_path, fault="kill:3:2").returncode != 0
     resumed = _ok(_dpo(single, tmp_path, "--resume", here=True))
     assert "step 3: resumed from" in resumed.stdout
     _assert_same_run(tmp_path, dpo_one, rtol=1e-6, atol=1e-6, weight_max=1e-6,
-                     weight_mean=1e-7, steps=(3,), models=("step3/actor",))
+                     weight_mean=1e-7, steps=(3,), models=("step3/actor", "step3/actor_ema"))
 
 
 DYNAMIC = ("ppo.dynamic_sampling=true", "ppo.reward_model_weight=0",

@@ -2,7 +2,7 @@
 answers' log-probs against a full log-softmax by hand, the reference's log-probs being
 the starting policy's (so its loss starts at log 2), the keys it refuses before anything
 runs, a LoRA run whose reference is the base under the adapters, and KTO's loss,
-reference point and mismatched rows by hand. That DPO raises the demo's ground truth is
+reference point and mismatched rows by hand, and dpo.ema's export. That DPO raises the demo's ground truth is
 test_demo_learns'; that it shards exactly, test_distributed's."""
 
 from __future__ import annotations
@@ -234,6 +234,36 @@ def test_export_best_writes_the_top_evaluated_policy_within_the_kl_budget(tmp_pa
     assert exported.keys() == start.keys()
     for name, value in start.items():
         assert torch.equal(exported[name], value), name
+
+
+def test_the_ema_is_exported_beside_the_actor_as_the_average_of_its_updates(tmp_path,
+                                                                          sft_actor):
+    """dpo.ema: one update (a batch of every training pair) leaves the average at
+    beta x the start + (1 - beta) x the update's weights, exported as step3/actor_ema; a
+    run without it leaves none (an earlier run's is removed)."""
+    out = tmp_path / "out"
+    args = ["--step", "3", "--output-dir", out, f"ppo.actor_path={sft_actor}",
+            "ppo.algorithm=dpo", "data.demo_pairs=40", "data.eval_fraction=0.1",
+            "dpo.batch_size=64", "dpo.lr=2e-3", "dpo.warmup_ratio=0", "dpo.eval_prompts=0",
+            "data.max_answer_len=8", "logging.progress=false"]
+    train_here([*args, "dpo.ema.enabled=true", "dpo.ema.beta=0.75"]).check()
+    rows = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()]
+    summary = rows[-1]
+    assert summary["step"] == 1   # one update
+    # the EMA evaluated too, a quarter of the way from the start to the update
+    assert summary["eval/loss_before"] > summary["eval/loss_ema"] > summary["eval/loss"]
+    start = load_file(sft_actor / "model.safetensors")
+    actor = load_file(out / "step3" / "actor" / "model.safetensors")
+    ema = load_file(out / "step3" / "actor_ema" / "model.safetensors")
+    assert ema.keys() == start.keys() == actor.keys()
+    moved = 0.0
+    for name, value in start.items():
+        torch.testing.assert_close(ema[name], 0.75 * value + 0.25 * actor[name],
+                                   rtol=0, atol=1e-6)
+        moved = max(moved, float((actor[name] - value).abs().max()))
+    assert moved > 1e-3   # the update moved the weights, so the average is not the start
+    train_here([*args, "overwrite=true"]).check()
+    assert not (out / "step3" / "actor_ema").exists()
 
 
 # KTO (dpo.loss=kto, steps.rlhf.kto_loss): each pair's answers judged alone against the
