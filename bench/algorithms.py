@@ -94,7 +94,10 @@ DPO = {"dpo": [], "dpo beta 0.5": ["dpo.beta=0.5"], "dpo beta 1": ["dpo.beta=1"]
        "kto": ["dpo.loss=kto"], "kto beta 0.5": ["dpo.loss=kto", "dpo.beta=0.5"],
        "kto beta 1": ["dpo.loss=kto", "dpo.beta=1"],
        # held to best-of-16's KL as PPO is: the best of its evaluations every 20 updates
-       "kto best": ["dpo.loss=kto", "dpo.export=best", "dpo.eval_every=20"]}
+       "kto best": ["dpo.loss=kto", "dpo.export=best", "dpo.eval_every=20"],
+       # the EMA of the weights (step3/actor_ema), evaluated beside the last policy
+       "dpo ema": ["dpo.ema.enabled=true"], "dpo ema 0.98": ["dpo.ema.enabled=true",
+                                                          "dpo.ema.beta=0.98"]}
 ONLINE = {"online dpo": [], "beta 1": ["ppo.dpo_beta=1"], "beta 2": ["ppo.dpo_beta=2"],
           "kto": ["ppo.dpo_loss=kto"], "kto beta 1": ["ppo.dpo_loss=kto", "ppo.dpo_beta=1"],
           "kto beta 2": ["ppo.dpo_loss=kto", "ppo.dpo_beta=2"],
@@ -245,11 +248,13 @@ def dpo(root: Path, seeds: list[int], names: list[str]) -> None:
                   "ppo.algorithm=dpo", *flags)
             final = rows(out / "step3" / "metrics.jsonl")[-1]
             kept = "eval/step_exported" in final   # dpo.export=best: the policy it writes
-            finals[name].append(final["eval/ground_truth_exported" if kept else
+            # dpo.ema: the EMA's figures beside the last policy's
+            shown = "exported" if kept else "ema" if "eval/ground_truth_ema" in final else ""
+            finals[name].append(final[f"eval/ground_truth_{shown}" if shown else
                                       "eval/ground_truth"])
-            exported, kl_exported = ((f" (exported {final['eval/ground_truth_exported']:.3f})",
-                                      f" (exported {final['eval/kl_exported']:.3f})")
-                                     if kept else ("", ""))
+            exported, kl_exported = ((f" ({shown} {final[f'eval/ground_truth_{shown}']:.3f})",
+                                      f" ({shown} {final[f'eval/kl_{shown}']:.3f})")
+                                     if shown else ("", ""))
             lines.append(
                 f"{seed:>5}  {name:<14}{final['eval/ground_truth_before']:>9.3f} -> "
                 f"{final['eval/ground_truth']:.3f}{exported:<19}"
@@ -259,7 +264,7 @@ def dpo(root: Path, seeds: list[int], names: list[str]) -> None:
     print(f"\n{'seed':>5}  {'run':<14}{'ground truth (sampled)':>37}{'greedy':>9}"
           f"{'KL':>8}{'':>19}{'s':>8}")
     print("\n".join(lines))
-    print(f"\n{'run':<14}{'mean final':>11}  (PPO, export=best: exported)")
+    print(f"\n{'run':<14}{'mean final':>11}  (PPO, export=best: exported; dpo.ema: the EMA)")
     for name, runs in finals.items():
         print(f"{name:<14}{statistics.fmean(runs):>11.3f}")
 
