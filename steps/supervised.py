@@ -141,14 +141,7 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     position = {**_train(cfg, task, engine, dp, ckpt, tracker, {**position, "before": before},
                          kept, ema), "before": before}
 
-    engine.eval()
-    metrics = task.evaluate(engine)
-    if kept is not None:
-        kept.consider(engine, metrics)
-    averaged = {}
-    if ema is not None:   # the EMA's own figures, beside the model's
-        with engine.weights_in(ema):
-            averaged = {f"{name}_ema": value for name, value in task.evaluate(engine).items()}
+    metrics, averaged = _final_evaluation(task, engine, kept, ema)
     elapsed = position["seconds"]
     summary = {**before, **metrics, **averaged, **(kept.exported() if kept else {}),
                "train/loss": position["loss"], "time/seconds": elapsed,
@@ -156,17 +149,38 @@ def run(cfg: DictConfig, task: Task, model: torch.nn.Module, dp: DataParallel,
     _refuse_non_finite(task, metrics, tracker, engine.steps, ckpt.checkpointer.latest())
     # the model first: a run killed before the summary row has not finished, on the page
     counted = tracker.read_sources()   # (engine.log_comm: the evaluation's, not the export's)
-    engine.export(task.tokenizer, task.export_dir, config=task.export_config(summary),
-                  weights=kept.weights if kept is not None and kept.record else None)
-    if ema is not None:
-        engine.export(task.tokenizer, task.export_dir.parent / f"{task.role}_ema",
-                      config=task.export_config(summary), weights=ema)
+    _export(task, engine, kept, ema, summary)
     tracker.log(summary, engine.steps, sources=counted)
     tracker.close()
     ckpt.clear()
     log(f"step {task.step} ({task.name}) done: {engine.steps} steps, final loss "
         f"{position['loss']:.4f}, {task.results(summary)}, {elapsed:.1f}s -> {task.export_dir}")
     return summary
+
+
+def _final_evaluation(task: Task, engine: TrainEngine, kept: BestKept | None,
+                      ema: Tensors | None) -> tuple[dict[str, float], dict[str, float]]:
+    """The trained model's held-out metrics (`kept` considers them), and the EMA's own, as
+    <name>_ema (none without one)."""
+    engine.eval()
+    metrics = task.evaluate(engine)
+    if kept is not None:
+        kept.consider(engine, metrics)
+    if ema is None:
+        return metrics, {}
+    with engine.weights_in(ema):
+        return metrics, {f"{name}_ema": value for name, value in task.evaluate(engine).items()}
+
+
+def _export(task: Task, engine: TrainEngine, kept: BestKept | None, ema: Tensors | None,
+            summary: dict[str, float]) -> None:
+    """The model (export=best: the kept weights, once an evaluation was kept) to
+    task.export_dir, and its EMA beside it as <role>_ema."""
+    engine.export(task.tokenizer, task.export_dir, config=task.export_config(summary),
+                  weights=kept.weights if kept is not None and kept.record else None)
+    if ema is not None:
+        engine.export(task.tokenizer, task.export_dir.parent / f"{task.role}_ema",
+                      config=task.export_config(summary), weights=ema)
 
 
 def _refuse_non_finite(task: Task, metrics: dict[str, float], tracker: Tracker,
