@@ -621,7 +621,11 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], ptx_pairs: list[Preference
         after = evaluate_shown(models, prompts, s, dp,    # was of these very weights
                                tracker, state.iteration)
         state = keep_if_best(state, after, s, kept, models.actor)
-    return finish(cfg, s, models, kept, tracker, state, after, mean_times, ckpt, dp)
+    averaged = {}
+    if kept.ema is not None:   # the EMA's own figures, beside the last policy's
+        with models.actor.weights_in(kept.ema):
+            averaged = evaluate(models, prompts, s, dp)
+    return finish(cfg, s, models, kept, tracker, state, after, averaged, mean_times, ckpt, dp)
 
 
 def updates_per_round(ppo: PPOConfig) -> int:
@@ -1637,15 +1641,16 @@ def _scores_line(metrics: dict[str, float]) -> str:
 
 
 def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tracker,
-           state: Progress, after: dict, mean_times: dict[str, float], ckpt: StepCheckpoints,
-           dp: DataParallel) -> dict:
-    """Log the summary (the SFT policy, its best-of-n, the last and the exported policy;
-    wall time, memory peak), export the models, drop the checkpoints, and print the step's
-    closing lines."""
+           state: Progress, after: dict, averaged: dict, mean_times: dict[str, float],
+           ckpt: StepCheckpoints, dp: DataParallel) -> dict:
+    """Log the summary (the SFT policy, its best-of-n, the last, the exported policy and
+    the EMA's, `averaged`; wall time, memory peak), export the models, drop the
+    checkpoints, and print the step's closing lines."""
     exported = state.best if s.export_best else {**after, "iteration": state.iteration}
     summary = {**{f"eval/{k}_before": v for k, v in state.before.items()},
                **{f"eval/{k}_after": v for k, v in after.items()},
                **{f"eval/{k}_exported": v for k, v in (exported or {}).items()},
+               **{f"eval/{k}_ema": v for k, v in averaged.items()},
                **{f"baseline/best_of_{s.ppo.best_of_n}_{k}": v
                   for k, v in state.baseline.items()},
                "time/seconds": state.seconds, "iterations": state.iteration,
@@ -1669,6 +1674,8 @@ def finish(cfg: DictConfig, s: Settings, models: Models, kept: Kept, tracker: Tr
         if state.floored:
             line += (f"; {state.floored} evaluations scoring higher were not exported: their "
                      "greedy answers' gold score fell below the SFT model's (ppo.greedy_floor)")
+    if averaged:
+        line += f"; the EMA (actor_ema): {_scores_line(averaged)}"
     log(f"step 3 ({s.algorithm.name}) done: {state.iteration} iterations, "
         + (f"{line}, " if line else "") + f"{state.seconds:.1f}s, peak memory "
         f"{summary['memory/peak_mib']:.0f} MiB -> {step3}")

@@ -262,6 +262,15 @@ def test_the_ema_is_exported_beside_the_actor_as_the_average_of_its_updates(tmp_
                                    rtol=0, atol=1e-6)
         moved = max(moved, float((actor[name] - value).abs().max()))
     assert moved > 1e-3   # the update moved the weights, so the average is not the start
+    # at beta 0 the EMA is the last policy: its evaluation, with its weights swapped in,
+    # is the live weights' to the last digit, and its export the actor's
+    train_here([*args, "dpo.ema.enabled=true", "dpo.ema.beta=0", "overwrite=true"]).check()
+    summary = [json.loads(line) for line in (out / "step3" / "metrics.jsonl").open()][-1]
+    assert summary["eval/loss_ema"] == summary["eval/loss"]
+    assert summary["eval/accuracy_ema"] == summary["eval/accuracy"]
+    actor = load_file(out / "step3" / "actor" / "model.safetensors")
+    ema = load_file(out / "step3" / "actor_ema" / "model.safetensors")
+    assert all(torch.equal(ema[name], actor[name]) for name in actor)
     train_here([*args, "overwrite=true"]).check()
     assert not (out / "step3" / "actor_ema").exists()
 

@@ -478,6 +478,11 @@ def test_ppo_with_lora_ema_and_ptx(llama_run, tmp_path):
 
     rows = [row for row in metrics(out / "step3" / "metrics.jsonl") if "reward/score" in row]
     assert rows and all(math.isfinite(row["train/ptx_loss"]) for row in rows)
+    # the EMA evaluated beside the last policy, on the same prompts and sampling seeds
+    summary = metrics(out / "step3" / "metrics.jsonl")[-1]
+    assert "the EMA (actor_ema): reward" in run.stdout
+    assert math.isfinite(summary["eval/reward_ema"]) and summary["eval/kl_ema"] >= 0
+    assert summary["eval/kl_ema"] != summary["eval/kl_after"]
 
     start, actor = weights(src / "actor"), weights(out / "step3" / "actor")
     ema = weights(out / "step3" / "actor_ema")
