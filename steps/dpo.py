@@ -190,29 +190,10 @@ def batch_loss(model, batch: dict[str, torch.Tensor], examples: list[DPOExample]
         taught = sums.chunk(2)[0]
     loss = out.loss
     if dpo.nll_coef:   # the chosen (desirable) answers' mean token cross entropy over the window
-        nll = -taught.sum() / max(taught_tokens(examples), 1)
+        nll = -taught.sum() / max(sum(ex.taught_tokens for ex in examples), 1)
         loss = loss + dpo.nll_coef * nll
         stats["train/nll"] = nll.detach()
     return loss, stats
-
-
-def taught_tokens(examples: list[DPOExample] | list[FeedbackExample]) -> int:
-    """The predicted tokens of the chosen answers (of feedback: the desirable ones) that
-    dpo.nll_coef trains on (a row's first token is predicted by none)."""
-    return sum(len(ex.chosen_ids) - max(ex.prompt_len, 1) for ex in examples) \
-        if examples and isinstance(examples[0], DPOExample) \
-        else sum(len(ex.ids) - max(ex.prompt_len, 1) for ex in examples if ex.desirable)
-
-
-def example_tokens(example: DPOExample | FeedbackExample) -> int:
-    """The tokens of an example's rows (a pair's two, a feedback record's one)."""
-    return len(example.chosen_ids) + len(example.rejected_ids) \
-        if isinstance(example, DPOExample) else len(example.ids)
-
-
-def first_row(example: DPOExample | FeedbackExample) -> list[int]:
-    """A pair's chosen row, or a feedback record's one: its prompt and an answer."""
-    return example.chosen_ids if isinstance(example, DPOExample) else example.ids
 
 
 def with_mismatched(examples: list[DPOExample] | list[FeedbackExample]
@@ -223,7 +204,7 @@ def with_mismatched(examples: list[DPOExample] | list[FeedbackExample]
     paper's mismatched pairs; TRL's KL dataset). Feedback often lists a prompt's answers
     together, which the next example alone would pair with their own prompt. Fixed once,
     as the reference's log-probs of these rows are computed once."""
-    rows = [first_row(ex) for ex in examples]
+    rows = [ex.first_row for ex in examples]
     prompts = [tuple(row[:ex.prompt_len]) for row, ex in zip(rows, examples, strict=True)]
     n = len(examples)
     # over the list twice around, the first place after each whose prompt differs: one pass
@@ -256,7 +237,7 @@ def with_reference(model, examples: list[DPOExample], pad_token_id: int, batch_s
         values = dp.batch_values(share, torch.stack(columns, 1), len(batch)).tolist()
         for ex, value in zip(batch, values, strict=True):
             kl = {"ref_kl": value.pop()} if ex.kl_ids else {}
-            filled.append(ex._replace(**dict(zip(reference_fields(ex), value, strict=True)),
+            filled.append(ex._replace(**dict(zip(ex.REFERENCE_FIELDS, value, strict=True)),
                                       **kl))
     return filled
 
@@ -266,11 +247,6 @@ def collate(batch: list[DPOExample] | list[FeedbackExample], pad_token_id: int
     """collate_dpo's rows of pairs, collate_feedback's of feedback."""
     return (collate_dpo if isinstance(batch[0], DPOExample) else collate_feedback)(
         batch, pad_token_id)
-
-
-def reference_fields(example: DPOExample | FeedbackExample) -> tuple[str, ...]:
-    """The fields that hold the reference's log-probs of an example's answers."""
-    return ("ref_chosen", "ref_rejected") if isinstance(example, DPOExample) else ("ref_logp",)
 
 
 @torch.no_grad()
@@ -312,7 +288,7 @@ def evaluate(engine: TrainEngine, reference, examples: list[DPOExample] |
     metrics = {"eval/loss": loss, "eval/accuracy": accuracy, f"eval/{names[0]}_reward": good,
                f"eval/{names[1]}_reward": bad, "eval/margin": good - bad,
                **({"eval/kl_point": points / len(examples)} if dpo.loss == KTO else {})}
-    prompts = [first_row(ex)[:ex.prompt_len] for ex in examples[:dpo.eval_prompts]]
+    prompts = [ex.first_row[:ex.prompt_len] for ex in examples[:dpo.eval_prompts]]
     if prompts:
         metrics |= sampled_answers(engine, reference, prompts, tokenizer, gold, sampling, seed,
                                    dp, dpo.eval_batch_size)
@@ -525,7 +501,7 @@ def run(cfg: DictConfig, pairs: list[PreferencePair], rt: Runtime, resume: bool 
     task = supervised.Task(
         step=3, name="DPO", role="actor", family="policy", section=dpo, examples=train,
         collate=partial(collate, pad_token_id=pad), loss=partial(batch_loss, dpo=dpo, dp=dp),
-        tokens=lambda batch: sum(map(example_tokens, batch)),
+        tokens=lambda batch: sum(ex.tokens for ex in batch),
         evaluate=lambda engine: evaluate(engine, reference, evals, dpo, tokenizer, gold,
                                          sampling, cfg.seed, dp),
         results=lambda summary: results(summary, bool(evals)),

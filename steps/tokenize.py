@@ -47,6 +47,24 @@ class DPOExample(NamedTuple):
     kl_ids: tuple[int, ...] = ()
     ref_kl: float = 0.0       # its log-prob under the reference
 
+    REFERENCE_FIELDS = ("ref_chosen", "ref_rejected")   # the reference's log-probs, by answer
+
+    @property
+    def first_row(self) -> list[int]:
+        """The prompt and an answer (the chosen one)."""
+        return self.chosen_ids
+
+    @property
+    def tokens(self) -> int:
+        """The tokens of its rows."""
+        return len(self.chosen_ids) + len(self.rejected_ids)
+
+    @property
+    def taught_tokens(self) -> int:
+        """The chosen answer's predicted tokens, dpo.nll_coef's (a row's first token is
+        predicted by none)."""
+        return len(self.chosen_ids) - max(self.prompt_len, 1)
+
 
 class FeedbackExample(NamedTuple):
     prompt_len: int           # the prompt's tokens at the head of the row
@@ -57,6 +75,21 @@ class FeedbackExample(NamedTuple):
     # KTO's reference point
     kl_ids: tuple[int, ...] = ()
     ref_kl: float = 0.0       # its log-prob under the reference
+
+    REFERENCE_FIELDS = ("ref_logp",)
+
+    @property
+    def first_row(self) -> list[int]:
+        return self.ids
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def taught_tokens(self) -> int:
+        """The answer's predicted tokens where it is desirable (dpo.nll_coef's), else 0."""
+        return len(self.ids) - max(self.prompt_len, 1) if self.desirable else 0
 
 
 class TokenizeStats(NamedTuple):
