@@ -243,9 +243,10 @@ def _train(cfg: DictConfig, task: Task, engine: TrainEngine, dp: DataParallel,
            ckpt: StepCheckpoints, tracker: Tracker, position: dict,
            kept: BestKept | None = None, ema: Tensors | None = None) -> dict:
     """The accumulation windows from `position` on, an optimizer step each (and an update
-    of `ema`, at task.ema_beta); returns the final position. Each batch's loss is its share of the window's mean (over all of the
-    window's answer tokens or pairs), so k batches of b train what one batch of k*b does,
-    whatever their lengths; logged statistics are the window's."""
+    of `ema`, at task.ema_beta); returns the final position. Each batch's loss is its share
+    of the window's mean (over all of the window's answer tokens or pairs), so k batches of
+    b train what one batch of k*b does, whatever their lengths; logged statistics are the
+    window's."""
     section = task.section
     steps_per_epoch = num_batches(len(task.examples), section.batch_size)
     start = time.perf_counter() - position["seconds"]

@@ -111,13 +111,16 @@ def _update(models: ppo.Models, exp: ppo.Experience, s: ppo.Settings) -> dict:
     return ppo.update(exp, share, rows, models, s, DataParallel(CPU), [], 0, None, 0, 0.0)[0]
 
 
-def _margin(models: ppo.Models, exp: ppo.Experience) -> float:
+def _margin(models: ppo.Models, exp: ppo.Experience, mean: bool = False) -> float:
+    """The chosen (desirable) answers' log-probs less the rejected (undesirable) ones',
+    summed (`mean`: each side's mean, where they number differently)."""
     with torch.no_grad():
         logps = ppo.answer_logprobs(models.actor, exp.sequences, exp.attention_mask,
                                     exp.prompt_len)
     answers = (logps * exp.action_mask).sum(1)
     labels = torch.sign(exp.advantages.sum(1))
-    return float(answers[labels > 0].sum() - answers[labels < 0].sum())
+    side = torch.mean if mean else torch.sum
+    return float(side(answers[labels > 0]) - side(answers[labels < 0]))
 
 
 def test_a_round_trains_each_groups_best_over_its_worst_from_a_loss_of_log_2():
@@ -217,27 +220,18 @@ def test_the_online_kto_loss_and_its_kl_point_by_hand():
     assert rollout_kl_sum(logprobs, ref, mask) == (pytest.approx(1.5 + 0.0 + 0.0), 3.0)
 
 
-def _margin_kto(models: ppo.Models, exp: ppo.Experience) -> float:
-    with torch.no_grad():
-        logps = ppo.answer_logprobs(models.actor, exp.sequences, exp.attention_mask,
-                                    exp.prompt_len)
-    answers = (logps * exp.action_mask).sum(1)
-    labels = torch.sign(exp.advantages.sum(1))
-    return float(answers[labels > 0].mean() - answers[labels < 0].mean())
-
-
 def test_an_online_kto_round_raises_the_desirable_answers_from_a_loss_of_a_half():
     s = settings(dpo_loss="kto", samples_per_prompt=4, rollout_batch_size=2)
     models, exp = _round(s)
     per_answer = sequence_rewards(exp.scores, exp.kl, exp.action_mask, 0.0, s.ppo.score_clip)
     labels = torch.sign(exp.advantages.sum(1))
     assert torch.equal(labels, feedback_labels(per_answer, 4)) and labels.abs().sum() == 8
-    before = _margin_kto(models, exp)
+    before = _margin(models, exp, mean=True)
     stats = _update(models, exp, s)
     # the reference is the start: every log-ratio and z0 are 0, each answer's loss 1/2
     assert stats["train/updates"] == 1
     assert stats["train/policy_loss"] == pytest.approx(0.5, abs=1e-5)
-    assert _margin_kto(models, exp) > before + 1.0
+    assert _margin(models, exp, mean=True) > before + 1.0
     again = _update(models, exp, s)
     assert again["train/policy_loss"] < 0.5 and again["train/pair_accuracy"] > 0.5
 
